@@ -1,0 +1,1 @@
+"""The kvx conformance suite (pytest plugin and `kvx conformance`)."""

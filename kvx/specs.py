@@ -1,0 +1,72 @@
+"""What plugins register: small frozen records returned by the `kvx_*` hooks.
+
+A record names its implementation by a lazy `"module:attribute"` target, so listing plugins never
+imports a connector's heavy dependencies; the import happens on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """A connector a plugin provides.
+
+    - `target`: `"package.module:ClassName"` of the `KVConnectorBase_V1` subclass.
+    - `config_schema`: `"package.module:Type"` of a msgspec Struct or dataclass describing the
+      connector's `kv_connector_extra_config`; kvx validates the extra config against it before the
+      connector is built. Keep it in a module without heavy imports. None = the connector accepts
+      no extra keys.
+    - `child_configs_key`: an extra-config key whose value is a list of whole `KVTransferConfig`
+      dicts (MultiConnector's `connectors`); each is validated recursively.
+    - `requires`: top-level modules the connector needs beyond kvx's own dependencies;
+      `extra`: the kvx extra that installs them (named in the error when they are missing).
+    - `override`: replace an earlier registration of the same name instead of failing.
+    """
+
+    name: str
+    target: str
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    config_schema: str | None = None
+    child_configs_key: str | None = None
+    requires: tuple[str, ...] = ()
+    extra: str | None = None
+    override: bool = False
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A KV cache layout: `target` resolves to the layout descriptor object."""
+
+    name: str
+    target: str
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    override: bool = False
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """A block transform (layout or block-size conversion): `target` resolves to a callable."""
+
+    name: str
+    target: str
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    override: bool = False
+
+
+@dataclass(frozen=True)
+class StorageBackendSpec:
+    """A storage backend chosen by URL scheme (`file`, `memory`, `redis`, ...)."""
+
+    name: str
+    target: str
+    schemes: tuple[str, ...] = ()
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    extra: str | None = None
+    override: bool = False

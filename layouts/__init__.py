@@ -1,0 +1,1 @@
+"""KV cache layout descriptors and block transforms (registered as kvx plugins)."""

@@ -1,0 +1,1 @@
+"""Built-in kvx connectors; each registers through the `kvx` entry-point group."""
