@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pluggy
 
+from kvx._version import __version__
+from kvx.config import KVTransferConfig
 from kvx.contract import (
     CONTRACT_VERSION,
     CopyBlocksOp,
@@ -23,6 +25,7 @@ from kvx.contract import (
     SupportsHMA,
     supports_hma,
 )
+from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
 from kvx.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -30,6 +33,7 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.registry import Registry, create_connector, get_registry
 from kvx.specs import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
 from kvx.stats import KVConnectorStats
 from kvx.types import (
@@ -47,8 +51,6 @@ from kvx.types import (
     yield_req_data,
 )
 
-__version__ = "0.1.0"
-
 hookimpl = pluggy.HookimplMarker("kvx")
 """Marks a plugin's implementation of a `kvx_*` hook (see `kvx.hookspecs`)."""
 
@@ -59,6 +61,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CachedRequestData",
+    "ConfigError",
+    "ConfigProblem",
     "ConnectorSpec",
     "CopyBlocksOp",
     "EngineContext",
@@ -76,10 +80,14 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
+    "KVTransferConfig",
     "KVTransferResults",
     "LayoutSpec",
+    "MissingDependencyError",
     "NewRequestData",
     "ParallelInfo",
+    "Registry",
+    "RegistryError",
     "Request",
     "RequestStatus",
     "SchedulerOutput",
@@ -87,6 +95,8 @@ __all__ = [
     "SupportsHMA",
     "TransformSpec",
     "__version__",
+    "create_connector",
+    "get_registry",
     "hookimpl",
     "supports_hma",
     "yield_req_data",

@@ -139,7 +139,7 @@ def supports_hma(connector: Any) -> bool:
     return issubclass(cls, SupportsHMA)
 
 
-class KVConnectorBase_V1(ABC):  # noqa: N801 - the name vLLM users know
+class KVConnectorBase_V1(ABC):
     """Base class of every kvx connector.
 
     Constructed as `Connector(config, role, ctx)`. Class attributes a connector may set:
@@ -148,9 +148,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - the name vLLM users know
 
     contract_version: ClassVar[tuple[int, int]] = CONTRACT_VERSION
 
-    def __init__(
-        self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext
-    ) -> None:
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext) -> None:
         self._kv_transfer_config = config
         self._role = role
         self._ctx = ctx
@@ -202,7 +200,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - the name vLLM users know
 
     @property
     def prefer_cross_layer_blocks(self) -> bool:
-        """True if the connector wants one cross-layer tensor (see `register_cross_layers_kv_cache`)."""
+        """True if the connector wants one cross-layer tensor (`register_cross_layers_kv_cache`)."""
         return False
 
     def unregister_kv_caches(self) -> None:
@@ -256,9 +254,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - the name vLLM users know
         the request in `get_finished`'s sending set.
         """
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker: after each step, return (done sending/saving, done receiving/loading).
 
         `finished_req_ids` are requests the scheduler finished since the last call. An id in the

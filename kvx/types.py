@@ -90,7 +90,8 @@ class KVCacheBlocks:
         """Blocks of the single group that were not prefix-cache hits (matches vLLM's helper)."""
         if len(self.block_ids) != 1:
             raise ValueError(
-                f"get_unhashed_block_ids needs exactly one KV-cache group, got {len(self.block_ids)}"
+                "get_unhashed_block_ids needs exactly one KV-cache group, "
+                f"got {len(self.block_ids)}"
             )
         hashed = self.num_hashed_blocks[0] if self.num_hashed_blocks else 0
         return list(self.block_ids[0][hashed:])

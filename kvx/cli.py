@@ -1,0 +1,170 @@
+"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx --version`.
+
+Exit codes: 0 success, 2 bad input (invalid config, bad arguments), 1 an internal error (set
+`KVX_DEBUG=1` for its traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvx._version import __version__
+from kvx.config import KVTransferConfig
+from kvx.contract import CONTRACT_VERSION
+from kvx.errors import ConfigError, RegistryError
+from kvx.registry import Registered, Registry, get_registry
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvx",
+        description="kvx: pluggable KV-cache transfer SDK for LLM serving.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvx {__version__} (connector contract {'.'.join(map(str, CONTRACT_VERSION))})",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p_list = sub.add_parser("list", help="list connectors, layouts, transforms, storage backends")
+    p_list.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p_list.set_defaults(func=_cmd_list)
+
+    p_val = sub.add_parser(
+        "validate", help="validate a --kv-transfer-config and print it normalised"
+    )
+    p_val.add_argument(
+        "--kv-transfer-config",
+        required=True,
+        metavar="JSON|@FILE",
+        help="the config as a JSON object, or @path to a JSON file",
+    )
+    p_val.set_defaults(func=_cmd_validate)
+    return parser
+
+
+def _status(entry: Registered[Any]) -> str:
+    hint = entry.install_hint()
+    return "ok" if hint is None else f"missing {', '.join(entry.missing())}: {hint}"
+
+
+def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
+    registry = get_registry()
+    sections = {
+        "connectors": registry.connectors(),
+        "layouts": registry.layouts(),
+        "transforms": registry.transforms(),
+        "storage backends": registry.storage_backends(),
+    }
+    if args.json:
+        doc: dict[str, Any] = {
+            kind: [
+                {
+                    "name": e.name,
+                    "aliases": list(e.spec.aliases),
+                    "source": e.source,
+                    "plugin": e.plugin,
+                    "importable": not e.missing(),
+                    "install_hint": e.install_hint(),
+                    "summary": e.spec.summary,
+                }
+                for e in entries.values()
+            ]
+            for kind, entries in sections.items()
+        }
+        doc["plugin_problems"] = [
+            {"plugin": p.plugin, "message": p.message} for p in registry.problems
+        ]
+        out.print_json(json.dumps(doc))
+        return EXIT_OK
+    for kind, entries in sections.items():
+        table = Table(title=f"{kind} ({len(entries)})", title_justify="left", expand=False)
+        for column in ("name", "aliases", "provided by", "status", "summary"):
+            table.add_column(column, overflow="fold")
+        for e in sorted(entries.values(), key=lambda e: e.name):
+            table.add_row(e.name, ", ".join(e.spec.aliases), e.source, _status(e), e.spec.summary)
+        out.print(table)
+    for problem in registry.problems:
+        err.print(
+            f"[yellow]warning:[/] plugin {problem.plugin!r} not loaded: {problem.message}",
+            highlight=False,
+        )
+    return EXIT_OK
+
+
+def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    registry = get_registry()
+    try:
+        config = KVTransferConfig.from_cli(args.kv_transfer_config, registry=registry)
+    except ConfigError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        return EXIT_USAGE
+    for note in _validate_notes(config, registry):
+        err.print(f"note: {note}", markup=False, highlight=False)
+    out.print_json(config.to_json())
+    return EXIT_OK
+
+
+def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
+    """What the operator should know about a valid config (missing extras, unchecked keys)."""
+    notes = []
+    if config.kv_connector is None:
+        return ["no kv_connector is set: KV transfer is disabled"]
+    if config.kv_connector_module_path:
+        target = registry.extra_config_target(config.kv_connector, config.kv_connector_module_path)
+        if target.unchecked and config.kv_connector_extra_config:
+            notes.append(
+                f"{config.kv_connector} declares no extra_config_schema; its "
+                "kv_connector_extra_config was not validated"
+            )
+        return notes
+    entry = registry.connector(config.kv_connector)
+    hint = entry.install_hint()
+    if hint:
+        notes.append(f"connector {entry.name!r} needs {', '.join(entry.missing())} to run: {hint}")
+    return notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvx` command; returns the exit code."""
+    out = Console(soft_wrap=True)
+    err = Console(stderr=True, soft_wrap=True)
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return int(args.func(args, out, err))
+    except SystemExit as exc:  # argparse: --help / --version (0) or usage errors (2)
+        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except (RegistryError, ConfigError) as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        return EXIT_USAGE
+    except Exception as exc:
+        if os.environ.get("KVX_DEBUG"):
+            traceback.print_exc()
+        err.print(
+            f"internal error: {type(exc).__name__}: {exc} (set KVX_DEBUG=1 for the "
+            "traceback and please report it)",
+            markup=False,
+            highlight=False,
+        )
+        return EXIT_INTERNAL
+
+
+def run() -> None:
+    """Console-script wrapper: exit with `main()`'s code."""
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Errors kvx raises for bad input: each names where, what was given and what is allowed."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong with a config, at a dotted path such as
+    `kv_connector_extra_config.connectors[1].kv_role`."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<config>'}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """A configuration was rejected; `problems` lists every reason found."""
+
+    def __init__(self, problems: Iterable[ConfigProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if len(self.problems) == 1:
+            return f"invalid KV transfer config: {self.problems[0]}"
+        lines = [f"invalid KV transfer config ({len(self.problems)} problems):"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class RegistryError(LookupError):
+    """A plugin, connector, layout or backend could not be found, loaded or registered."""
+
+
+class MissingDependencyError(RegistryError, ImportError):
+    """A plugin needs an optional dependency that is not installed; the message says how."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in choices}
+        if word.lower() in lowered:
+            close = [lowered[word.lower()]]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def quoted_list(items: Iterable[object]) -> str:
+    """`'a', 'b', 'c'` for a message."""
+    return ", ".join(repr(i) for i in items)

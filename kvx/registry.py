@@ -1,0 +1,470 @@
+"""The plugin registry: connectors, layouts, transforms and storage backends.
+
+Plugins are found through the `kvx` entry-point group (kvx's built-ins are entry points of its own
+`pyproject.toml`, exactly like a third party's) or registered by hand. Listing never imports an
+implementation: each record names a lazy `"module:attribute"` target that is imported on first
+use, and a missing optional dependency produces an install hint instead of a traceback.
+
+Environment: `KVX_DISABLE_PLUGIN_AUTOLOAD=1` skips entry-point discovery;
+`KVX_BLOCKED_PLUGINS=a,b` blocks plugins by entry-point name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import pluggy
+
+from kvx import hookspecs
+from kvx._version import __version__
+from kvx.config import KVTransferConfig
+from kvx.contract import (
+    CONTRACT_VERSION,
+    KVX_RELEASES_FOR_CONTRACT_MAJOR,
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    supports_hma,
+)
+from kvx.errors import ConfigError, ConfigProblem, RegistryError, did_you_mean, quoted_list
+from kvx.loading import install_hint, load_target, missing_requirements
+from kvx.schema import join_path
+from kvx.specs import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
+from kvx.types import EngineContext
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "kvx"
+DISABLE_AUTOLOAD_ENV = "KVX_DISABLE_PLUGIN_AUTOLOAD"
+BLOCKED_PLUGINS_ENV = "KVX_BLOCKED_PLUGINS"
+
+S = TypeVar("S", ConnectorSpec, LayoutSpec, TransformSpec, StorageBackendSpec)
+
+
+@dataclass(frozen=True)
+class Registered(Generic[S]):
+    """A spec together with where it came from."""
+
+    spec: S
+    plugin: str
+    source: str  # "<distribution> <version>" or "<plugin name>" for hand-registered plugins
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def missing(self) -> list[str]:
+        """Optional dependencies of this entry that are not installed."""
+        return missing_requirements(getattr(self.spec, "requires", ()))
+
+    def install_hint(self) -> str | None:
+        missing = self.missing()
+        if not missing:
+            return None
+        return install_hint(getattr(self.spec, "extra", None), missing[0])
+
+
+@dataclass(frozen=True)
+class PluginProblem:
+    """A plugin that could not be loaded or whose registrations were refused."""
+
+    plugin: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ExtraConfigTarget:
+    """How to validate one connector's `kv_connector_extra_config`."""
+
+    name: str
+    schema: Any
+    child_configs_key: str | None = None
+    unchecked: bool = False  # a module-path class that declares no schema
+
+
+class Catalog(Generic[S]):
+    """Names and aliases of one kind of plugin record, refusing silent overrides."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.entries: dict[str, Registered[S]] = {}
+        self.aliases: dict[str, str] = {}
+
+    def check(self, entry: Registered[S]) -> None:
+        """Raise `RegistryError` if `entry` would take a name another plugin owns."""
+        for name in (entry.spec.name, *entry.spec.aliases):
+            owner = self.aliases.get(name, name if name in self.entries else None)
+            if owner is None:
+                continue
+            current = self.entries[owner]
+            if entry.spec.override and name == entry.spec.name:
+                continue
+            raise RegistryError(
+                f"{self.kind} name {name!r} from plugin {entry.plugin!r} ({entry.source}) is "
+                f"already registered by plugin {current.plugin!r} ({current.source}); "
+                "set override=True in the spec to replace it deliberately"
+            )
+
+    def add(self, entry: Registered[S]) -> None:
+        self.check(entry)
+        old = self.entries.get(entry.spec.name)
+        if old is not None:
+            for alias in old.spec.aliases:
+                self.aliases.pop(alias, None)
+        self.entries[entry.spec.name] = entry
+        for alias in entry.spec.aliases:
+            self.aliases[alias] = entry.spec.name
+
+    def get(self, name: str) -> Registered[S]:
+        canonical = self.aliases.get(name, name)
+        try:
+            return self.entries[canonical]
+        except KeyError:
+            known = sorted([*self.entries, *self.aliases])
+            raise RegistryError(
+                f"{name!r} is not a registered {self.kind}{did_you_mean(name, known)}; "
+                f"known: {quoted_list(known) or 'none'}"
+            ) from None
+
+
+_HOOKS: dict[str, tuple[str, type]] = {
+    "connector": ("kvx_connectors", ConnectorSpec),
+    "layout": ("kvx_layouts", LayoutSpec),
+    "transform": ("kvx_transforms", TransformSpec),
+    "storage backend": ("kvx_storage_backends", StorageBackendSpec),
+}
+
+
+class Registry:
+    """A pluggy `PluginManager("kvx")` plus catalogs of what its plugins provide."""
+
+    def __init__(self, *, autoload: bool | None = None, blocked: Iterable[str] = ()) -> None:
+        self.pm = pluggy.PluginManager("kvx")
+        self.pm.add_hookspecs(hookspecs)
+        self.problems: list[PluginProblem] = []
+        self._sources: dict[str, str] = {}
+        self.catalogs: dict[str, Catalog[Any]] = {kind: Catalog(kind) for kind in _HOOKS}
+        env_blocked = os.environ.get(BLOCKED_PLUGINS_ENV, "")
+        for name in {*blocked, *(b.strip() for b in env_blocked.split(",") if b.strip())}:
+            self.pm.set_blocked(name)
+        if autoload is None:
+            autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("1", "true", "yes")
+        if autoload:
+            self.load_entry_points()
+
+    # -- plugins -----------------------------------------------------------------------------
+
+    def load_entry_points(self) -> None:
+        """Load every plugin of the `kvx` entry-point group; failures are recorded, not raised."""
+        seen: set[str] = set()
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in seen or self.pm.is_blocked(ep.name) or self.pm.has_plugin(ep.name):
+                continue
+            seen.add(ep.name)
+            dist = ep.dist
+            source = f"{dist.name} {dist.version}" if dist is not None else ep.name
+            try:
+                plugin = ep.load()
+                self.register_plugin(plugin, name=ep.name, source=source)
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                logger.debug("kvx plugin %r (%s) was not loaded: %s", ep.name, source, message)
+                self.problems.append(PluginProblem(ep.name, message))
+
+    def register_plugin(
+        self, plugin: object, name: str | None = None, source: str | None = None
+    ) -> str:
+        """Register a plugin object or module; refuse it whole if it takes a taken name."""
+        name = name or self.pm.get_canonical_name(plugin)
+        new = self._specs_of(plugin, name, source or name)
+        trial = {kind: _copy_catalog(cat) for kind, cat in self.catalogs.items()}
+        for kind, entry in new:
+            trial[kind].add(entry)
+        registered = self.pm.register(plugin, name=name)
+        if registered is None:
+            raise RegistryError(f"plugin {name!r} is blocked")
+        self.catalogs = trial
+        self._sources[name] = source or name
+        return name
+
+    def unregister_plugin(self, name: str) -> None:
+        self.pm.unregister(name=name)
+        self._sources.pop(name, None)
+        self.catalogs = {kind: Catalog(kind) for kind in _HOOKS}
+        for plugin_name, plugin in self.pm.list_name_plugin():
+            for kind, entry in self._specs_of(plugin, plugin_name, self._sources[plugin_name]):
+                self.catalogs[kind].add(entry)
+
+    def _specs_of(self, plugin: object, name: str, source: str) -> list[tuple[str, Registered]]:
+        found: list[tuple[str, Registered]] = []
+        for kind, (hook_name, spec_type) in _HOOKS.items():
+            impl = getattr(plugin, hook_name, None)
+            if impl is None:
+                continue
+            specs = impl()
+            if not isinstance(specs, (list, tuple)):
+                raise RegistryError(
+                    f"plugin {name!r}: {hook_name}() must return a list of "
+                    f"{spec_type.__name__}, got {type(specs).__name__}"
+                )
+            for spec in specs:
+                if not isinstance(spec, spec_type):
+                    raise RegistryError(
+                        f"plugin {name!r}: {hook_name}() returned "
+                        f"{spec!r}; expected {spec_type.__name__}"
+                    )
+                found.append((kind, Registered(spec, name, source)))
+        return found
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def connectors(self) -> dict[str, Registered[ConnectorSpec]]:
+        return dict(self.catalogs["connector"].entries)
+
+    def layouts(self) -> dict[str, Registered[LayoutSpec]]:
+        return dict(self.catalogs["layout"].entries)
+
+    def transforms(self) -> dict[str, Registered[TransformSpec]]:
+        return dict(self.catalogs["transform"].entries)
+
+    def storage_backends(self) -> dict[str, Registered[StorageBackendSpec]]:
+        return dict(self.catalogs["storage backend"].entries)
+
+    def connector(self, name: str) -> Registered[ConnectorSpec]:
+        try:
+            return self.catalogs["connector"].get(name)
+        except RegistryError as exc:
+            raise RegistryError(f"{exc}{self._problem_note()}") from None
+
+    def _problem_note(self) -> str:
+        if not self.problems:
+            return ""
+        failed = "; ".join(f"{p.plugin}: {p.message}" for p in self.problems)
+        return f" (plugins that failed to load: {failed})"
+
+    def layout(self, name: str) -> Registered[LayoutSpec]:
+        return self.catalogs["layout"].get(name)
+
+    def transform(self, name: str) -> Registered[TransformSpec]:
+        return self.catalogs["transform"].get(name)
+
+    def storage_backend(self, name: str) -> Registered[StorageBackendSpec]:
+        return self.catalogs["storage backend"].get(name)
+
+    def storage_backend_for_url(self, url: str) -> Registered[StorageBackendSpec]:
+        """The backend registered for the scheme of `url` (`file://...` -> `file`)."""
+        scheme = url.split("://", 1)[0] if "://" in url else "file"
+        for entry in self.catalogs["storage backend"].entries.values():
+            if scheme in entry.spec.schemes:
+                return entry
+        known = sorted(s for e in self.storage_backends().values() for s in e.spec.schemes)
+        raise RegistryError(
+            f"no storage backend for URL scheme {scheme!r} (from {url!r})"
+            f"{did_you_mean(scheme, known)}; known schemes: "
+            f"{quoted_list(known) or 'none'}"
+        )
+
+    def load_layout(self, name: str) -> Any:
+        entry = self.layout(name)
+        return load_target(entry.spec.target, what=f"layout {entry.name!r}")
+
+    def load_transform(self, name: str) -> Any:
+        entry = self.transform(name)
+        return load_target(entry.spec.target, what=f"transform {entry.name!r}")
+
+    def load_storage_backend(self, name: str) -> Any:
+        entry = self.storage_backend(name)
+        return load_target(
+            entry.spec.target,
+            what=f"storage backend {entry.name!r}",
+            requires=entry.spec.requires,
+            extra=entry.spec.extra,
+        )
+
+    # -- connectors ---------------------------------------------------------------------------
+
+    def load_connector_class(self, name: str) -> type[KVConnectorBase_V1]:
+        """Import a registered connector's class (lazily) and check its contract version."""
+        entry = self.connector(name)
+        cls = load_target(
+            entry.spec.target,
+            what=f"connector {entry.name!r}",
+            requires=entry.spec.requires,
+            extra=entry.spec.extra,
+        )
+        return check_connector_class(cls, f"connector {entry.name!r} ({entry.spec.target})")
+
+    def resolve_connector_class(self, config: KVTransferConfig) -> type[KVConnectorBase_V1]:
+        """The class a config selects: `kv_connector_module_path` wins over the registry
+        (matches vLLM's factory resolution order)."""
+        if config.kv_connector is None:
+            raise RegistryError("kv_connector is not set in the KV transfer config")
+        if config.kv_connector_module_path == "":
+            raise RegistryError("kv_connector_module_path cannot be an empty string")
+        if config.kv_connector_module_path:
+            return _load_module_path_class(config.kv_connector_module_path, config.kv_connector)
+        return self.load_connector_class(config.kv_connector)
+
+    def extra_config_target(
+        self, connector: str, module_path: str | None, config_path: str = ""
+    ) -> ExtraConfigTarget:
+        """How to validate the extra config of `connector`; raise ConfigError if unknown.
+        `config_path` locates the config being checked (for nested MultiConnector children)."""
+        path = join_path(config_path, "kv_connector")
+        if module_path:
+            try:
+                cls = _load_module_path_class(module_path, connector)
+            except RegistryError as exc:
+                raise ConfigError(
+                    [ConfigProblem(join_path(config_path, "kv_connector_module_path"), str(exc))]
+                ) from None
+            schema = getattr(cls, "extra_config_schema", None)
+            return ExtraConfigTarget(
+                connector, schema, getattr(cls, "child_configs_key", None), schema is None
+            )
+        try:
+            entry = self.connector(connector)
+        except RegistryError:
+            known = sorted(
+                [*self.catalogs["connector"].entries, *self.catalogs["connector"].aliases]
+            )
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        path,
+                        f"{connector!r} is not a registered connector"
+                        f"{did_you_mean(connector, known)}; known: {quoted_list(known) or 'none'} "
+                        "(or set kv_connector_module_path to load an external class)",
+                    )
+                ]
+            ) from None
+        schema = None
+        if entry.spec.config_schema:
+            try:
+                schema = load_target(
+                    entry.spec.config_schema, what=f"config schema of connector {entry.name!r}"
+                )
+            except RegistryError as exc:
+                raise ConfigError([ConfigProblem(path, str(exc))]) from None
+        return ExtraConfigTarget(entry.name, schema, entry.spec.child_configs_key)
+
+    def supports_hma_config(self, config: KVTransferConfig) -> bool:
+        """True if the config's connector (and, for composites, every child) supports HMA."""
+        cls = self.resolve_connector_class(config)
+        if not supports_hma(cls):
+            return False
+        key = None
+        if not config.kv_connector_module_path and config.kv_connector:
+            key = self.connector(config.kv_connector).spec.child_configs_key
+        if key is None:
+            return True
+        children = config.kv_connector_extra_config.get(key) or []
+        return bool(children) and all(
+            self.supports_hma_config(KVTransferConfig.from_dict(c, registry=self)) for c in children
+        )
+
+
+def _copy_catalog(catalog: Catalog[Any]) -> Catalog[Any]:
+    copy: Catalog[Any] = Catalog(catalog.kind)
+    copy.entries = dict(catalog.entries)
+    copy.aliases = dict(catalog.aliases)
+    return copy
+
+
+def _load_module_path_class(module_path: str, class_name: str) -> type[KVConnectorBase_V1]:
+    """Import `class_name` from `module_path` (vLLM's `kv_connector_module_path`)."""
+    cls = load_target(f"{module_path}:{class_name}", what=f"connector {class_name!r}")
+    cls = check_connector_class(cls, f"{module_path}.{class_name}")
+    try:
+        inspect.signature(cls).bind(None, None, None)
+    except TypeError:
+        raise RegistryError(
+            f"{module_path}.{class_name} must accept (config, role, ctx); its constructor "
+            f"{inspect.signature(cls)} does not (the 2-argument form is not supported)"
+        ) from None
+    return cls
+
+
+def check_connector_class(cls: Any, origin: str) -> type[KVConnectorBase_V1]:
+    """Refuse anything that is not a `KVConnectorBase_V1` of this contract major."""
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
+        raise RegistryError(f"{origin} is not a subclass of kvx.KVConnectorBase_V1")
+    declared = getattr(cls, "contract_version", None)
+    if (
+        not isinstance(declared, tuple)
+        or len(declared) != 2
+        or not all(isinstance(v, int) for v in declared)
+    ):
+        raise RegistryError(
+            f"{origin}: contract_version must be a (major, minor) tuple of ints, got {declared!r}"
+        )
+    if declared[0] != CONTRACT_VERSION[0]:
+        fits = KVX_RELEASES_FOR_CONTRACT_MAJOR.get(
+            declared[0],
+            f"a kvx release implementing contract {declared[0]}.x (none is known "
+            f"to kvx {__version__})",
+        )
+        raise RegistryError(
+            f"{origin} implements kvx connector contract {declared[0]}.{declared[1]}, but kvx "
+            f"{__version__} implements contract {CONTRACT_VERSION[0]}.{CONTRACT_VERSION[1]}; "
+            f"use {fits} for this connector, or port it to contract {CONTRACT_VERSION[0]}.x"
+        )
+    return cls
+
+
+def create_connector(
+    config: KVTransferConfig,
+    role: KVConnectorRole,
+    ctx: EngineContext,
+    *,
+    registry: Registry | None = None,
+) -> KVConnectorBase_V1:
+    """Validate `config`, resolve its connector class and build it for `role`.
+
+    Matches vLLM's `KVConnectorFactory.create_connector`, including the refusal of connectors
+    without `SupportsHMA` when the engine runs the hybrid memory allocator.
+    """
+    registry = registry or get_registry()
+    if not isinstance(config, KVTransferConfig):
+        raise TypeError(f"config must be a KVTransferConfig, got {type(config).__name__}")
+    if not isinstance(role, KVConnectorRole):
+        raise TypeError(f"role must be a KVConnectorRole, got {role!r}")
+    if config.kv_connector is None:
+        raise RegistryError("kv_connector is not set in the KV transfer config")
+    KVTransferConfig.from_dict(config.to_dict(), registry=registry)
+    cls = registry.resolve_connector_class(config)
+    if ctx.enable_hma and not registry.supports_hma_config(config):
+        raise RegistryError(
+            f"connector {config.kv_connector!r} does not support HMA but HMA is enabled; "
+            "disable the hybrid memory allocator (vLLM: --disable-hybrid-kv-cache-manager)"
+        )
+    logger.info(
+        "creating KV connector %s (%s) for engine %s",
+        config.kv_connector,
+        role.name,
+        config.engine_id,
+    )
+    return cls(config, role, ctx)
+
+
+_default: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built (and plugins discovered) on first use."""
+    global _default
+    if _default is None:
+        _default = Registry()
+    return _default
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry so the next `get_registry()` rediscovers plugins."""
+    global _default
+    _default = None
