@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvx._version import __version__
 from kvx.config import KVTransferConfig
@@ -94,7 +95,8 @@ def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
         for column in ("name", "aliases", "provided by", "status", "summary"):
             table.add_column(column, overflow="fold")
         for e in sorted(entries.values(), key=lambda e: e.name):
-            table.add_row(e.name, ", ".join(e.spec.aliases), e.source, _status(e), e.spec.summary)
+            cells = (e.name, ", ".join(e.spec.aliases), e.source, _status(e), e.spec.summary)
+            table.add_row(*(Text(cell) for cell in cells))
         out.print(table)
     for problem in registry.problems:
         err.print(
@@ -139,8 +141,10 @@ def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvx` command; returns the exit code."""
-    out = Console(soft_wrap=True)
-    err = Console(stderr=True, soft_wrap=True)
+    # Piped output gets a wide fixed width so tables are not folded into unreadable columns.
+    width = None if sys.stdout.isatty() else 200
+    out = Console(soft_wrap=True, width=width)
+    err = Console(stderr=True, soft_wrap=True, width=width)
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)

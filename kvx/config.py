@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 import msgspec
 
 from kvx import schema
-from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quoted_list
+from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
 
 if TYPE_CHECKING:
     from kvx.registry import Registry
@@ -223,7 +223,7 @@ def _rule_problems(data: Mapping[str, Any], path: str) -> list[ConfigProblem]:
         problems.append(
             ConfigProblem(
                 schema.join_path(path, "kv_role"),
-                f"required when kv_connector is set ({connector!r}); "
+                f"required when kv_connector is set ({quote(connector)}); "
                 f"allowed: {quoted_list(KV_ROLES)}",
             )
         )
@@ -231,14 +231,14 @@ def _rule_problems(data: Mapping[str, Any], path: str) -> list[ConfigProblem]:
         problems.append(
             ConfigProblem(
                 schema.join_path(path, "kv_connector_module_path"),
-                "'' (str) is not allowed; give an importable module path or leave it out",
+                '"" (string) is not allowed; give an importable module path or leave it out',
             )
         )
     if connector == "":
         problems.append(
             ConfigProblem(
                 schema.join_path(path, "kv_connector"),
-                "'' (str) is not allowed; give a connector name",
+                '"" (string) is not allowed; give a connector name',
             )
         )
     buffer_size = data.get("kv_buffer_size")

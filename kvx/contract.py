@@ -186,6 +186,7 @@ class KVConnectorBase_V1(ABC):
         return self._connector_metadata
 
     def has_connector_metadata(self) -> bool:
+        """Worker: whether metadata is bound for the current step."""
         return self._connector_metadata is not None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -408,9 +409,11 @@ class KVConnectorBase_V1(ABC):
         return False
 
     def has_pending_block_frees(self) -> bool:
+        """Scheduler: True while the connector still owes the engine block frees (push mode)."""
         return False
 
     def has_pending_push_work(self) -> bool:
+        """Scheduler: True while push-mode sends are queued, so the engine keeps stepping."""
         return False
 
     @property
@@ -458,6 +461,8 @@ class KVConnectorBase_V1(ABC):
 
     @classmethod
     def supports_sleep_mode(cls, config: KVTransferConfig) -> bool:
+        """Class: whether the engine may sleep (free and re-create KV memory) with this
+        connector; see `unregister_kv_caches` / `restore_kv_caches`."""
         return True
 
 

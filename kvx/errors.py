@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,16 +43,24 @@ class MissingDependencyError(RegistryError, ImportError):
     """A plugin needs an optional dependency that is not installed; the message says how."""
 
 
+def quote(value: object) -> str:
+    """A value as it would appear in JSON (`"kv_both"`, `3`, `null`)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """` (did you mean 'x'?)` for the closest choice, or an empty string."""
+    """` (did you mean "x"?)` for the closest choice, or an empty string."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     if not close:
         lowered = {c.lower(): c for c in choices}
         if word.lower() in lowered:
             close = [lowered[word.lower()]]
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return f" (did you mean {quote(close[0])}?)" if close else ""
 
 
 def quoted_list(items: Iterable[object]) -> str:
-    """`'a', 'b', 'c'` for a message."""
-    return ", ".join(repr(i) for i in items)
+    """`"a", "b", "c"` for a message."""
+    return ", ".join(quote(i) for i in items)

@@ -32,7 +32,14 @@ from kvx.contract import (
     KVConnectorRole,
     supports_hma,
 )
-from kvx.errors import ConfigError, ConfigProblem, RegistryError, did_you_mean, quoted_list
+from kvx.errors import (
+    ConfigError,
+    ConfigProblem,
+    RegistryError,
+    did_you_mean,
+    quote,
+    quoted_list,
+)
 from kvx.loading import install_hint, load_target, missing_requirements
 from kvx.schema import join_path
 from kvx.specs import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
@@ -113,10 +120,6 @@ class Catalog(Generic[S]):
 
     def add(self, entry: Registered[S]) -> None:
         self.check(entry)
-        old = self.entries.get(entry.spec.name)
-        if old is not None:
-            for alias in old.spec.aliases:
-                self.aliases.pop(alias, None)
         self.entries[entry.spec.name] = entry
         for alias in entry.spec.aliases:
             self.aliases[alias] = entry.spec.name
@@ -338,7 +341,7 @@ class Registry:
                 [
                     ConfigProblem(
                         path,
-                        f"{connector!r} is not a registered connector"
+                        f"{quote(connector)} is not a registered connector"
                         f"{did_you_mean(connector, known)}; known: {quoted_list(known) or 'none'} "
                         "(or set kv_connector_module_path to load an external class)",
                     )

@@ -7,6 +7,7 @@ did-you-mean for misspelled keys and literal values. Unknown keys are errors.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, TypeVar
@@ -22,12 +23,26 @@ _OBJECT_TYPES = (mi.StructType, mi.DataclassType, mi.TypedDictType)
 _SEQUENCE_TYPES = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
 
 
+_JSON_KINDS = {
+    str: "string",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    type(None): "null",
+    list: "array",
+    dict: "object",
+}
+
+
 def show(value: Any) -> str:
-    """A short rendering of a bad value for a message."""
-    text = repr(value)
+    """A short JSON rendering of a bad value and its JSON kind, e.g. `"8" (string)`."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+    return f"{text} ({_JSON_KINDS.get(type(value), type(value).__name__)})"
 
 
 def join_path(path: str, key: str | int) -> str:
@@ -147,6 +162,11 @@ def _check_union(value: Any, t: mi.UnionType, path: str, out: list[ConfigProblem
         if not found:
             return
         attempts.append((member, found))
+    # A value that is not null checked against `X | None`: report X's own problems.
+    not_null = [(m, f) for m, f in attempts if not isinstance(m, mi.NoneType)]
+    if value is not None and len(not_null) == 1:
+        out.extend(not_null[0][1])
+        return
     # A dict given where exactly one member is an object: report inside that object.
     objects = [(m, f) for m, f in attempts if isinstance(m, _OBJECT_TYPES)]
     if isinstance(value, dict) and len(objects) == 1:

@@ -1,0 +1,235 @@
+"""The plugin registry, exercised through a real third-party package installed with pip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvx
+from kvx import (
+    ConnectorSpec,
+    EngineContext,
+    KVCacheSpec,
+    KVConnectorRole,
+    KVTransferConfig,
+    MissingDependencyError,
+    RegistryError,
+    create_connector,
+)
+from kvx.registry import Registry
+
+CTX = EngineContext(engine_id="e0", model_name="tiny",
+                    cache=KVCacheSpec(layer_names=("layer.0",), num_kv_heads=2, head_size=4,
+                                      block_size=16))
+
+
+def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_entry_point_discovery_names_source_distribution(plugin_registry: Registry) -> None:
+    echo = plugin_registry.connector("EchoConnector")
+    assert echo.source == "kvx-test-plugin 0.0.1"
+    assert echo.plugin == "kvx_test_plugin"
+    assert echo.spec.summary == "does nothing, answers every hook"
+    assert plugin_registry.layout("TEST_LAYOUT").source == "kvx-test-plugin 0.0.1"
+    assert plugin_registry.load_layout("TEST_LAYOUT") == "test-layout-object"
+    assert plugin_registry.load_transform("test_identity")(5) == 5
+    backend = plugin_registry.storage_backend_for_url("testmem://bucket/key")
+    assert backend.name == "testmem"
+
+
+@pytest.mark.timeout(60)
+def test_connector_module_is_imported_only_on_first_use(plugin_env: Path) -> None:
+    result = run_python("""
+        import sys
+        from kvx import KVTransferConfig
+        from kvx.registry import get_registry
+        registry = get_registry()
+        assert "EchoConnector" in registry.connectors()
+        KVTransferConfig.from_dict({"kv_connector": "EchoConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"mode": "async"}})
+        print("schemas", "kvx_test_plugin.schemas" in sys.modules)
+        print("before", "kvx_test_plugin.connectors" in sys.modules)
+        registry.load_connector_class("EchoConnector")
+        print("after", "kvx_test_plugin.connectors" in sys.modules)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["schemas True", "before False", "after True"]
+
+
+def test_missing_declared_dependency_names_the_extra(plugin_registry: Registry) -> None:
+    entry = plugin_registry.connector("NeedsMissingDependency")
+    assert entry.missing() == ["kvx_test_never_installed_dependency"]
+    assert entry.install_hint() == "pip install 'kvx[fake-extra]'"
+    with pytest.raises(MissingDependencyError) as info:
+        plugin_registry.load_connector_class("NeedsMissingDependency")
+    assert str(info.value) == (
+        "connector 'NeedsMissingDependency' needs 'kvx_test_never_installed_dependency', which "
+        "is not installed: pip install 'kvx[fake-extra]'")
+
+
+def test_missing_import_inside_module_names_the_extra(plugin_registry: Registry) -> None:
+    with pytest.raises(MissingDependencyError) as info:
+        plugin_registry.load_connector_class("ImportsMissingDependency")
+    assert str(info.value) == (
+        "connector 'ImportsMissingDependency' needs 'kvx_test_never_installed_dependency', "
+        "which is not installed: pip install 'kvx[fake-extra]'")
+    assert isinstance(info.value, ImportError)
+
+
+def test_alias_loads_the_same_class(plugin_registry: Registry) -> None:
+    assert plugin_registry.connector("TestEcho").name == "EchoConnector"
+    assert (plugin_registry.load_connector_class("TestEcho")
+            is plugin_registry.load_connector_class("EchoConnector"))
+
+
+def test_unknown_name_suggests_and_lists(plugin_registry: Registry) -> None:
+    with pytest.raises(RegistryError, match=r"'EchoConector' is not a registered connector "
+                                            r"\(did you mean \"EchoConnector\"\?\); known: "):
+        plugin_registry.connector("EchoConector")
+
+
+def test_module_path_wins_over_registry(plugin_registry: Registry) -> None:
+    from kvx_test_plugin import connectors
+
+    class Impostor:
+        @kvx.hookimpl
+        def kvx_connectors(self) -> list[ConnectorSpec]:
+            return [ConnectorSpec(name="ExternalConnector",
+                                  target="kvx_test_plugin.connectors:EchoConnector")]
+
+    plugin_registry.register_plugin(Impostor(), name="impostor")
+    plain = KVTransferConfig(kv_connector="ExternalConnector", kv_role="kv_both")
+    assert plugin_registry.resolve_connector_class(plain) is connectors.EchoConnector
+    external = KVTransferConfig(kv_connector="ExternalConnector", kv_role="kv_both",
+                                kv_connector_module_path="kvx_test_plugin.connectors")
+    assert plugin_registry.resolve_connector_class(external) is connectors.ExternalConnector
+
+
+def test_two_argument_constructor_is_refused(plugin_registry: Registry) -> None:
+    config = KVTransferConfig(kv_connector="TwoArgConnector", kv_role="kv_both",
+                              kv_connector_module_path="kvx_test_plugin.connectors")
+    with pytest.raises(RegistryError, match=r"must accept \(config, role, ctx\); .*2-argument"):
+        plugin_registry.resolve_connector_class(config)
+
+
+def test_duplicate_entry_point_is_refused_and_recorded(plugin_registry: Registry) -> None:
+    problems = {p.plugin: p.message for p in plugin_registry.problems}
+    assert problems["kvx_test_plugin_duplicate"] == (
+        "RegistryError: connector name 'EchoConnector' from plugin 'kvx_test_plugin_duplicate' "
+        "(kvx-test-plugin 0.0.1) is already registered by plugin 'kvx_test_plugin' "
+        "(kvx-test-plugin 0.0.1); set override=True in the spec to replace it deliberately")
+    assert plugin_registry.connector("EchoConnector").plugin == "kvx_test_plugin"
+
+
+def test_broken_plugin_is_recorded_not_fatal(plugin_registry: Registry) -> None:
+    problems = {p.plugin: p.message for p in plugin_registry.problems}
+    assert problems["kvx_test_plugin_broken"] == (
+        "RuntimeError: this plugin is broken on purpose")
+
+
+def test_hand_registered_duplicate_fails_unless_override(plugin_registry: Registry) -> None:
+    class Clash:
+        @kvx.hookimpl
+        def kvx_connectors(self) -> list[ConnectorSpec]:
+            return [ConnectorSpec(name="Other", target="x:Y", aliases=("EchoConnector",))]
+
+    with pytest.raises(RegistryError, match="connector name 'EchoConnector' from plugin 'clash'"):
+        plugin_registry.register_plugin(Clash(), name="clash")
+    assert "Other" not in plugin_registry.connectors()
+    assert not plugin_registry.pm.has_plugin("clash")
+
+    class Replacement:
+        @kvx.hookimpl
+        def kvx_connectors(self) -> list[ConnectorSpec]:
+            return [ConnectorSpec(name="EchoConnector", override=True,
+                                  target="kvx_test_plugin.connectors:EchoHMAConnector")]
+
+    plugin_registry.register_plugin(Replacement(), name="replacement")
+    assert plugin_registry.connector("EchoConnector").plugin == "replacement"
+    assert plugin_registry.connector("TestEcho").name == "EchoConnector"
+    plugin_registry.unregister_plugin("replacement")
+    assert plugin_registry.connector("EchoConnector").plugin == "kvx_test_plugin"
+
+
+def test_hook_returning_wrong_type_is_refused(plugin_registry: Registry) -> None:
+    class Wrong:
+        @kvx.hookimpl
+        def kvx_connectors(self) -> list[str]:
+            return ["EchoConnector"]
+
+    with pytest.raises(RegistryError, match=r"kvx_connectors\(\) returned 'EchoConnector'; "
+                                            "expected ConnectorSpec"):
+        plugin_registry.register_plugin(Wrong(), name="wrong")
+
+
+def test_contract_major_mismatch_names_fitting_releases(plugin_registry: Registry) -> None:
+    with pytest.raises(RegistryError) as info:
+        plugin_registry.load_connector_class("FutureContractConnector")
+    assert str(info.value) == (
+        "connector 'FutureContractConnector' (kvx_test_plugin.connectors:FutureContractConnector)"
+        " implements kvx connector contract 2.0, but kvx 0.1.0 implements contract 1.0; use a "
+        "kvx release implementing contract 2.x (none is known to kvx 0.1.0) for this connector, "
+        "or port it to contract 1.x")
+
+
+def test_non_connector_class_is_refused(plugin_registry: Registry) -> None:
+    with pytest.raises(RegistryError, match="is not a subclass of kvx.KVConnectorBase_V1"):
+        plugin_registry.load_connector_class("NotAConnector")
+
+
+def test_block_list_and_autoload_switch(plugin_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the owner blocked, the would-be duplicate takes the name.
+    taken = Registry(blocked=["kvx_test_plugin"]).connector("EchoConnector")
+    assert taken.plugin == "kvx_test_plugin_duplicate"
+    monkeypatch.setenv("KVX_BLOCKED_PLUGINS", "kvx_test_plugin, kvx_test_plugin_duplicate")
+    blocked = Registry()
+    assert "EchoConnector" not in blocked.connectors()
+    assert "kvx_test_plugin_broken" in {p.plugin for p in blocked.problems}
+    monkeypatch.delenv("KVX_BLOCKED_PLUGINS")
+    monkeypatch.setenv("KVX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    empty = Registry()
+    assert empty.connectors() == {} and empty.layouts() == {} and empty.problems == []
+
+
+def test_create_connector_builds_each_role(plugin_registry: Registry) -> None:
+    config = KVTransferConfig.from_dict({"kv_connector": "TestEcho", "kv_role": "kv_both"},
+                                        registry=plugin_registry)
+    for role in KVConnectorRole:
+        connector = create_connector(config, role, CTX, registry=plugin_registry)
+        assert type(connector).__name__ == "EchoConnector"
+        assert connector.role is role
+        assert connector.kv_transfer_config is config
+        assert connector.engine_context is CTX
+
+
+def test_create_connector_validates_programmatic_configs(plugin_registry: Registry) -> None:
+    config = KVTransferConfig(kv_connector="EchoConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"num_threads": 0})
+    with pytest.raises(kvx.ConfigError, match="kv_connector_extra_config.num_threads"):
+        create_connector(config, KVConnectorRole.WORKER, CTX, registry=plugin_registry)
+
+
+def test_hma_requires_supports_hma(plugin_registry: Registry) -> None:
+    hma_ctx = EngineContext(engine_id="e", model_name="m", cache=CTX.cache, enable_hma=True)
+    plain = KVTransferConfig(kv_connector="EchoConnector", kv_role="kv_both")
+    with pytest.raises(RegistryError, match="'EchoConnector' does not support HMA but HMA is "
+                                            "enabled"):
+        create_connector(plain, KVConnectorRole.SCHEDULER, hma_ctx, registry=plugin_registry)
+    hma = KVTransferConfig(kv_connector="EchoHMAConnector", kv_role="kv_both")
+    assert create_connector(hma, KVConnectorRole.SCHEDULER, hma_ctx, registry=plugin_registry)
+
+    def composite(*names: str) -> KVTransferConfig:
+        return KVTransferConfig.from_dict(
+            {"kv_connector": "CompositeConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [{"kv_connector": n} for n in names]}},
+            registry=plugin_registry)
+
+    assert plugin_registry.supports_hma_config(composite("EchoHMAConnector", "EchoHMAConnector"))
+    assert not plugin_registry.supports_hma_config(composite("EchoHMAConnector", "TestEcho"))
