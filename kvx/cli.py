@@ -63,7 +63,7 @@ def _status(entry: Registered[Any]) -> str:
 
 def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     registry = get_registry()
-    sections = {
+    sections: dict[str, dict[str, Registered[Any]]] = {
         "connectors": registry.connectors(),
         "layouts": registry.layouts(),
         "transforms": registry.transforms(),

@@ -241,7 +241,7 @@ def test_types() -> None:
 
     assert CTX.cache.torch_dtype is torch.bfloat16
     assert CTX.cache.num_layers == 2 and CTX.parallel.world_size == 1
-    with pytest.raises(ValueError, match="KVCacheSpec.dtype: 'nope' is not a torch dtype name"):
+    with pytest.raises(ValueError, match=r"KVCacheSpec\.dtype: 'nope' is not a torch dtype name"):
         _ = KVCacheSpec(("l",), 1, 1, 1, dtype="nope").torch_dtype
 
 

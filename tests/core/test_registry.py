@@ -180,7 +180,7 @@ def test_contract_major_mismatch_names_fitting_releases(plugin_registry: Registr
 
 
 def test_non_connector_class_is_refused(plugin_registry: Registry) -> None:
-    with pytest.raises(RegistryError, match="is not a subclass of kvx.KVConnectorBase_V1"):
+    with pytest.raises(RegistryError, match=r"is not a subclass of kvx\.KVConnectorBase_V1"):
         plugin_registry.load_connector_class("NotAConnector")
 
 
@@ -212,14 +212,14 @@ def test_create_connector_builds_each_role(plugin_registry: Registry) -> None:
 def test_create_connector_validates_programmatic_configs(plugin_registry: Registry) -> None:
     config = KVTransferConfig(kv_connector="EchoConnector", kv_role="kv_both",
                               kv_connector_extra_config={"num_threads": 0})
-    with pytest.raises(kvx.ConfigError, match="kv_connector_extra_config.num_threads"):
+    with pytest.raises(kvx.ConfigError, match=r"kv_connector_extra_config\.num_threads"):
         create_connector(config, KVConnectorRole.WORKER, CTX, registry=plugin_registry)
 
 
 def test_hma_requires_supports_hma(plugin_registry: Registry) -> None:
     hma_ctx = EngineContext(engine_id="e", model_name="m", cache=CTX.cache, enable_hma=True)
     plain = KVTransferConfig(kv_connector="EchoConnector", kv_role="kv_both")
-    with pytest.raises(RegistryError, match="'EchoConnector' does not support HMA but HMA is "
+    with pytest.raises(RegistryError, match=r"'EchoConnector' does not support HMA but HMA is "
                                             "enabled"):
         create_connector(plain, KVConnectorRole.SCHEDULER, hma_ctx, registry=plugin_registry)
     hma = KVTransferConfig(kv_connector="EchoHMAConnector", kv_role="kv_both")
