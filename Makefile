@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	rm -rf kvx.egg-info  # build leftover; its stale entry points would shadow the venv's
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,0 +1,85 @@
+"""`KVOutputAggregator`: merge the connector outputs of every TP x PP worker of one engine.
+
+Matches vLLM's `KVOutputAggregator`: a request is reported finished (sending or receiving) only
+once every worker has reported it, possibly in different steps; invalid blocks are unioned; stats
+and worker metadata are merged with `aggregate`; events are concatenated; a failed receive is
+held back until the same request is reported finished-receiving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
+
+
+class KVOutputAggregator:
+    """Counts per-request reports across workers and steps."""
+
+    def __init__(self, expected_finished_count: int) -> None:
+        if expected_finished_count < 1:
+            raise ValueError(f"expected_finished_count must be >= 1, got {expected_finished_count}")
+        self.expected_finished_count = expected_finished_count
+        self._send_remaining: dict[str, int] = {}
+        self._recv_remaining: dict[str, int] = {}
+        self._failed_pending: set[str] = set()
+
+    @classmethod
+    def from_connector(cls, connector: KVConnectorBase_V1, world_size: int) -> KVOutputAggregator:
+        """Use the connector's `get_finished_count()` override, else the worker count."""
+        return cls(connector.get_finished_count() or world_size)
+
+    def _count(self, remaining: dict[str, int], req_ids: set[str] | None, done: set[str]) -> None:
+        for req_id in req_ids or ():
+            left = remaining.get(req_id, self.expected_finished_count) - 1
+            if left <= 0:
+                remaining.pop(req_id, None)
+                done.add(req_id)
+            else:
+                remaining[req_id] = left
+
+    def aggregate(
+        self, outputs: Sequence[KVConnectorOutput | None], output_rank: int = 0
+    ) -> KVConnectorOutput | None:
+        """Merge one step's worker outputs; None if the output rank produced nothing."""
+        if not outputs or outputs[output_rank] is None:
+            return None
+        for out in outputs:
+            if out is not None and out.expected_finished_count > 0:
+                self.expected_finished_count = out.expected_finished_count
+        sending: set[str] = set()
+        recving: set[str] = set()
+        merged = KVConnectorOutput()
+        for out in outputs:
+            if out is None:
+                continue
+            self._count(self._send_remaining, out.finished_sending, sending)
+            self._count(self._recv_remaining, out.finished_recving, recving)
+            self._failed_pending |= out.failed_recving
+            merged.invalid_block_ids |= out.invalid_block_ids
+            if out.kv_connector_stats is not None:
+                if merged.kv_connector_stats is None:
+                    merged.kv_connector_stats = out.kv_connector_stats
+                else:
+                    merged.kv_connector_stats.aggregate(out.kv_connector_stats)
+            if out.kv_connector_worker_meta is not None:
+                if merged.kv_connector_worker_meta is None:
+                    merged.kv_connector_worker_meta = out.kv_connector_worker_meta
+                else:
+                    merged.kv_connector_worker_meta = merged.kv_connector_worker_meta.aggregate(
+                        out.kv_connector_worker_meta
+                    )
+            if out.kv_cache_events is not None:
+                if merged.kv_cache_events is None:
+                    merged.kv_cache_events = out.kv_cache_events
+                else:
+                    merged.kv_cache_events.aggregate(out.kv_cache_events)
+        merged.finished_sending = sending or None
+        merged.finished_recving = recving or None
+        merged.failed_recving = self._failed_pending & recving
+        self._failed_pending -= recving
+        return merged
+
+    def pending(self) -> dict[str, dict[str, int]]:
+        """Requests some but not all workers reported so far (for diagnostics)."""
+        return {"sending": dict(self._send_remaining), "recving": dict(self._recv_remaining)}

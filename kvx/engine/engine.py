@@ -1,0 +1,252 @@
+"""The reference engine: a scheduler, TP x PP workers and a connector, in one process.
+
+It is a real engine without model weights: blocks are allocated, prefix-cached, preempted and
+freed; every worker holds real per-layer KV tensors in the configured layout; a connector is
+driven through the full contract. `kvx.engine.server` runs one in its own OS process.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from kvx.config import KVTransferConfig
+from kvx.contract import KVConnectorBase_V1, KVConnectorRole
+from kvx.engine.aggregator import KVOutputAggregator
+from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
+from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvx.engine.worker import Worker
+from kvx.registry import Registry, create_connector, get_registry
+from kvx.types import EngineContext, KVCacheSpec, ParallelInfo, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that defines one reference engine."""
+
+    num_layers: int = 2
+    num_kv_heads: int = 4
+    head_size: int = 16
+    vocab_size: int = 1024
+    block_size: int = 16
+    num_blocks: int = 256
+    dtype: str = "float32"
+    layout: str = "NHD"
+    use_mla: bool = False
+    tp_size: int = 1
+    pp_size: int = 1
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    model_name: str = "kvx-toy"
+    seed: int = 0
+    engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
+    kv_transfer_config: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_size",
+            "block_size",
+            "num_blocks",
+            "tp_size",
+            "pp_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.pp_size > self.num_layers:
+            raise ValueError(
+                f"EngineConfig.pp_size {self.pp_size} exceeds num_layers "
+                f"{self.num_layers}: every pipeline stage needs a layer"
+            )
+
+    @property
+    def model(self) -> ToyModel:
+        return ToyModel(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.vocab_size,
+            self.seed,
+            self.use_mla,
+        )
+
+    def cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            layer_names=tuple(f"model.layers.{i}.self_attn" for i in range(self.num_layers)),
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            layout=self.layout,
+            use_mla=self.use_mla,
+            num_blocks=self.num_blocks,
+        )
+
+    def context(self, parallel: ParallelInfo) -> EngineContext:
+        return EngineContext(
+            engine_id=self.engine_id,
+            model_name=self.model_name,
+            cache=self.cache_spec(),
+            parallel=parallel,
+        )
+
+
+class Engine:
+    """Add requests, step, read outputs; `shutdown()` when done."""
+
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        self.config = config
+        self.model = config.model
+        ktc = config.kv_transfer_config
+        registry = registry or get_registry()
+        self.scheduler_connector: KVConnectorBase_V1 | None = None
+        if ktc is not None and ktc.kv_connector is not None:
+            self.scheduler_connector = create_connector(
+                ktc,
+                KVConnectorRole.SCHEDULER,
+                config.context(ParallelInfo(tp_size=config.tp_size, pp_size=config.pp_size)),
+                registry=registry,
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                enable_prefix_caching=config.enable_prefix_caching,
+                kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
+            ),
+            self.scheduler_connector,
+        )
+        self.workers: list[Worker] = []
+        spec = config.cache_spec()
+        for pp_rank in range(config.pp_size):
+            for tp_rank in range(config.tp_size):
+                parallel = ParallelInfo(
+                    tp_size=config.tp_size, tp_rank=tp_rank, pp_size=config.pp_size, pp_rank=pp_rank
+                )
+                connector = None
+                if self.scheduler_connector is not None:
+                    assert ktc is not None
+                    connector = create_connector(
+                        ktc, KVConnectorRole.WORKER, config.context(parallel), registry=registry
+                    )
+                self.workers.append(Worker(self.model, spec, parallel, connector))
+        self.aggregator: KVOutputAggregator | None = None
+        if self.scheduler_connector is not None:
+            self.aggregator = KVOutputAggregator.from_connector(
+                self.scheduler_connector, len(self.workers)
+            )
+            handshakes = {}
+            for worker in self.workers:
+                assert worker.connector is not None
+                meta = worker.connector.get_handshake_metadata()
+                if meta is not None:
+                    handshakes[(worker.parallel.pp_rank, worker.parallel.tp_rank)] = meta
+            if handshakes:
+                self.scheduler_connector.set_xfer_handshake_metadata_pp_aware(handshakes)
+        self.steps = 0
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int = 16,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                list(prompt_token_ids),
+                max_tokens=max_tokens,
+                kv_transfer_params=kv_transfer_params,
+            )
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_pending_work(self) -> bool:
+        return self.scheduler.has_pending_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step over all workers."""
+        out = self.scheduler.schedule()
+        results = [worker.execute(out) for worker in self.workers]
+        totals: dict[str, int] = {}
+        for result in results:
+            for req_id, score in result.scores.items():
+                totals[req_id] = (totals.get(req_id, 0) + score) % SCORE_PRIME
+        sampled = {req_id: self.model.sample(total) for req_id, total in totals.items()}
+        kv_output = None
+        if self.aggregator is not None:
+            kv_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
+        self.steps += 1
+        return self.scheduler.update_from_output(out, sampled, kv_output)
+
+    def stats(self) -> dict[str, int]:
+        """Step count, scheduler counters and block usage."""
+        held = sum(len(b) for b in self.scheduler.held_blocks().values())
+        return {
+            "steps": self.steps,
+            **self.scheduler.stats,
+            "held_blocks": held,
+            "free_blocks": self.scheduler.pool.num_free_blocks,
+        }
+
+    def check_kv(self) -> list[str]:
+        """Compare every computed KV element of every live or held request, on every worker
+        and layer, with what the model wrote; return one line per mismatching (worker, layer,
+        request), naming the first bad position."""
+        targets = []
+        for state in self.scheduler.states.values():
+            req = state.request
+            if req.is_finished() or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            if req.num_computed_tokens:
+                targets.append((req, state.blocks, req.num_computed_tokens))
+        for req_id, blocks in self.scheduler.held_blocks().items():
+            req = self.scheduler.states[req_id].request
+            computed = min(req.num_computed_tokens, len(blocks) * self.config.block_size)
+            if computed and req.status is not RequestStatus.FINISHED_ABORTED:
+                targets.append((req, blocks, computed))
+        problems = []
+        for req, blocks, n in targets:
+            hashes = prefix_hashes(req.all_token_ids[:n], self.config.seed)
+            for worker in self.workers:
+                for name, layer in worker.layers.items():
+                    want = self.model.token_kv(hashes, layer, worker.heads, worker.cache.dtype)
+                    got = worker.cache.read(name, blocks, n)
+                    same = (
+                        got.contiguous().view(torch.uint8).view(n, -1)
+                        == want.contiguous().view(torch.uint8).view(n, -1)
+                    ).all(dim=1)
+                    if not bool(same.all()):
+                        first = int((~same).nonzero()[0])
+                        problems.append(
+                            f"{self.config.engine_id} worker pp{worker.parallel.pp_rank}/"
+                            f"tp{worker.parallel.tp_rank} {name}: request {req.request_id} "
+                            f"position {first} (of {n}) differs from what the model wrote"
+                        )
+        return problems
+
+    def shutdown(self) -> None:
+        """Shut every connector down (workers first), even if one of them fails."""
+        errors = []
+        connectors = [w.connector for w in self.workers] + [self.scheduler_connector]
+        for connector in connectors:
+            if connector is None:
+                continue
+            try:
+                connector.shutdown()
+            except Exception as exc:  # keep shutting the others down
+                errors.append(exc)
+        if errors:
+            raise errors[-1]

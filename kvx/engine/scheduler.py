@@ -1,0 +1,459 @@
+"""The reference engine's scheduler: a small, faithful model of vLLM's V1 scheduler.
+
+It drives the scheduler-side connector exactly where vLLM does: `get_num_new_matched_tokens`
+for every waiting request it considers, `update_state_after_alloc` after allocation (also with
+0 external tokens), `build_connector_meta` once per step, `request_finished` once per finished
+request, `update_connector_output` with the aggregated worker results. It implements prefix
+caching by block hash, chunked prefill under a token budget, preemption when blocks run out,
+`WAITING_FOR_REMOTE_KVS` with promotion after the load (recomputing the last prompt token),
+delay-free blocks held until `finished_sending`, and `kv_load_failure_policy`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
+from kvx.engine.block_pool import BlockPool, block_hashes
+from kvx.types import (
+    CachedRequestData,
+    KVCacheBlocks,
+    NewRequestData,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacity and policies of one engine's scheduler."""
+
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    kv_load_failure_policy: str = "fail"
+
+
+@dataclass
+class RequestOutput:
+    """What a step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    finished: bool
+    status: RequestStatus
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class _State:
+    """Scheduler bookkeeping of one request."""
+
+    request: Request
+    blocks: list[int] = field(default_factory=list)
+    ever_scheduled: bool = False
+    sync_loaded_tokens: int = 0  # tokens loaded synchronously in the current step
+    kv_transfer_params_out: dict[str, Any] | None = None
+
+
+class Scheduler:
+    """Decides each step what to compute, what to load and what to free."""
+
+    def __init__(self, config: SchedulerConfig, connector: KVConnectorBase_V1 | None = None):
+        if config.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(
+                "kv_load_failure_policy must be 'fail' or 'recompute', "
+                f"got {config.kv_load_failure_policy!r}"
+            )
+        self.config = config
+        self.connector = connector
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.states: dict[str, _State] = {}
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self._finished_since_last_step: set[str] = set()
+        self._recved: set[str] = set()  # finished_recving reported, not yet promoted
+        self._failed_recv: set[str] = set()
+        self._held_for_send: dict[str, list[int]] = {}
+        self._held_for_recv: dict[str, list[int]] = {}
+        self.stats = {
+            "preemptions": 0,
+            "prefix_hit_tokens": 0,
+            "external_tokens": 0,
+            "load_errors": 0,
+        }
+
+    # -- requests --------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.states:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
+        need = math.ceil((request.num_prompt_tokens + request.max_tokens) / self.block_size)
+        if need > self.config.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {need} blocks but the engine has "
+                f"{self.config.num_blocks}; shorten it or give the engine more blocks"
+            )
+        request.status = RequestStatus.WAITING
+        request.block_hashes = block_hashes(request.all_token_ids, self.block_size)
+        self.states[request.request_id] = _State(request)
+        self.waiting.append(request.request_id)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.states.get(request_id)
+        if state is not None and not state.request.is_finished():
+            self._finish(state, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_pending_work(self) -> bool:
+        """Unfinished requests, or blocks still held for a connector."""
+        return self.has_unfinished_requests() or bool(
+            self._held_for_send or self._held_for_recv or self._finished_since_last_step
+        )
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return list(self.states[request_id].blocks)
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+        for state in self.states.values():
+            state.sync_loaded_tokens = 0
+
+        # Running requests first; preempt from the back when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            state = self.states[self.running[index]]
+            req = state.request
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            added = self._grow(state, req.num_computed_tokens + num_new)
+            while added is None:
+                victim = self.states[self.running[-1]]
+                self._preempt(victim)
+                preempted.add(victim.request.request_id)
+                if victim is state:
+                    break
+                added = self._grow(state, req.num_computed_tokens + num_new)
+            if added is None:
+                break
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append((added,))
+            cached.new_token_ids.append(req.output_token_ids[-1:])
+            cached.all_token_ids[req.request_id] = req.all_token_ids
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            index += 1
+
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, new_reqs, cached)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled,
+            finished_req_ids=set(self._finished_since_last_step),
+            preempted_req_ids=preempted,
+        )
+        self._finished_since_last_step.clear()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._advance(scheduled)
+        return out
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+    ) -> None:
+        for req_id in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            state = self.states[req_id]
+            req = state.request
+            promoted = False
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._promote(state):
+                    continue
+                promoted = req.num_computed_tokens > 0
+            hits: list[int] = []
+            n_ext, load_async = 0, False
+            if promoted:
+                n_local = req.num_computed_tokens
+            else:
+                max_hit_blocks = (req.num_tokens - 1) // self.block_size
+                hits = self.pool.cached_prefix(req.block_hashes[:max_hit_blocks])
+                n_local = len(hits) * self.block_size
+                if self.connector is not None:
+                    n_ext_or_none, load_async = self.connector.get_num_new_matched_tokens(
+                        req, n_local
+                    )
+                    if n_ext_or_none is None:
+                        continue
+                    n_ext = n_ext_or_none
+            if load_async and n_ext > 0:
+                if not self._allocate(state, hits, n_local + n_ext):
+                    return
+                self._after_alloc(state, len(hits), n_ext)
+                req.num_computed_tokens = n_local + n_ext
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.stats["external_tokens"] += n_ext
+                continue
+            if n_local + n_ext >= req.num_tokens:  # at least one token must be computed
+                n_ext = max(0, req.num_tokens - 1 - n_local)
+            num_computed = n_local + n_ext
+            num_new = min(req.num_tokens - num_computed, budget)
+            if promoted:
+                added = self._grow(state, num_computed + num_new)
+                if added is None:
+                    return
+            elif not self._allocate(state, hits, num_computed + num_new):
+                return
+            self._after_alloc(state, len(hits), n_ext)
+            req.num_computed_tokens = num_computed
+            state.sync_loaded_tokens = n_ext
+            self.stats["prefix_hit_tokens"] += n_local if not promoted else 0
+            self.stats["external_tokens"] += n_ext
+            resumed = state.ever_scheduled
+            req.status = RequestStatus.RUNNING
+            state.ever_scheduled = True
+            self.waiting.remove(req_id)
+            self.running.append(req_id)
+            scheduled[req_id] = num_new
+            budget -= num_new
+            if resumed:
+                cached.req_ids.append(req_id)
+                cached.resumed_req_ids.add(req_id)
+                cached.new_block_ids.append((list(state.blocks),))
+                cached.new_token_ids.append(list(req.output_token_ids))
+                cached.all_token_ids[req_id] = req.all_token_ids
+                cached.num_computed_tokens.append(num_computed)
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id,
+                        list(req.prompt_token_ids),
+                        (list(state.blocks),),
+                        num_computed,
+                        req.kv_transfer_params,
+                    )
+                )
+
+    def _after_alloc(self, state: _State, num_hits: int, n_ext: int) -> None:
+        if self.connector is not None:
+            blocks = KVCacheBlocks((list(state.blocks),), (num_hits,))
+            self.connector.update_state_after_alloc(state.request, blocks, n_ext)
+
+    def _allocate(self, state: _State, hits: list[int], num_tokens: int) -> bool:
+        """Reference `hits` and allocate fresh blocks up to `num_tokens`; False if too few."""
+        need = math.ceil(num_tokens / self.block_size) - len(hits)
+        if need > self.pool.num_free_blocks - sum(self.pool.ref_cnt[b] == 0 for b in hits):
+            return False
+        self.pool.touch(hits)
+        state.blocks = list(hits) + self.pool.allocate(max(0, need))
+        return True
+
+    def _grow(self, state: _State, num_tokens: int) -> list[int] | None:
+        """Allocate the blocks `num_tokens` need beyond what the request has; None if short."""
+        need = math.ceil(num_tokens / self.block_size) - len(state.blocks)
+        if need <= 0:
+            return []
+        if need > self.pool.num_free_blocks:
+            return None
+        added = self.pool.allocate(need)
+        state.blocks.extend(added)
+        return added
+
+    def _advance(self, scheduled: dict[str, int]) -> None:
+        """Count scheduled tokens as computed and cache the blocks they complete."""
+        for req_id, num in scheduled.items():
+            req = self.states[req_id].request
+            req.num_computed_tokens += num
+            self._cache_full_blocks(self.states[req_id], req.num_computed_tokens)
+
+    def _cache_full_blocks(self, state: _State, num_tokens: int) -> None:
+        hashes = state.request.block_hashes
+        for j in range(min(num_tokens // self.block_size, len(hashes), len(state.blocks))):
+            self.pool.cache(state.blocks[j], hashes[j])
+
+    def _preempt(self, state: _State) -> None:
+        req = state.request
+        self.running.remove(req.request_id)
+        self.pool.free(state.blocks)
+        state.blocks = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.insert(0, req.request_id)
+        self.stats["preemptions"] += 1
+
+    def _promote(self, state: _State) -> bool:
+        """Move a request whose remote KV arrived back to normal scheduling."""
+        req = state.request
+        if req.request_id not in self._recved:
+            return False
+        self._recved.discard(req.request_id)
+        if req.num_computed_tokens == 0:  # nothing valid was loaded: start over
+            self.pool.free(state.blocks)
+            state.blocks = []
+        else:
+            self._cache_full_blocks(state, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_tokens:
+                req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.PREEMPTED if state.ever_scheduled else RequestStatus.WAITING
+        return True
+
+    # -- results ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, int],
+        kv_output: KVConnectorOutput | None,
+    ) -> list[RequestOutput]:
+        """Apply one step's results: load errors first, then sampled tokens, then transfers."""
+        outputs: list[RequestOutput] = []
+        discard: set[str] = set()
+        if kv_output is not None:
+            self._recved |= kv_output.finished_recving or set()
+            if kv_output.invalid_block_ids or kv_output.failed_recving:
+                discard = self._handle_load_errors(kv_output, scheduler_output, outputs)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            state = self.states.get(req_id)
+            if state is None or req_id in discard or state.request.is_finished():
+                continue
+            req = state.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.num_tokens:
+                continue
+            token = sampled[req_id]
+            req.output_token_ids.append(token)
+            if req.num_tokens % self.block_size == 0:
+                req.block_hashes = block_hashes(req.all_token_ids, self.block_size)
+            finished = len(req.output_token_ids) >= req.max_tokens
+            if finished:
+                self._finish(state, RequestStatus.FINISHED_LENGTH_CAPPED)
+            outputs.append(
+                RequestOutput(
+                    req_id,
+                    [token],
+                    list(req.output_token_ids),
+                    finished,
+                    req.status,
+                    state.kv_transfer_params_out,
+                )
+            )
+        if kv_output is not None:
+            for req_id in kv_output.finished_recving or ():
+                held = self._held_for_recv.pop(req_id, None)
+                if held is not None:
+                    self._recved.discard(req_id)
+                    self.pool.free(held)
+            for req_id in kv_output.finished_sending or ():
+                held = self._held_for_send.pop(req_id, None)
+                if held is not None:
+                    self.pool.free(held)
+            if self.connector is not None:
+                self.connector.update_connector_output(kv_output)
+        return outputs
+
+    def _handle_load_errors(
+        self,
+        kv_output: KVConnectorOutput,
+        scheduler_output: SchedulerOutput,
+        outputs: list[RequestOutput],
+    ) -> set[str]:
+        """Apply `kv_load_failure_policy` to requests whose loaded blocks failed.
+
+        Matches vLLM's handling: only blocks that may hold externally computed tokens are
+        checked; the request is truncated at its first bad block (recompute) or finished with
+        an error and its bad and later blocks evicted from the prefix cache (fail).
+        """
+        invalid = kv_output.invalid_block_ids
+        discard: set[str] = set()
+        for req_id, state in list(self.states.items()):
+            req = state.request
+            if req.is_finished():
+                continue
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                loaded = req.num_computed_tokens
+            elif state.sync_loaded_tokens and req_id in scheduler_output.num_scheduled_tokens:
+                loaded = req.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
+            else:
+                continue
+            span = state.blocks[: math.ceil(loaded / self.block_size)]
+            bad = next((i for i, b in enumerate(span) if b in invalid), None)
+            if req_id in kv_output.failed_recving:
+                bad = 0
+            if bad is None:
+                continue
+            self.stats["load_errors"] += 1
+            self.pool.evict(state.blocks[bad:])
+            discard.add(req_id)
+            if self.config.kv_load_failure_policy == "fail":
+                self._finish(state, RequestStatus.FINISHED_ERROR)
+                outputs.append(
+                    RequestOutput(
+                        req_id,
+                        [],
+                        list(req.output_token_ids),
+                        True,
+                        req.status,
+                        state.kv_transfer_params_out,
+                    )
+                )
+            else:
+                req.num_computed_tokens = bad * self.block_size
+        return discard
+
+    def _finish(self, state: _State, status: RequestStatus) -> None:
+        req = state.request
+        was_loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.status = status
+        for queue in (self.waiting, self.running):
+            if req.request_id in queue:
+                queue.remove(req.request_id)
+        self._finished_since_last_step.add(req.request_id)
+        delay_free, params = False, None
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(req, list(state.blocks))
+        state.kv_transfer_params_out = params
+        blocks, state.blocks = state.blocks, []
+        if was_loading and req.request_id not in self._recved:
+            self._held_for_recv[req.request_id] = blocks  # a read may still land in them
+        elif delay_free:
+            self._held_for_send[req.request_id] = blocks
+        else:
+            self._recved.discard(req.request_id)
+            self.pool.free(blocks)
+
+    def held_blocks(self) -> dict[str, list[int]]:
+        """Blocks kept after finish for a connector (sending) or an in-flight read."""
+        return {**self._held_for_send, **self._held_for_recv}
+
+    def finished_requests(self) -> Iterable[Request]:
+        return (s.request for s in self.states.values() if s.request.is_finished())

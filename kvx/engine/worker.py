@@ -1,0 +1,124 @@
+"""A reference-engine worker: one (pp_rank, tp_rank) with real per-layer KV tensors.
+
+Each step it writes the KV of the scheduled tokens (computed by `ToyModel` from token content)
+into its paged cache, reads back the whole sequence of every request that reached its last known
+token, and reduces what it read to a score; the engine sums the scores of all workers and samples.
+The worker-side connector runs around the forward pass through `kvx.engine.hooks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
+from kvx.engine.hooks import LayerHooks, run_connector_step
+from kvx.engine.kv_cache import PagedKVCache
+from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
+from kvx.types import ForwardContext, KVCacheSpec, ParallelInfo, SchedulerOutput
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """Global layer indices of pipeline stage `pp_rank` (an even split, earlier stages first)."""
+    return range(pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size)
+
+
+@dataclass
+class WorkerResult:
+    """One worker's step: a partial score per request to sample, and the connector's output."""
+
+    scores: dict[str, int] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class _ReqState:
+    token_ids: list[int]
+    block_ids: list[int]
+    hashes: list[int] = field(default_factory=list)
+
+
+class Worker:
+    """Owns this rank's KV shard and runs its forward pass."""
+
+    def __init__(
+        self,
+        model: ToyModel,
+        spec: KVCacheSpec,
+        parallel: ParallelInfo,
+        connector: KVConnectorBase_V1 | None = None,
+    ) -> None:
+        self.model = model
+        self.parallel = parallel
+        self.connector = connector
+        layers = stage_layers(len(spec.layer_names), parallel.pp_size, parallel.pp_rank)
+        self.layers = {spec.layer_names[i]: i for i in layers}
+        self.cache = PagedKVCache(spec, parallel, list(self.layers))
+        self.requests: dict[str, _ReqState] = {}
+        if connector is not None:
+            connector.register_kv_caches(dict(self.cache.tensors))
+
+    @property
+    def heads(self) -> range:
+        return self.cache.heads
+
+    def execute(self, out: SchedulerOutput) -> WorkerResult:
+        self._update_states(out)
+        result = WorkerResult()
+        if self.connector is None:
+            if out.total_num_scheduled_tokens:
+                self._forward(out, result, hooks=None)
+            return result
+        context = ForwardContext(kv_caches=self.cache.tensors)
+        result.kv_connector_output = run_connector_step(
+            self.connector, out, context, lambda hooks: self._forward(out, result, hooks)
+        )
+        return result
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.req_id] = _ReqState(
+                list(new.prompt_token_ids), list(new.block_ids[0])
+            )
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tokens = cached.all_token_ids[req_id]
+            blocks = cached.new_block_ids[i]
+            state = self.requests.get(req_id)
+            if state is None or req_id in cached.resumed_req_ids:
+                self.requests[req_id] = _ReqState(list(tokens), list(blocks[0]) if blocks else [])
+                continue
+            state.token_ids = list(tokens)
+            if blocks:
+                state.block_ids.extend(blocks[0])
+
+    def _forward(
+        self, out: SchedulerOutput, result: WorkerResult, hooks: LayerHooks | None
+    ) -> None:
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        work = []
+        for req_id, num in out.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            if len(state.hashes) < len(state.token_ids):
+                state.hashes = prefix_hashes(state.token_ids, self.model.seed)
+            start = starts[req_id]
+            work.append((req_id, state, start, start + num, start + num == len(state.token_ids)))
+        dtype = self.cache.dtype
+        for name, layer in self.layers.items():
+            if hooks is not None:
+                hooks.before_attention(name)
+            for _, state, start, end, _ in work:
+                kv = self.model.token_kv(state.hashes[start:end], layer, self.heads, dtype)
+                self.cache.write(name, state.block_ids, start, kv)
+            for req_id, state, _, end, sample in work:
+                if sample and self.cache.primary:
+                    read = self.cache.read(name, state.block_ids, end)
+                    score = self.model.score(read, torch.arange(end), layer, self.heads)
+                    result.scores[req_id] = (result.scores.get(req_id, 0) + score) % SCORE_PRIME
+            if hooks is not None:
+                hooks.after_kv_write(name, self.cache.tensors[name])
