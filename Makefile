@@ -10,12 +10,13 @@ STAMP  := $(VENV)/.installed-stamp
 
 # torch goes in first and pinned (the CPU build lies on local disk; an unpinned torch pulls a
 # multi-GB CUDA build), and every later install is constrained to it.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
-	rm -rf kvx.egg-info  # build leftover; its stale entry points would shadow the venv's
+	$(PIP) install --quiet --no-deps -e examples/kvx-example-connector
+	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -12,6 +12,7 @@ from kvx._version import __version__
 from kvx.config import KVTransferConfig
 from kvx.contract import (
     CONTRACT_VERSION,
+    Capability,
     CopyBlocksOp,
     KVConnectorBase,
     KVConnectorBase_V1,
@@ -61,6 +62,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CachedRequestData",
+    "Capability",
     "ConfigError",
     "ConfigProblem",
     "ConnectorSpec",

@@ -38,6 +38,20 @@ KVX_RELEASES_FOR_CONTRACT_MAJOR: dict[int, str] = {1: "kvx>=0.1,<2"}
 """Which kvx releases implement each contract major (named in the registry's refusal message)."""
 
 
+class Capability(enum.StrEnum):
+    """What a connector claims; the conformance suite runs the scenarios of each claim and
+    reports the others as "not claimed"."""
+
+    REMOTE_PREFILL = "remote_prefill"  # P/D hand-off through request_finished params
+    STORE_REUSE = "store_reuse"  # saves KV that later requests (any engine) load
+    ASYNC_LOAD = "async_load"  # loads across steps (WAITING_FOR_REMOTE_KVS)
+    LAYERWISE = "layerwise"  # real work in wait_for_layer_load / save_kv_layer
+    HETERO_TP = "hetero_tp"  # P and D with different TP sizes
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"  # P and D with different block sizes
+    LAYOUT_CONVERSION = "layout_conversion"  # P and D with different KV layouts
+    HMA = "hma"  # several KV-cache groups
+
+
 class KVConnectorRole(enum.Enum):
     """Which side of the engine a connector instance lives on."""
 
@@ -143,10 +157,12 @@ class KVConnectorBase_V1(ABC):
     """Base class of every kvx connector.
 
     Constructed as `Connector(config, role, ctx)`. Class attributes a connector may set:
-    `contract_version` (the (major, minor) it implements; the registry refuses another major).
+    `contract_version` (the (major, minor) it implements; the registry refuses another major)
+    and `capabilities` (the `Capability` claims the conformance suite checks).
     """
 
     contract_version: ClassVar[tuple[int, int]] = CONTRACT_VERSION
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext) -> None:
         self._kv_transfer_config = config
