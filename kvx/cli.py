@@ -21,7 +21,7 @@ from rich.text import Text
 from kvx._version import __version__
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
-from kvx.errors import ConfigError, RegistryError
+from kvx.errors import ConfigError, ConfigProblem, RegistryError
 from kvx.registry import Registered, Registry, get_registry
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
@@ -53,6 +53,25 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the config as a JSON object, or @path to a JSON file",
     )
     p_val.set_defaults(func=_cmd_validate)
+
+    p_demo = sub.add_parser("demo", help="run prefill and decode engines with a connector")
+    p_demo.add_argument(
+        "--kv-transfer-config",
+        metavar="JSON|@FILE",
+        help="connector config (default: the embedded shared-storage setup)",
+    )
+    p_demo.add_argument(
+        "--tp",
+        default="1:1",
+        metavar="P:D",
+        help="tensor-parallel sizes of prefill and decode (default 1:1)",
+    )
+    p_demo.add_argument("--prompts", type=int, default=7, help="number of prompts")
+    p_demo.add_argument("--max-tokens", type=int, default=8, help="tokens to generate each")
+    p_demo.add_argument("--layout", default="NHD", help="KV layout of both engines")
+    p_demo.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p_demo.add_argument("--seed", type=int, default=0, help="prompt and model seed")
+    p_demo.set_defaults(func=_cmd_demo)
     return parser
 
 
@@ -137,6 +156,31 @@ def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
     if hint:
         notes.append(f"connector {entry.name!r} needs {', '.join(entry.missing())} to run: {hint}")
     return notes
+
+
+def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from kvx.demo import DemoOptions, run_demo
+
+    for name in ("prompts", "max_tokens", "block_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        f"--{name.replace('_', '-')}",
+                        f"{getattr(args, name)} is not a positive integer",
+                    )
+                ]
+            )
+    options = DemoOptions(
+        args.kv_transfer_config,
+        args.tp,
+        args.prompts,
+        args.max_tokens,
+        args.layout,
+        args.block_size,
+        args.seed,
+    )
+    return run_demo(options, get_registry(), out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,6 +87,7 @@ class Scheduler:
             "preemptions": 0,
             "prefix_hit_tokens": 0,
             "external_tokens": 0,
+            "external_blocks": 0,
             "load_errors": 0,
         }
 
@@ -223,7 +224,7 @@ class Scheduler:
                 self._after_alloc(state, len(hits), n_ext)
                 req.num_computed_tokens = n_local + n_ext
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self.stats["external_tokens"] += n_ext
+                self._count_external(n_local, n_ext)
                 continue
             if n_local + n_ext >= req.num_tokens:  # at least one token must be computed
                 n_ext = max(0, req.num_tokens - 1 - n_local)
@@ -239,7 +240,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             state.sync_loaded_tokens = n_ext
             self.stats["prefix_hit_tokens"] += n_local if not promoted else 0
-            self.stats["external_tokens"] += n_ext
+            self._count_external(n_local, n_ext)
             resumed = state.ever_scheduled
             req.status = RequestStatus.RUNNING
             state.ever_scheduled = True
@@ -264,6 +265,13 @@ class Scheduler:
                         req.kv_transfer_params,
                     )
                 )
+
+    def _count_external(self, n_local: int, n_ext: int) -> None:
+        if n_ext:
+            self.stats["external_tokens"] += n_ext
+            self.stats["external_blocks"] += (
+                math.ceil((n_local + n_ext) / self.block_size) - n_local // self.block_size
+            )
 
     def _after_alloc(self, state: _State, num_hits: int, n_ext: int) -> None:
         if self.connector is not None:
