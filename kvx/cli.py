@@ -12,14 +12,16 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
-from kvx.config import KVTransferConfig
+from kvx.config import KVTransferConfig, load_cli_arg
 from kvx.contract import CONTRACT_VERSION
 from kvx.errors import ConfigError, ConfigProblem, RegistryError
 from kvx.registry import Registered, Registry, get_registry
@@ -72,6 +74,26 @@ def _build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p_demo.add_argument("--seed", type=int, default=0, help="prompt and model seed")
     p_demo.set_defaults(func=_cmd_demo)
+
+    p_conf = sub.add_parser("conformance", help="run the conformance suite against a connector")
+    p_conf.add_argument(
+        "--kv-transfer-config",
+        required=True,
+        metavar="JSON|@FILE",
+        help="the connector config; '{tmp}' in strings becomes a fresh directory per scenario",
+    )
+    p_conf.add_argument("--report", metavar="FILE", help="also write a Markdown report")
+    p_conf.add_argument(
+        "--scenario", action="append", metavar="NAME", help="run only this scenario (repeatable)"
+    )
+    p_conf.add_argument(
+        "--fault-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long fault scenarios wait for the connector to give up",
+    )
+    p_conf.set_defaults(func=_cmd_conformance)
     return parser
 
 
@@ -181,6 +203,58 @@ def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
         args.seed,
     )
     return run_demo(options, get_registry(), out)
+
+
+def _cmd_conformance(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from kvx.conformance.runner import (
+        FAILED,
+        PASSED,
+        ScenarioResult,
+        connector_claims,
+        markdown_report,
+        run_suite,
+    )
+
+    kv = load_cli_arg(args.kv_transfer_config)
+    if not isinstance(kv, dict):
+        raise ConfigError([ConfigProblem("", f"expected a JSON object, got {type(kv).__name__}")])
+    registry = get_registry()
+    claims = connector_claims(kv, registry)
+    out.print(
+        f"kvx conformance: {kv.get('kv_connector')} claims "
+        f"{', '.join(sorted(c.value for c in claims)) or 'nothing'}",
+        highlight=False,
+    )
+    colour = {PASSED: "green", FAILED: "red"}
+
+    def show(result: ScenarioResult) -> None:
+        style = colour.get(result.outcome, "yellow")
+        detail = f"  {result.message}" if result.message else ""
+        out.print(
+            f"[{style}]{result.outcome:>11}[/] {result.name} ({result.seconds:.1f}s)"
+            f"{escape(detail)}",
+            highlight=False,
+        )
+
+    try:
+        results = run_suite(
+            kv,
+            only=args.scenario,
+            registry=registry,
+            fault_timeout_s=args.fault_timeout,
+            on_result=show,
+        )
+    except ValueError as exc:
+        raise ConfigError([ConfigProblem("--scenario", str(exc))]) from None
+    failed = [r for r in results if r.outcome == FAILED]
+    passed = sum(r.outcome == PASSED for r in results)
+    out.print(
+        f"{passed} passed, {len(failed)} failed, {len(results) - passed - len(failed)} not claimed"
+    )
+    if args.report:
+        Path(args.report).write_text(markdown_report(kv, claims, results), encoding="utf-8")
+        out.print(f"report written to {args.report}")
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

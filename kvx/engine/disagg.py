@@ -17,7 +17,7 @@ from typing import Any
 from kvx.config import KVTransferConfig
 from kvx.engine.engine import Engine, EngineConfig
 from kvx.engine.scheduler import RequestOutput
-from kvx.engine.server import EngineError, EngineProcess
+from kvx.engine.server import EngineError, EngineHandle, EngineProcess, LocalEngine
 from kvx.types import RequestStatus
 
 
@@ -73,21 +73,20 @@ def pd_configs(
     kv: dict[str, Any],
     tp: tuple[int, int] = (1, 1),
     block_sizes: tuple[int, int] | None = None,
+    layouts: tuple[str, str] | None = None,
 ) -> tuple[EngineConfig, EngineConfig]:
     """P and D engine configs sharing a connector config; roles and engine ids set per side
     (the engine id of each side is also its connector's `engine_id`)."""
     sides = []
-    for role, name, tp_size, block_size in (
-        ("kv_producer", "prefill", tp[0], block_sizes[0] if block_sizes else base.block_size),
-        ("kv_consumer", "decode", tp[1], block_sizes[1] if block_sizes else base.block_size),
-    ):
+    for i, (role, name) in enumerate((("kv_producer", "prefill"), ("kv_consumer", "decode"))):
         engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
         ktc = KVTransferConfig.from_dict({**kv, "kv_role": role, "engine_id": engine_id})
         sides.append(
             replace(
                 base,
-                tp_size=tp_size,
-                block_size=block_size,
+                tp_size=tp[i],
+                block_size=block_sizes[i] if block_sizes else base.block_size,
+                layout=layouts[i] if layouts else base.layout,
                 engine_id=engine_id,
                 kv_transfer_config=ktc,
             )
@@ -96,16 +95,116 @@ def pd_configs(
 
 
 class DisaggregatedPair:
-    """A prefill engine and a decode engine, each in its own process, and the proxy logic."""
+    """A prefill engine and a decode engine, each in its own process (or both in this one
+    with `processes=False`), and the proxy between them.
 
-    def __init__(self, prefill: EngineConfig, decode: EngineConfig, timeout_s: float = 60.0):
+    Use `run()` for a batch, or `submit()` / `step()` / `finished()` to act between steps.
+    """
+
+    def __init__(
+        self,
+        prefill: EngineConfig,
+        decode: EngineConfig,
+        *,
+        timeout_s: float = 60.0,
+        processes: bool = True,
+    ) -> None:
         self.prefill_config, self.decode_config = prefill, decode
-        self.prefill = EngineProcess(prefill, name="prefill", timeout_s=timeout_s)
+
+        def start(config: EngineConfig, name: str) -> EngineHandle:
+            if processes:
+                return EngineProcess(config, name=name, timeout_s=timeout_s)
+            return LocalEngine(config, name=name)
+
+        self.prefill: EngineHandle = start(prefill, "prefill")
         try:
-            self.decode = EngineProcess(decode, name="decode", timeout_s=timeout_s)
+            self.decode: EngineHandle = start(decode, "decode")
         except Exception:
             self.prefill.close()
             raise
+        self.results: dict[str, RequestResult] = {}
+        self.kv_mismatches: list[str] = []
+        self._prompts: dict[str, list[int]] = {}
+        self._max_tokens: dict[str, int] = {}
+        self._p_pending = self._d_pending = False
+        self._dead: set[str] = set()
+        self.on_finished: Callable[[RequestResult], None] | None = None
+
+    def submit(
+        self, request_id: str, prompt: list[int], max_tokens: int, baseline: list[int] | None = None
+    ) -> None:
+        """Send a prompt to P with `do_remote_decode`; D gets it when P returns params."""
+        self._prompts[request_id] = list(prompt)
+        self._max_tokens[request_id] = max_tokens
+        self.results[request_id] = RequestResult(request_id, len(prompt), baseline or [])
+        self.prefill.add_request(request_id, prompt, 1, {"do_remote_decode": True})
+        self._p_pending = True
+
+    def submit_local(
+        self, request_id: str, prompt: list[int], max_tokens: int, baseline: list[int] | None = None
+    ) -> None:
+        """Send a prompt straight to D, as an ordinary (not disaggregated) request."""
+        self.results[request_id] = RequestResult(request_id, len(prompt), baseline or [])
+        self.decode.add_request(request_id, prompt, max_tokens)
+        self.results[request_id].status = "decoding"
+        self._d_pending = True
+
+    def report(self, elapsed_s: float = 0.0) -> DisaggReport:
+        """Results so far, the engines' last stats and every KV mismatch seen."""
+        return DisaggReport(
+            dict(self.results),
+            self.prefill.last_stats,
+            self.decode.last_stats,
+            list(self.kv_mismatches),
+            elapsed_s,
+        )
+
+    def step(self, check_kv: bool = True) -> bool:
+        """One proxy round: step P, forward finished prefills to D, step D, check KV bytes.
+        Returns whether either engine produced output."""
+        progressed = False
+        if "prefill" not in self._dead:
+            p_out, self._p_pending = self.prefill.step()
+            progressed |= bool(p_out)
+            for out in p_out:
+                self._on_prefill_output(out)
+        decoding = self._d_pending or any(r.status == "decoding" for r in self.results.values())
+        if decoding and "decode" not in self._dead:
+            d_out, self._d_pending = self.decode.step()
+            progressed |= bool(d_out)
+            for out in d_out:
+                result = self.results.get(out.request_id)
+                if result is None:  # a request sent to D directly
+                    continue
+                result.tokens = out.output_token_ids
+                if out.finished:
+                    self._finish(result, out.status.value)
+        if check_kv:
+            for side, handle in (("prefill", self.prefill), ("decode", self.decode)):
+                if side not in self._dead:
+                    self.kv_mismatches += handle.check_kv()
+        return progressed
+
+    def kill(self, side: str) -> None:
+        """Kill the prefill or decode process now (fault injection); its requests are lost."""
+        handle = self.prefill if side == "prefill" else self.decode
+        if not isinstance(handle, EngineProcess):
+            raise TypeError("only an engine running in its own process can be killed")
+        handle.kill()
+        self._dead.add(side)
+        lost = "pending" if side == "prefill" else "decoding"
+        for result in self.results.values():
+            if result.status == lost:
+                result.status = f"lost: {side} killed"
+        if side == "prefill":
+            self._p_pending = False
+        else:
+            self._d_pending = False
+
+    def finished(self) -> bool:
+        """Every submitted request ended and neither engine has work or held blocks left."""
+        ended = all(r.status not in ("pending", "decoding") for r in self.results.values())
+        return ended and not self._p_pending and not self._d_pending
 
     def run(
         self,
@@ -113,7 +212,7 @@ class DisaggregatedPair:
         max_tokens: int,
         *,
         check_kv: bool = True,
-        max_steps: int = 10_000,
+        timeout_s: float = 300.0,
         on_finished: Callable[[RequestResult], None] | None = None,
     ) -> DisaggReport:
         """Send every prompt through P then D; return tokens, stats and KV mismatches."""
@@ -121,61 +220,61 @@ class DisaggregatedPair:
         baseline = baseline_tokens(
             replace(self.decode_config, tp_size=1, pp_size=1), prompts, max_tokens
         )
-        results = {rid: RequestResult(rid, len(p), baseline[rid]) for rid, p in prompts.items()}
+        self.on_finished = on_finished
         for rid, prompt in prompts.items():
-            self.prefill.add_request(rid, prompt, 1, {"do_remote_decode": True})
-        mismatches: list[str] = []
-        p_pending = d_pending = True
-        for _ in range(max_steps):
-            p_out, p_pending = self.prefill.step()
-            for out in p_out:
-                self._on_prefill_output(
-                    out, results[out.request_id], prompts, max_tokens, on_finished
+            self.submit(rid, prompt, max_tokens, baseline[rid])
+        self.run_until_finished(timeout_s=timeout_s, check_kv=check_kv)
+        return self.report(time.perf_counter() - start)
+
+    def run_until_finished(self, *, timeout_s: float = 300.0, check_kv: bool = True) -> None:
+        """Step until `finished()`; raise `EngineError` after `timeout_s` seconds.
+
+        Rounds that produce no output sleep a millisecond, so connectors' background threads
+        (loads, writes, network) get the CPU while the engines wait for them.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.finished():
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"disaggregated run did not finish within {timeout_s:.0f}s: "
+                    f"{self.describe_unfinished()}"
                 )
-            if any(r.status == "decoding" for r in results.values()) or d_pending:
-                d_out, d_pending = self.decode.step()
-                for out in d_out:
-                    result = results[out.request_id]
-                    result.tokens = out.output_token_ids
-                    if out.finished:
-                        result.status = out.status.value
-                        if on_finished is not None:
-                            on_finished(result)
-            if check_kv:
-                mismatches += self.prefill.check_kv() + self.decode.check_kv()
-            done = all(r.status not in ("pending", "decoding") for r in results.values())
-            if done and not p_pending and not d_pending:
-                break
-        else:
-            raise EngineError(f"disaggregated run did not finish within {max_steps} steps")
-        return DisaggReport(
-            results,
-            self.prefill.last_stats,
-            self.decode.last_stats,
-            mismatches,
-            time.perf_counter() - start,
+            if not self.step(check_kv):
+                time.sleep(0.001)
+
+    def describe_unfinished(self) -> str:
+        """Which requests are not done and what the engines still hold."""
+        open_reqs = [
+            f"{r.request_id} ({r.status})"
+            for r in self.results.values()
+            if r.status in ("pending", "decoding")
+        ]
+        return (
+            f"open requests: {', '.join(open_reqs) or 'none'}; prefill stats "
+            f"{self.prefill.last_stats}; decode stats {self.decode.last_stats}"
         )
 
-    def _on_prefill_output(
-        self,
-        out: RequestOutput,
-        result: RequestResult,
-        prompts: dict[str, list[int]],
-        max_tokens: int,
-        on_finished: Callable[[RequestResult], None] | None,
-    ) -> None:
-        if not out.finished:
+    def _finish(self, result: RequestResult, status: str) -> None:
+        result.status = status
+        if self.on_finished is not None:
+            self.on_finished(result)
+
+    def _on_prefill_output(self, out: RequestOutput) -> None:
+        result = self.results.get(out.request_id)
+        if result is None or not out.finished:
             return
         result.prefill_token = out.output_token_ids[0] if out.output_token_ids else None
         result.kv_transfer_params = out.kv_transfer_params
         if out.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
-            result.status = f"prefill {out.status.value}"
-            if on_finished is not None:
-                on_finished(result)
+            self._finish(result, f"prefill {out.status.value}")
             return
         self.decode.add_request(
-            out.request_id, prompts[out.request_id], max_tokens, out.kv_transfer_params
+            out.request_id,
+            self._prompts[out.request_id],
+            self._max_tokens[out.request_id],
+            out.kv_transfer_params,
         )
+        self._d_pending = True
         result.status = "decoding"
 
     def close(self) -> None:
@@ -183,3 +282,9 @@ class DisaggregatedPair:
             self.decode.close()
         finally:
             self.prefill.close()
+
+    def __enter__(self) -> DisaggregatedPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -18,7 +18,9 @@ from kvx.engine.aggregator import KVOutputAggregator
 from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from kvx.engine.worker import Worker
+from kvx.events import KVConnectorKVEvents
 from kvx.registry import Registry, create_connector, get_registry
+from kvx.stats import KVConnectorStats
 from kvx.types import EngineContext, KVCacheSpec, ParallelInfo, Request, RequestStatus
 
 
@@ -153,6 +155,8 @@ class Engine:
             if handshakes:
                 self.scheduler_connector.set_xfer_handshake_metadata_pp_aware(handshakes)
         self.steps = 0
+        self.kv_stats: list[KVConnectorStats] = []  # aggregated per step, for inspection
+        self.kv_events: list[KVConnectorKVEvents] = []
 
     def add_request(
         self,
@@ -188,6 +192,10 @@ class Engine:
         kv_output = None
         if self.aggregator is not None:
             kv_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
+            if kv_output is not None and kv_output.kv_connector_stats is not None:
+                self.kv_stats.append(kv_output.kv_connector_stats)
+            if kv_output is not None and kv_output.kv_cache_events is not None:
+                self.kv_events.append(kv_output.kv_cache_events)
         self.steps += 1
         return self.scheduler.update_from_output(out, sampled, kv_output)
 

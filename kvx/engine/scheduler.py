@@ -83,6 +83,7 @@ class Scheduler:
         self._failed_recv: set[str] = set()
         self._held_for_send: dict[str, list[int]] = {}
         self._held_for_recv: dict[str, list[int]] = {}
+        self._aborted: list[RequestOutput] = []  # reported with the next step's outputs
         self.stats = {
             "preemptions": 0,
             "prefix_hit_tokens": 0,
@@ -121,6 +122,17 @@ class Scheduler:
         state = self.states.get(request_id)
         if state is not None and not state.request.is_finished():
             self._finish(state, RequestStatus.FINISHED_ABORTED)
+            req = state.request
+            self._aborted.append(
+                RequestOutput(
+                    request_id,
+                    [],
+                    list(req.output_token_ids),
+                    True,
+                    req.status,
+                    state.kv_transfer_params_out,
+                )
+            )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -224,6 +236,7 @@ class Scheduler:
                 self._after_alloc(state, len(hits), n_ext)
                 req.num_computed_tokens = n_local + n_ext
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.stats["prefix_hit_tokens"] += n_local
                 self._count_external(n_local, n_ext)
                 continue
             if n_local + n_ext >= req.num_tokens:  # at least one token must be computed
@@ -326,13 +339,12 @@ class Scheduler:
         if req.request_id not in self._recved:
             return False
         self._recved.discard(req.request_id)
+        self._cache_full_blocks(state, req.num_computed_tokens)
+        # The last prompt token is recomputed to produce the first output's logits.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         if req.num_computed_tokens == 0:  # nothing valid was loaded: start over
             self.pool.free(state.blocks)
             state.blocks = []
-        else:
-            self._cache_full_blocks(state, req.num_computed_tokens)
-            if req.num_computed_tokens >= req.num_tokens:
-                req.num_computed_tokens = req.num_tokens - 1
         req.status = RequestStatus.PREEMPTED if state.ever_scheduled else RequestStatus.WAITING
         return True
 
@@ -345,7 +357,7 @@ class Scheduler:
         kv_output: KVConnectorOutput | None,
     ) -> list[RequestOutput]:
         """Apply one step's results: load errors first, then sampled tokens, then transfers."""
-        outputs: list[RequestOutput] = []
+        outputs, self._aborted = self._aborted, []
         discard: set[str] = set()
         if kv_output is not None:
             self._recved |= kv_output.finished_recving or set()

@@ -212,3 +212,40 @@ class EngineProcess:
             deadline = time.monotonic() + 10
             while self.process.is_alive() and time.monotonic() < deadline:
                 self.process.join(0.1)
+
+
+class LocalEngine:
+    """The same handle as `EngineProcess` over an engine in this process (no isolation, no
+    spawn cost; the conformance suite uses it where no process has to die)."""
+
+    def __init__(self, config: EngineConfig, *, name: str = "engine") -> None:
+        self.name = name
+        self.engine = Engine(config)
+        self.last_stats: dict[str, Any] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int = 16,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, max_tokens, kv_transfer_params)
+
+    def abort_request(self, request_id: str) -> bool:
+        self.engine.abort_request(request_id)
+        return self.engine.has_pending_work()
+
+    def step(self) -> tuple[list[RequestOutput], bool]:
+        outputs = self.engine.step()
+        self.last_stats = self.engine.stats()
+        return outputs, self.engine.has_pending_work()
+
+    def check_kv(self) -> list[str]:
+        return self.engine.check_kv()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+EngineHandle = EngineProcess | LocalEngine

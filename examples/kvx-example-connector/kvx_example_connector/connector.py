@@ -99,15 +99,13 @@ class ExamplePDConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False  # load once, even if called again
         if num_external_tokens == 0:
             return
-        local = blocks.get_unhashed_block_ids()
-        remote = list(params["remote_block_ids"])
         self._loads.append(
             LoadSpec(
                 request.request_id,
-                local,
+                blocks.get_unhashed_block_ids(),
                 params["remote_engine_id"],
                 params["remote_request_id"],
-                remote[len(remote) - len(local) :],
+                list(params["remote_block_ids"]),
             )
         )
 

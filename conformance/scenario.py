@@ -1,0 +1,54 @@
+"""What a conformance scenario is, and the list every runner (pytest, `kvx conformance`) uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvx import Capability
+
+if TYPE_CHECKING:
+    from kvx.conformance.harness import Harness
+
+
+class ScenarioFailure(AssertionError):
+    """A connector did not behave as the contract requires; the message says how."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One behaviour the suite checks. `requires` are the capabilities it needs claimed;
+    `timeout_s` bounds it (a hang is a failure, never a stuck suite)."""
+
+    name: str
+    summary: str
+    run: Callable[[Harness], None]
+    requires: frozenset[Capability] = field(default_factory=frozenset)
+    timeout_s: float = 120.0
+
+    def missing_claims(self, claims: frozenset[Capability]) -> list[str]:
+        return sorted(c.value for c in self.requires - claims)
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(
+    name: str, summary: str, requires: tuple[Capability, ...] = (), timeout_s: float = 120.0
+) -> Callable[[Callable[[Harness], None]], Callable[[Harness], None]]:
+    """Register a scenario function under `name`."""
+
+    def register(func: Callable[[Harness], None]) -> Callable[[Harness], None]:
+        if name in SCENARIOS:
+            raise ValueError(f"scenario {name!r} is defined twice")
+        SCENARIOS[name] = Scenario(name, summary, func, frozenset(requires), timeout_s)
+        return func
+
+    return register
+
+
+def check(condition: bool, message: str) -> None:
+    """Fail the scenario with `message` unless `condition` holds."""
+    if not condition:
+        raise ScenarioFailure(message)

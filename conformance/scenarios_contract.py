@@ -1,0 +1,200 @@
+"""Contract-level scenarios: idempotence, clean shutdown, stats and events, store/reuse,
+topology and layout claims."""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+
+from kvx.conformance.harness import Harness
+from kvx.conformance.scenario import check, scenario
+
+from kvx import (
+    Capability,
+    KVConnectorKVEvents,
+    KVConnectorRole,
+    KVConnectorStats,
+    ParallelInfo,
+    Request,
+    create_connector,
+)
+from kvx.engine.engine import Engine
+from kvx.engine.server import LocalEngine
+
+PD = (Capability.REMOTE_PREFILL,)
+
+
+@scenario(
+    "idempotent_matching",
+    "get_num_new_matched_tokens answers the same, without side effects, when asked again",
+)
+def idempotent_matching(h: Harness) -> None:
+    with h.pair() as pair:
+        report = pair.run({"seed": h.prompts([40])["req-0"]}, 2)
+        params = report.results["seed"].kv_transfer_params
+        config = pair.decode_config
+        assert config.kv_transfer_config is not None
+        connector = create_connector(
+            config.kv_transfer_config,
+            KVConnectorRole.SCHEDULER,
+            config.context(ParallelInfo()),
+            registry=h.registry,
+        )
+        try:
+            for num_computed in (0, 16):
+                request = Request(
+                    "probe", h.prompts([40])["req-0"], kv_transfer_params=copy.deepcopy(params)
+                )
+                before = copy.deepcopy(request.kv_transfer_params)
+                answers = [
+                    connector.get_num_new_matched_tokens(request, num_computed) for _ in range(3)
+                ]
+                check(len(set(answers)) == 1, f"answers changed between calls: {answers}")
+                check(
+                    request.kv_transfer_params == before,
+                    "get_num_new_matched_tokens changed the request's kv_transfer_params",
+                )
+                count, load_async = answers[0]
+                check(count is None or count >= 0, f"negative token count {count}")
+                check(count != 0 or not load_async, "async load claimed for 0 tokens")
+        finally:
+            connector.shutdown()
+
+
+def _fds() -> set[str]:
+    try:
+        return set(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: threads are still checked
+        return set()
+
+
+@scenario("clean_shutdown", "shutdown leaves no threads, sockets or files open", PD)
+def clean_shutdown(h: Harness) -> None:
+    threads_before = {t.ident for t in threading.enumerate()}
+    fds_before = _fds()
+    with h.pair() as pair:
+        h.run_pair(pair, h.prompts([20, 45]))
+    deadline = time.monotonic() + 5
+    while True:
+        leaked = [
+            t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+        ]
+        new_fds = _fds() - fds_before
+        if (not leaked and not new_fds) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    check(not leaked, f"threads still running after shutdown: {leaked}")
+    check(not new_fds, f"{len(new_fds)} file descriptors still open after shutdown")
+
+
+@scenario(
+    "stats_and_events_shape",
+    "stats reduce to numbers and rebuild from dicts; events are KV cache events",
+    PD,
+)
+def stats_and_events_shape(h: Harness) -> None:
+    with h.pair() as pair:
+        h.run_pair(pair, h.prompts([33, 70]))
+        for handle in (pair.prefill, pair.decode):
+            assert isinstance(handle, LocalEngine)
+            engine = handle.engine
+            connector = engine.workers[0].connector
+            assert connector is not None
+            cls = type(connector)
+            for stats in engine.kv_stats:
+                check(
+                    isinstance(stats, KVConnectorStats),
+                    f"{cls.__name__} returned stats of type {type(stats).__name__}",
+                )
+                reduced = stats.reduce()
+                check(
+                    all(isinstance(v, (int, float)) for v in reduced.values()),
+                    f"reduce() must give numbers, got {reduced}",
+                )
+                rebuilt = cls.build_kv_connector_stats(stats.to_dict())
+                check(
+                    rebuilt is not None and rebuilt.to_dict() == stats.to_dict(),
+                    f"{cls.__name__}.build_kv_connector_stats does not rebuild its stats",
+                )
+            for events in engine.kv_events:
+                check(
+                    isinstance(events, KVConnectorKVEvents),
+                    f"events of type {type(events).__name__}",
+                )
+
+
+@scenario(
+    "store_and_reuse",
+    "what one engine stored, a fresh engine loads: the hit is counted, output exact",
+    (Capability.STORE_REUSE,),
+)
+def store_and_reuse(h: Harness) -> None:
+    prompts = h.prompts([80, 150, 40], seed=21)
+    expected = h.baseline(prompts, 4)
+    first = Engine(h.engine_config("kv_both"))
+    try:
+        _run(first, prompts, 4)
+    finally:
+        first.shutdown()
+    second = Engine(h.engine_config("kv_both"))
+    try:
+        got = _run(second, prompts, 4)
+        check(got == expected, f"outputs after loading stored KV differ: {got} != {expected}")
+        check(
+            second.stats()["external_tokens"] > 0,
+            "the second engine loaded nothing: stored KV was not found",
+        )
+    finally:
+        second.shutdown()
+
+
+def _run(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, max_tokens)
+    done: dict[str, list[int]] = {}
+    for _ in range(2_000):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+        mismatches = engine.check_kv()
+        check(not mismatches, f"KV bytes differ after loading: {mismatches[:3]}")
+        if not engine.has_pending_work():
+            return done
+    check(False, f"engine did not finish ({engine.stats()})")
+    return done
+
+
+@scenario(
+    "hetero_tp",
+    "P and D with different TP sizes: 1:2, 2:1, 2:4, 4:2, and 4:4 with replicated KV heads",
+    (*PD, Capability.HETERO_TP),
+    timeout_s=300,
+)
+def hetero_tp(h: Harness) -> None:
+    for tp, heads in (((1, 2), 4), ((2, 1), 4), ((2, 4), 4), ((4, 2), 4), ((4, 4), 2)):
+        with h.pair(tp=tp, num_kv_heads=heads) as pair:
+            h.run_pair(pair, h.prompts([37, 64]))
+
+
+@scenario(
+    "block_size_mismatch",
+    "P and D with different block sizes: 16->32 and 32->16",
+    (*PD, Capability.BLOCK_SIZE_MISMATCH),
+)
+def block_size_mismatch(h: Harness) -> None:
+    for sizes in ((16, 32), (32, 16)):
+        with h.pair(block_sizes=sizes) as pair:
+            h.run_pair(pair, h.prompts([37, 64, 5]))
+
+
+@scenario(
+    "layout_conversion",
+    "P and D with different KV layouts (NHD, HND, CPU packed)",
+    (*PD, Capability.LAYOUT_CONVERSION),
+)
+def layout_conversion(h: Harness) -> None:
+    for layouts in (("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED")):
+        with h.pair(layouts=layouts) as pair:
+            h.run_pair(pair, h.prompts([37, 64]))

@@ -1,0 +1,171 @@
+"""Aborts at every stage and real process deaths: nothing hangs, nothing leaks, policy holds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvx.conformance.harness import Harness
+from kvx.conformance.scenario import check, scenario
+
+from kvx import Capability
+from kvx.engine.disagg import DisaggregatedPair
+
+PD = (Capability.REMOTE_PREFILL,)
+PD_ASYNC = (Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD)
+
+
+def _step_until(
+    pair: DisaggregatedPair, condition: str, predicate: Callable[[], bool], timeout_s: float = 30.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        check(
+            time.monotonic() < deadline,
+            f"never reached within {timeout_s:.0f}s: {condition} ({pair.describe_unfinished()})",
+        )
+        if not pair.step():
+            time.sleep(0.001)
+
+
+@scenario("abort_on_prefill", "P aborts a request mid-prefill: no params, nothing held", PD)
+def abort_on_prefill(h: Harness) -> None:
+    with h.pair(max_num_batched_tokens=16) as pair:
+        pair.submit("victim", h.prompts([120])["req-0"], 4)
+        pair.step()
+        pair.prefill.abort_request("victim")
+        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        result = pair.results["victim"]
+        check(
+            result.status == "prefill finished_aborted",
+            f"aborted request ended as {result.status!r}",
+        )
+        check(
+            result.kv_transfer_params is None,
+            f"an aborted prefill returned kv_transfer_params {result.kv_transfer_params}",
+        )
+        h.expect_drained(pair)
+
+
+@scenario(
+    "abort_on_decode_while_loading",
+    "D aborts while the KV is loading: blocks held until the load ends, then freed",
+    PD_ASYNC,
+)
+def abort_on_decode_while_loading(h: Harness) -> None:
+    with h.pair() as pair:
+        pair.submit("victim", h.prompts([90])["req-0"], 4)
+        _step_until(
+            pair, "the request reached D", lambda: pair.results["victim"].status == "decoding"
+        )
+        pair.decode.abort_request("victim")
+        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        check(
+            pair.results["victim"].status == "finished_aborted",
+            f"aborted request ended as {pair.results['victim'].status!r}",
+        )
+        h.expect_drained(pair)
+
+
+@scenario("abort_on_decode_while_decoding", "D aborts during decode: everything freed", PD)
+def abort_on_decode_while_decoding(h: Harness) -> None:
+    with h.pair() as pair:
+        pair.submit("victim", h.prompts([30])["req-0"], 50)
+        pair.submit(
+            "other",
+            h.prompts([30], seed=2)["req-0"],
+            3,
+            h.baseline({"o": h.prompts([30], seed=2)["req-0"]}, 3)["o"],
+        )
+        _step_until(
+            pair, "the victim decoded a few tokens", lambda: len(pair.results["victim"].tokens) >= 3
+        )
+        pair.decode.abort_request("victim")
+        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        check(
+            pair.results["other"].tokens == pair.results["other"].baseline,
+            "a request next to an aborted one produced wrong tokens",
+        )
+        h.expect_drained(pair)
+
+
+@scenario(
+    "abort_between_prefill_and_decode",
+    "the proxy never forwards P's params to D: P still frees its blocks in bounded time",
+    PD,
+    timeout_s=180,
+)
+def abort_between_prefill_and_decode(h: Harness) -> None:
+    with h.pair() as pair:
+        pair.prefill.add_request("orphan", h.prompts([50])["req-0"], 1, {"do_remote_decode": True})
+        deadline = time.monotonic() + h.fault_timeout_s
+        while time.monotonic() < deadline:
+            _, pending = pair.prefill.step()
+            if not pending:
+                break
+            time.sleep(0.01)
+        check(
+            pair.prefill.last_stats.get("held_blocks") == 0,
+            f"P still holds blocks {h.fault_timeout_s:.0f}s after a request nobody will read "
+            f"({pair.prefill.last_stats}); a lease or timeout must free them",
+        )
+
+
+def _prefill_killed(h: Harness, policy: str) -> tuple[str, list[int], list[int]]:
+    prompt = h.prompts([70], seed=9)["req-0"]
+    baseline = h.baseline({"r": prompt}, 5)["r"]
+    with h.pair(processes=True, policy=policy) as pair:
+        pair.submit("r", prompt, 5, baseline)
+        _step_until(pair, "P returned params", lambda: pair.results["r"].status == "decoding")
+        pair.kill("prefill")
+        start = time.monotonic()
+        while pair.results["r"].status == "decoding":
+            check(
+                time.monotonic() - start < h.fault_timeout_s,
+                f"D did not end the request within {h.fault_timeout_s:.0f}s after P died",
+            )
+            pair.step()
+        return pair.results["r"].status, pair.results["r"].tokens, baseline
+
+
+@scenario(
+    "prefill_killed_recompute",
+    "P dies after request_finished: D reports load errors and recomputes (exact output)",
+    PD_ASYNC,
+    timeout_s=240,
+)
+def prefill_killed_recompute(h: Harness) -> None:
+    status, tokens, baseline = _prefill_killed(h, "recompute")
+    check(status == "finished_length_capped", f"request ended as {status!r}")
+    check(tokens == baseline, f"recomputed output {tokens} differs from {baseline}")
+
+
+@scenario(
+    "prefill_killed_fail",
+    "P dies after request_finished: with policy fail D ends the request with an error",
+    PD_ASYNC,
+    timeout_s=240,
+)
+def prefill_killed_fail(h: Harness) -> None:
+    status, _, _ = _prefill_killed(h, "fail")
+    check(status == "finished_error", f"request ended as {status!r}, expected finished_error")
+
+
+@scenario(
+    "decode_killed", "D dies before reading: P frees its blocks in bounded time", PD, timeout_s=240
+)
+def decode_killed(h: Harness) -> None:
+    with h.pair(processes=True) as pair:
+        pair.submit("r", h.prompts([70], seed=9)["req-0"], 5)
+        _step_until(pair, "P returned params", lambda: pair.results["r"].status == "decoding")
+        pair.kill("decode")
+        deadline = time.monotonic() + h.fault_timeout_s
+        pending = True
+        while pending and time.monotonic() < deadline:
+            _, pending = pair.prefill.step()
+            time.sleep(0.01)
+        check(
+            not pending,
+            f"P still holds blocks {h.fault_timeout_s:.0f}s after D died "
+            f"({pair.prefill.last_stats})",
+        )

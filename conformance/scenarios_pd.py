@@ -1,0 +1,119 @@
+"""Prefill/decode lifecycle scenarios (reference section 8: remote decode / remote prefill)."""
+
+from __future__ import annotations
+
+from kvx.conformance.harness import Harness
+from kvx.conformance.scenario import check, scenario
+
+from kvx import Capability
+
+PD = (Capability.REMOTE_PREFILL,)
+
+
+@scenario("pd_short_prompt", "a prompt shorter than one block still moves its partial block", PD)
+def pd_short_prompt(h: Harness) -> None:
+    with h.pair() as pair:
+        h.run_pair(pair, h.prompts([1, 5, 15]))
+
+
+@scenario("pd_block_multiple", "prompts of exactly 1, 2 and 4 blocks: last token recomputed", PD)
+def pd_block_multiple(h: Harness) -> None:
+    with h.pair() as pair:
+        h.run_pair(pair, h.prompts([16, 32, 64]))
+
+
+@scenario("pd_long_prompts", "prompts of many blocks with a partial last block", PD)
+def pd_long_prompts(h: Harness) -> None:
+    with h.pair(num_blocks=256) as pair:
+        h.run_pair(pair, h.prompts([300, 417, 130]))
+
+
+@scenario("pd_chunked_prefill", "prefill in chunks under a small token budget on both sides", PD)
+def pd_chunked_prefill(h: Harness) -> None:
+    with h.pair(max_num_batched_tokens=24) as pair:
+        h.run_pair(pair, h.prompts([100, 61, 7, 48]))
+
+
+@scenario("pd_separate_processes", "P and D in separate OS processes, driven by a proxy", PD)
+def pd_separate_processes(h: Harness) -> None:
+    with h.pair(processes=True) as pair:
+        h.run_pair(pair, h.prompts([9, 33, 80]))
+
+
+@scenario(
+    "pd_prefix_hit_on_prefill",
+    "a prefix-cache hit on P still sends every block, partial last block included",
+    PD,
+)
+def pd_prefix_hit_on_prefill(h: Harness) -> None:
+    shared = h.prompts([64], seed=7)["req-0"]
+    with h.pair() as pair:
+        h.run_pair(pair, {"first": [*shared, 1, 2, 3]})
+        report = h.run_pair(pair, {"second": [*shared, 9, 8, 7, 6, 5]})
+        check(
+            report.prefill_stats["prefix_hit_tokens"] >= 64,
+            f"P did not hit its prefix cache ({report.prefill_stats}); the scenario needs it",
+        )
+
+
+@scenario(
+    "pd_prefix_hit_on_decode",
+    "D already holds a prefix: it loads only the rest, output still exact",
+    PD,
+)
+def pd_prefix_hit_on_decode(h: Harness) -> None:
+    shared = h.prompts([48], seed=11)["req-0"]
+    with h.pair() as pair:
+        first = {"local": [*shared, 4]}
+        pair.submit_local("local", first["local"], 2, h.baseline(first, 2)["local"])
+        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        report = h.run_pair(pair, {"remote": [*shared, 5, 6, 7, 8, 9, 10]})
+        check(
+            report.decode_stats["prefix_hit_tokens"] >= 48,
+            f"D did not hit its prefix cache ({report.decode_stats})",
+        )
+
+
+@scenario("pd_interleaved_local", "remote-prefill requests mixed with D's local requests", PD)
+def pd_interleaved_local(h: Harness) -> None:
+    local = h.prompts([20, 70], seed=3, name="local")
+    remote = h.prompts([40, 12, 90], seed=4)
+    local_base, remote_base = h.baseline(local, 5), h.baseline(remote, 5)
+    with h.pair() as pair:
+        for rid, prompt in local.items():
+            pair.submit_local(rid, prompt, 5, local_base[rid])
+        for rid, prompt in remote.items():
+            pair.submit(rid, prompt, 5, remote_base[rid])
+        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        h.expect_identical(pair.report())
+        h.expect_drained(pair)
+
+
+@scenario(
+    "aggregation_tp_pp", "TP 2 x PP 2 on both sides: finished only when all 4 workers reported", PD
+)
+def aggregation_tp_pp(h: Harness) -> None:
+    with h.pair(tp=(2, 2), pp_size=2) as pair:
+        h.run_pair(pair, h.prompts([17, 50, 3]))
+
+
+@scenario("preemption_on_decode", "D runs out of blocks and preempts; outputs stay exact", PD)
+def preemption_on_decode(h: Harness) -> None:
+    with h.pair(decode={"num_blocks": 14}) as pair:
+        report = h.run_pair(pair, h.prompts([40, 41, 42, 43], seed=5), max_tokens=24)
+        check(
+            report.decode_stats["preemptions"] > 0,
+            f"no preemption happened on D ({report.decode_stats}); the scenario needs one",
+        )
+
+
+@scenario(
+    "concurrency_soak", "64 concurrent requests, 3 rounds, every byte checked", PD, timeout_s=300
+)
+def concurrency_soak(h: Harness) -> None:
+    with h.pair(num_blocks=640, max_num_batched_tokens=1024) as pair:
+        for round_ in range(3):
+            prompts = h.prompts(
+                [8 + (i * 37) % 90 for i in range(64)], seed=100 + round_, name=f"round{round_}"
+            )
+            h.run_pair(pair, prompts, max_tokens=4)
