@@ -260,7 +260,7 @@ def _cmd_conformance(args: argparse.Namespace, out: Console, err: Console) -> in
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvx` command; returns the exit code."""
     # Piped output gets a wide fixed width so tables are not folded into unreadable columns.
-    width = None if sys.stdout.isatty() else 200
+    width = None if sys.stdout.isatty() else 10_000
     out = Console(soft_wrap=True, width=width)
     err = Console(stderr=True, soft_wrap=True, width=width)
     parser = _build_parser()
