@@ -1,0 +1,116 @@
+"""The example third-party connector passes the whole conformance suite, through every entry
+point: the Python API, `kvx conformance` and the pytest plugin."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvx.conformance import SCENARIOS, run_suite
+from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED, load_scenarios
+
+CONFIG = {
+    "kv_connector": "ExamplePDConnector",
+    "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 5},
+}
+UNCLAIMED = {"store_and_reuse", "hetero_tp", "block_size_mismatch", "layout_conversion"}
+KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.timeout(600)
+def test_full_suite_passes_with_unclaimed_reported() -> None:
+    results = run_suite(CONFIG, fault_timeout_s=20)
+    assert [r.name for r in results] == list(load_scenarios())
+    assert len(results) == len(SCENARIOS) >= 25
+    outcomes = {r.name: r.outcome for r in results}
+    failed = {r.name: r.message for r in results if r.outcome == FAILED}
+    assert not failed
+    assert {n for n, o in outcomes.items() if o == NOT_CLAIMED} == UNCLAIMED
+    assert all(o == PASSED for n, o in outcomes.items() if n not in UNCLAIMED)
+
+
+@pytest.mark.timeout(300)
+def test_cli_writes_a_report(tmp_path: Path) -> None:
+    assert KVX is not None
+    report = tmp_path / "report.md"
+    result = subprocess.run(
+        [
+            KVX,
+            "conformance",
+            "--kv-transfer-config",
+            json.dumps(CONFIG),
+            "--report",
+            str(report),
+            "--scenario",
+            "pd_short_prompt",
+            "--scenario",
+            "hetero_tp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed, 0 failed, 1 not claimed" in result.stdout
+    text = report.read_text()
+    assert "| pd_short_prompt | passed |" in text
+    assert "| hetero_tp | not claimed |" in text and "needs hetero_tp" in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--kv-transfer-config", '{"kv_connector": "NoSuch"}'], "is not a registered connector"),
+        (
+            ["--kv-transfer-config", json.dumps(CONFIG), "--scenario", "nope"],
+            "unknown scenario(s) ['nope']",
+        ),
+    ],
+)
+def test_cli_bad_input_exits_2(args: list[str], needle: str) -> None:
+    assert KVX is not None
+    result = subprocess.run(
+        [KVX, "conformance", *args], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_pytest_plugin(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "kvx.conformance",
+            "--kvx-config",
+            json.dumps(CONFIG),
+            "-k",
+            "pd_short_prompt or hetero_tp or abort_on_prefill",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+        cwd=tmp_path,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "2 passed, 1 skipped" in out
+    assert "not claimed: needs hetero_tp" in out
