@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvx.conformance import SCENARIOS, run_suite
 from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED, load_scenarios
 
