@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyprojec
 venv: $(STAMP)
 
 demo: venv
-	$(VENV)/bin/kvx list
+	$(VENV)/bin/kvx demo
 
 lint: venv
 	$(VENV)/bin/ruff check .

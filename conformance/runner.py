@@ -32,7 +32,7 @@ class ScenarioResult:
 
 def load_scenarios() -> dict[str, Scenario]:
     """Every built-in scenario, in a stable order."""
-    from kvx.conformance import scenarios_contract, scenarios_faults, scenarios_pd  # noqa: F401
+    from kvx.conformance import scenarios_pd, scenarios_faults, scenarios_contract  # noqa: F401, I001
 
     return dict(SCENARIOS)
 

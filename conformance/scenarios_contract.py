@@ -167,6 +167,45 @@ def _run(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict
 
 
 @scenario(
+    "corrupted_bytes_detected",
+    "stored bytes corrupted on disk are detected, reported as load errors, never served",
+    (Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION),
+)
+def corrupted_bytes_detected(h: Harness) -> None:
+    prompts = h.prompts([80, 150], seed=23)
+    expected = h.baseline(prompts, 4)
+    first = Engine(h.engine_config("kv_both"))
+    try:
+        _run(first, prompts, 4)
+    finally:
+        first.shutdown()
+    files = [p for p in h.workdir.rglob("*") if p.is_file() and p.stat().st_size > 64]
+    check(
+        bool(files),
+        f"no stored files under {h.workdir} to corrupt: point the connector's "
+        "storage at '{tmp}' for this scenario",
+    )
+    for path in files:
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+        path.write_bytes(bytes(data))
+    config = h.engine_config("kv_both")
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_load_failure_policy = "recompute"
+    second = Engine(config)
+    try:
+        got = _run(second, prompts, 4)  # checks every KV byte after every step
+        check(got == expected, f"outputs after corrupted loads differ: {got} != {expected}")
+        check(
+            second.stats()["load_errors"] > 0,
+            "corrupted blocks were not reported through get_block_ids_with_load_errors",
+        )
+    finally:
+        second.shutdown()
+
+
+@scenario(
     "hetero_tp",
     "P and D with different TP sizes: 1:2, 2:1, 2:4, 4:2, and 4:4 with replicated KV heads",
     (*PD, Capability.HETERO_TP),

@@ -17,7 +17,8 @@ CONFIG = {
     "kv_connector": "ExamplePDConnector",
     "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 5},
 }
-UNCLAIMED = {"store_and_reuse", "hetero_tp", "block_size_mismatch", "layout_conversion"}
+UNCLAIMED = {"store_and_reuse", "corrupted_bytes_detected", "hetero_tp", "block_size_mismatch",
+             "layout_conversion"}
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 
 
@@ -113,3 +114,9 @@ def test_pytest_plugin(tmp_path: Path) -> None:
     assert result.returncode == 0, out + result.stderr
     assert "2 passed, 1 skipped" in out
     assert "not claimed: needs hetero_tp" in out
+
+
+def test_docs_list_every_scenario() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "conformance.md").read_text()
+    missing = [name for name in load_scenarios() if f"| `{name}` |" not in text]
+    assert not missing, f"docs/conformance.md does not describe {missing}"
