@@ -40,7 +40,7 @@ def load_scenarios() -> dict[str, Scenario]:
 def connector_claims(kv: dict[str, Any], registry: Registry) -> frozenset[Capability]:
     """The capabilities the configured connector class declares."""
     config = KVTransferConfig.from_dict({**kv, "kv_role": "kv_both"}, registry=registry)
-    return frozenset(registry.resolve_connector_class(config).capabilities)
+    return registry.resolve_connector_class(config).claims_for(config)
 
 
 class ScenarioTimeout(ScenarioFailure):

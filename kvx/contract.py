@@ -454,6 +454,12 @@ class KVConnectorBase_V1(ABC):
         return None
 
     @classmethod
+    def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
+        """Class: the capabilities this connector claims under `config` (default: the class's
+        `capabilities`; composite connectors derive them from their children)."""
+        return frozenset(cls.capabilities)
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Class: True if the connector works inside layer hooks (no full CUDA-graph capture)."""
         return False

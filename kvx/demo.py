@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvx.config import load_cli_arg
+from kvx.config import KVTransferConfig, load_cli_arg
+from kvx.contract import Capability
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.errors import ConfigError, ConfigProblem
@@ -102,6 +103,19 @@ def run_demo(options: DemoOptions, registry: Registry, console: Console) -> int:
         else:
             kv = default_kv_config(registry, Path(workdir))
         kv = {k: v for k, v in kv.items() if k != "kv_role"}
+        probe = KVTransferConfig.from_dict({**kv, "kv_role": "kv_both"}, registry=registry)
+        claims = registry.resolve_connector_class(probe).claims_for(probe)
+        if tp[0] != tp[1] and Capability.HETERO_TP not in claims:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "--tp",
+                        f"{kv['kv_connector']} does not claim "
+                        "heterogeneous TP; use equal sizes such as "
+                        f"{tp[1]}:{tp[1]}",
+                    )
+                ]
+            )
         base = EngineConfig(
             layout=options.layout, block_size=options.block_size, num_blocks=512, seed=options.seed
         )

@@ -11,8 +11,9 @@ IMPORTED = True
 class EchoConnector(KVConnectorBase_V1):
     """Loads nothing, saves nothing; records the calls it gets."""
 
-    def __init__(self, config: kvx.KVTransferConfig, role: kvx.KVConnectorRole,
-                 ctx: kvx.EngineContext) -> None:
+    def __init__(
+        self, config: kvx.KVTransferConfig, role: kvx.KVConnectorRole, ctx: kvx.EngineContext
+    ) -> None:
         super().__init__(config, role, ctx)
         self.calls: list[str] = []
 
@@ -22,19 +23,22 @@ class EchoConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.calls.append("wait_for_layer_load")
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         self.calls.append("save_kv_layer")
 
     def wait_for_save(self) -> None:
         self.calls.append("wait_for_save")
 
-    def get_num_new_matched_tokens(self, request: kvx.Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: kvx.Request, blocks: kvx.KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self.calls.append("update_state_after_alloc")
 
     def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> KVConnectorMetadata:
@@ -42,8 +46,9 @@ class EchoConnector(KVConnectorBase_V1):
 
 
 class EchoHMAConnector(EchoConnector, SupportsHMA):
-    def request_finished_all_groups(self, request: kvx.Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
+    def request_finished_all_groups(
+        self, request: kvx.Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, None]:
         return False, None
 
 
@@ -81,3 +86,79 @@ def identity(x: Any) -> Any:
 
 class TestBackend:
     pass
+
+
+CALLS: dict[str, list[tuple[str, object]]] = {}
+
+
+class ScriptedMetadata(KVConnectorMetadata):
+    def __init__(self, finished: list[str]) -> None:
+        self.finished = finished
+
+
+class ScriptedConnector(EchoConnector):
+    """Answers and acts as its extra config says, and logs every call under its name."""
+
+    def __init__(
+        self, config: kvx.KVTransferConfig, role: kvx.KVConnectorRole, ctx: kvx.EngineContext
+    ) -> None:
+        super().__init__(config, role, ctx)
+        from kvx_test_plugin.schemas import ScriptedConfig
+
+        self.script = config.extra_config_as(ScriptedConfig)
+        self.log = CALLS.setdefault(self.script.name, [])
+        self._held: list[str] = []
+        self._sent: set[str] = set()
+
+    @classmethod
+    def get_required_kvcache_layout(
+        cls, config: kvx.KVTransferConfig, ctx: kvx.EngineContext | None = None
+    ) -> str | None:
+        return config.kv_connector_extra_config.get("layout")
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.log.append(("match", request.request_id))
+        return self.script.tokens, self.script.load_async and self.script.tokens > 0
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.log.append(("alloc", num_external_tokens))
+
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.log.append(("finished", request.request_id))
+        if self.script.hold:
+            self._held.append(request.request_id)
+        return self.script.hold, dict(self.script.params) or None
+
+    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> KVConnectorMetadata:
+        meta, self._held = ScriptedMetadata(self._held), []
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, ScriptedMetadata)
+        self._sent.update(connector_metadata.finished)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, self._sent = self._sent, set()
+        return sent or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self.script.load_errors)
+
+    def get_finished_count(self) -> int | None:
+        return self.script.finished_count
+
+    def get_kv_connector_stats(self) -> kvx.KVConnectorStats | None:
+        return kvx.KVConnectorStats({"calls": len(self.log)})
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> kvx.KVConnectorStats | None:
+        return kvx.KVConnectorStats(dict(data or {}))

@@ -27,6 +27,12 @@ def kvx_connectors() -> list[ConnectorSpec]:
             child_configs_key="connectors",
         ),
         ConnectorSpec(
+            name="ScriptedConnector",
+            target="kvx_test_plugin.connectors:ScriptedConnector",
+            summary="answers and acts as its extra config says (for composition tests)",
+            config_schema="kvx_test_plugin.schemas:ScriptedConfig",
+        ),
+        ConnectorSpec(
             name="NeedsMissingDependency",
             target="kvx_test_plugin.connectors:EchoConnector",
             summary="declares a dependency that is never installed",
