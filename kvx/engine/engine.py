@@ -8,7 +8,7 @@ driven through the full contract. `kvx.engine.server` runs one in its own OS pro
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -104,10 +104,17 @@ class Engine:
     """Add requests, step, read outputs; `shutdown()` when done."""
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
-        self.config = config
-        self.model = config.model
         ktc = config.kv_transfer_config
         registry = registry or get_registry()
+        if ktc is not None and ktc.kv_connector is not None and not config.use_mla:
+            # Like vLLM, the connector's layout requirement decides the cache layout.
+            required = registry.resolve_connector_class(ktc).get_required_kvcache_layout(
+                ktc, config.context(ParallelInfo())
+            )
+            if required is not None and required != config.layout:
+                config = replace(config, layout=required)
+        self.config = config
+        self.model = config.model
         self.scheduler_connector: KVConnectorBase_V1 | None = None
         if ktc is not None and ktc.kv_connector is not None:
             self.scheduler_connector = create_connector(

@@ -163,6 +163,19 @@ def test_layout_requirements(plugin_registry: Registry) -> None:
         MultiConnector.get_required_kvcache_layout(conflict)
 
 
+def test_engine_adopts_the_required_layout_and_refuses_conflicts(plugin_registry: Registry) -> None:
+    engine = Engine(EngineConfig(kv_transfer_config=multi(scripted("a", layout="HND"))))
+    try:
+        assert engine.config.layout == "HND"
+        tensor = engine.workers[0].cache.tensors["model.layers.0.self_attn"]
+        assert tensor.stride(2) < tensor.stride(3)  # heads before tokens in memory
+    finally:
+        engine.shutdown()
+    conflict = multi(scripted("a", layout="HND"), scripted("b", layout="NHD"))
+    with pytest.raises(ValueError, match="KV cache layout mismatch"):
+        Engine(EngineConfig(kv_transfer_config=conflict))
+
+
 def test_nested_config_errors_name_the_child(plugin_registry: Registry) -> None:
     from kvx import ConfigError
 
