@@ -150,6 +150,42 @@ def store_and_reuse(h: Harness) -> None:
         second.shutdown()
 
 
+@scenario(
+    "offload_and_reload",
+    "KV kept in a slower tier is loaded back into the same engine after its blocks were "
+    "evicted, through preemptions; output exact, no thread left behind",
+    (Capability.OFFLOAD,),
+)
+def offload_and_reload(h: Harness) -> None:
+    threads_before = {t.ident for t in threading.enumerate()}
+    target = h.prompts([120, 70], seed=31)
+    fillers = h.prompts([100, 90, 110, 95], seed=32, name="filler")
+    expected = h.baseline(target, 4) | h.baseline(fillers, 40)
+    engine = Engine(h.engine_config("kv_both", num_blocks=24, max_num_batched_tokens=128))
+    try:
+        got = _run(engine, target, 4)
+        # Long decodes push the targets' blocks out of the engine and force preemptions.
+        got |= _run(engine, fillers, 40)
+        before = engine.stats()["external_tokens"]
+        again = _run(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        check(
+            engine.stats()["external_tokens"] > before,
+            "nothing was loaded back from the offload tier for prompts it stored",
+        )
+        check(
+            engine.stats()["preemptions"] > 0,
+            f"no preemption happened ({engine.stats()}); the scenario needs one",
+        )
+        got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
+        check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
+    finally:
+        engine.shutdown()
+    leaked = [
+        t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+    ]
+    check(not leaked, f"threads still running after shutdown: {leaked}")
+
+
 def _run(engine: Engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, max_tokens)

@@ -51,6 +51,7 @@ class Capability(enum.StrEnum):
     LAYOUT_CONVERSION = "layout_conversion"  # P and D with different KV layouts
     HMA = "hma"  # several KV-cache groups
     DETECTS_CORRUPTION = "detects_corruption"  # verifies stored bytes, reports bad blocks
+    OFFLOAD = "offload"  # keeps KV in a slower tier and reloads it into the same engine
 
 
 class KVConnectorRole(enum.Enum):

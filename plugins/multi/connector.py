@@ -7,9 +7,10 @@ are freed only after the last child that took ownership reported it sent.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, ClassVar
 
-from kvx.plugins.multi.metadata import MultiKVConnectorMetadata
+from kvx.plugins.multi.metadata import MultiKVConnectorMetadata, MultiKVConnectorWorkerMetadata
 from kvx.plugins.multi.stats import MultiKVConnectorStats
 
 import kvx
@@ -22,6 +23,7 @@ from kvx import (
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorStats,
+    KVConnectorWorkerMetadata,
     KVTransferConfig,
     KVTransferResults,
     SupportsHMA,
@@ -36,6 +38,7 @@ _ANY_CHILD = frozenset(
         Capability.REMOTE_PREFILL,
         Capability.STORE_REUSE,
         Capability.ASYNC_LOAD,
+        Capability.OFFLOAD,
         Capability.DETECTS_CORRUPTION,
         Capability.LAYERWISE,
     }
@@ -167,8 +170,17 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        for child in self.children:
-            child.update_connector_output(connector_output)
+        """Each child sees the step's output with its own slice of the worker metadata."""
+        meta = connector_output.kv_connector_worker_meta
+        slices = (
+            meta.metadata
+            if isinstance(meta, MultiKVConnectorWorkerMetadata)
+            else (None,) * len(self.children)
+        )
+        for child, child_meta in zip(self.children, slices, strict=True):
+            child.update_connector_output(
+                replace(connector_output, kv_connector_worker_meta=child_meta)
+            )
 
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
@@ -339,6 +351,12 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
                 else:
                     merged.add_events(events.events)
         return merged
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        metas = tuple(c.build_connector_worker_meta() for c in self.children)
+        if all(m is None for m in metas):
+            return None
+        return MultiKVConnectorWorkerMetadata(metas)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         for child in self.children:

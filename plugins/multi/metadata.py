@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvx import KVConnectorMetadata
+from kvx import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -14,3 +14,24 @@ class MultiKVConnectorMetadata(KVConnectorMetadata):
 
     metadata: tuple[KVConnectorMetadata, ...] = ()
     extra_async_saves: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
+    """Each child's worker metadata (None where a child has none), in child order."""
+
+    metadata: tuple[KVConnectorWorkerMetadata | None, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, MultiKVConnectorWorkerMetadata):
+            raise TypeError(
+                f"cannot aggregate {type(other).__name__} into MultiKVConnectorWorkerMetadata"
+            )
+        merged = []
+        for mine, theirs in zip(self.metadata, other.metadata, strict=True):
+            if mine is None or theirs is None:
+                merged.append(mine if theirs is None else theirs)
+            else:
+                merged.append(mine.aggregate(theirs))
+        self.metadata = tuple(merged)
+        return self

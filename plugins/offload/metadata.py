@@ -1,0 +1,52 @@
+"""What crosses between the scheduler and worker sides of the OffloadingConnector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvx import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Copy CPU chunk slots into engine blocks: `gpu_blocks[i]` <- slot `slots[i]`, block
+    `offsets[i]` within that chunk."""
+
+    req_id: str
+    gpu_blocks: list[int]
+    slots: list[int]
+    offsets: list[int]
+
+
+@dataclass
+class StoreSpec:
+    """Copy whole chunks out: chunk `keys[j]` is the engine blocks
+    `gpu_blocks[j * blocks_per_chunk:(j + 1) * blocks_per_chunk]` into slot `slots[j]`."""
+
+    req_id: str
+    keys: list[str]
+    slots: list[int]
+    gpu_blocks: list[int]
+
+
+@dataclass
+class OffloadMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)  # requests kept until their stores finish
+
+
+@dataclass
+class OffloadWorkerMeta(KVConnectorWorkerMetadata):
+    """Chunk keys whose store finished on a worker (counts add up across workers)."""
+
+    stored: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, OffloadWorkerMeta):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into OffloadWorkerMeta")
+        for mine, theirs in ((self.stored, other.stored), (self.failed, other.failed)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
+        return self

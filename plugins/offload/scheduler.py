@@ -1,0 +1,189 @@
+"""Scheduler side of the OffloadingConnector: which chunks to load and store, and when a
+finished request's blocks may be freed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from kvx.plugins.offload.config import OffloadingConfig
+from kvx.plugins.offload.manager import OffloadingManager
+from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
+
+import kvx
+from kvx import KVConnectorOutput, yield_req_data
+
+
+def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[int, int]:
+    """(engine blocks per chunk, chunks the CPU budget holds) for this engine."""
+    spec = ctx.cache
+    if options.blocks_per_chunk is not None and options.block_size is not None:
+        raise ValueError("kv_connector_extra_config: give blocks_per_chunk or block_size, not both")
+    if options.block_size is not None:
+        if options.block_size % spec.block_size:
+            raise ValueError(
+                f"kv_connector_extra_config.block_size: {options.block_size} is "
+                f"not a multiple of the engine block size {spec.block_size}"
+            )
+        per_chunk = options.block_size // spec.block_size
+    else:
+        per_chunk = options.blocks_per_chunk or 1
+    heads = 1 if spec.use_mla else max(spec.num_kv_heads, ctx.parallel.tp_size)
+    parts = 1 if spec.use_mla else 2
+    element = spec.torch_dtype.itemsize
+    chunk_bytes = per_chunk * spec.block_size * spec.num_layers * parts * heads * spec.head_size
+    slots = options.cpu_bytes_to_use // (chunk_bytes * element)
+    if slots < 1:
+        raise ValueError(
+            f"kv_connector_extra_config.cpu_bytes_to_use: "
+            f"{options.cpu_bytes_to_use} bytes hold no chunk of "
+            f"{chunk_bytes * element} bytes; allowed: at least that much"
+        )
+    return per_chunk, slots
+
+
+class OffloadScheduler:
+    def __init__(self, options: OffloadingConfig, ctx: kvx.EngineContext) -> None:
+        self.block_size = ctx.cache.block_size
+        self.per_chunk, slots = chunk_geometry(options, ctx)
+        self.tokens_per_chunk = self.per_chunk * self.block_size
+        self.workers = ctx.parallel.world_size
+        self.manager = OffloadingManager(
+            slots,
+            options.eviction_policy,
+            options.store_threshold,
+            options.max_tracker_size,
+            self.tokens_per_chunk,
+        )
+        self.requests: dict[str, kvx.Request] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.offered_chunks: dict[str, int] = {}
+        self.inflight: dict[str, set[str]] = {}  # request -> chunk keys being stored
+        self.loading: dict[str, list[str]] = {}
+        self.acks: dict[str, int] = {}
+        self._loads: list[LoadSpec] = []
+        self._held: list[str] = []
+
+    def chunk_keys(self, request: kvx.Request) -> list[str]:
+        """One key per full chunk: the chained hash of the chunk's last block."""
+        hashes = request.block_hashes
+        return [
+            hashes[(c + 1) * self.per_chunk - 1].hex() for c in range(len(hashes) // self.per_chunk)
+        ]
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        keys = self.chunk_keys(request)
+        first = num_computed_tokens // self.tokens_per_chunk
+        hits = self.manager.lookup(keys[first:])
+        count = max(0, (first + hits) * self.tokens_per_chunk - num_computed_tokens)
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        self.requests[req_id] = request
+        self.blocks[req_id] = list(blocks.get_block_ids()[0])
+        if num_external_tokens == 0:
+            return
+        hashed = (blocks.num_hashed_blocks or (0,))[0]
+        first_block = hashed
+        last_block = math.ceil((hashed * self.block_size + num_external_tokens) / self.block_size)
+        keys = self.chunk_keys(request)
+        chunks = sorted({b // self.per_chunk for b in range(first_block, last_block)})
+        slots = dict(zip(chunks, self.manager.prepare_load([keys[c] for c in chunks]), strict=True))
+        self.loading[req_id] = [keys[c] for c in chunks]
+        table = self.blocks[req_id]
+        span = range(first_block, last_block)
+        self._loads.append(
+            LoadSpec(
+                req_id,
+                [table[b] for b in span],
+                [slots[b // self.per_chunk] for b in span],
+                [b % self.per_chunk for b in span],
+            )
+        )
+        # Chunks being loaded are already stored: never offer them again.
+        self.offered_chunks[req_id] = max(self.offered_chunks.get(req_id, 0), chunks[-1] + 1)
+
+    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> OffloadMetadata:
+        starts = {
+            new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
+        }
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        stores = []
+        for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
+            if new_blocks is not None:
+                if full_table or req_id not in self.blocks:
+                    self.blocks[req_id] = list(new_blocks[0])
+                else:
+                    self.blocks[req_id].extend(new_blocks[0])
+            if full_table and req_id in cached.resumed_req_ids:
+                self.offered_chunks[req_id] = 0
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            done = starts[req_id] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            store = self._stores_for(request, done)
+            if store is not None:
+                stores.append(store)
+        meta = OffloadMetadata(self._loads, stores, self._held)
+        self._loads, self._held = [], []
+        return meta
+
+    def _stores_for(self, request: kvx.Request, computed: int) -> StoreSpec | None:
+        req_id = request.request_id
+        keys = self.chunk_keys(request)
+        complete = min(
+            computed // self.tokens_per_chunk, len(keys), len(self.blocks[req_id]) // self.per_chunk
+        )
+        start = self.offered_chunks.get(req_id, 0)
+        if complete <= start:
+            return None
+        self.offered_chunks[req_id] = complete
+        plan = self.manager.prepare_store(keys[start:complete])
+        if plan is None or not plan.keys:
+            return None
+        table = self.blocks[req_id]
+        gpu_blocks = []
+        for key in plan.keys:
+            c = keys.index(key, start)
+            gpu_blocks += table[c * self.per_chunk : (c + 1) * self.per_chunk]
+        self.inflight.setdefault(req_id, set()).update(plan.keys)
+        return StoreSpec(req_id, plan.keys, plan.slots, gpu_blocks)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, OffloadWorkerMeta):
+            for failed, counts in ((False, meta.stored), (True, meta.failed)):
+                for key, count in counts.items():
+                    self.acks[key] = self.acks.get(key, 0) + count
+                    if self.acks[key] >= self.workers:
+                        del self.acks[key]
+                        self.manager.complete_store([key], success=not failed)
+                        for keys in self.inflight.values():
+                            keys.discard(key)
+        for req_id in output.finished_recving or ():
+            self.manager.complete_load(self.loading.pop(req_id, []))
+
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self.requests.pop(req_id, None)
+        self.blocks.pop(req_id, None)
+        self.offered_chunks.pop(req_id, None)
+        if self.inflight.pop(req_id, set()):
+            self._held.append(req_id)
+            return True, None
+        return False, None
+
+    def take_events(self) -> Iterable[kvx.KVCacheEvent]:
+        return self.manager.take_events()
+
+    def reset_cache(self) -> bool:
+        return self.manager.reset()

@@ -1,0 +1,153 @@
+"""Worker side of the OffloadingConnector: asynchronous block copies to and from the CPU tier.
+
+One background thread runs copy jobs in submission order, so a store into a slot always runs
+after the jobs that read that slot's previous content. Stores are submitted in `wait_for_save`
+(after the forward wrote the blocks), loads in `start_load_kv`; `handle_preemptions` waits for
+every queued store before the engine may overwrite preempted blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
+
+import kvx
+from kvx import KVConnectorStats
+
+
+def blocks_dim(layout: str) -> int:
+    """Which dim of a layer tensor indexes blocks (FlashAttention layouts put K/V first)."""
+    return 1 if layout in ("NHD", "HND") else 0
+
+
+class OffloadWorker:
+    def __init__(self, ctx: kvx.EngineContext, blocks_per_chunk: int, num_slots: int) -> None:
+        self.dim = 0 if ctx.cache.use_mla else blocks_dim(ctx.cache.layout)
+        self.per_chunk = blocks_per_chunk
+        self.num_slots = num_slots
+        self.gpu: dict[str, torch.Tensor] = {}
+        self.cpu: dict[str, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvx-offload")
+        self._stores: dict[str, list[tuple[Future[None], list[str]]]] = {}
+        self._loads: dict[str, Future[None]] = {}
+        self._held: set[str] = set()
+        self._stored: dict[str, int] = {}
+        self._failed: dict[str, int] = {}
+        self._load_errors: set[int] = set()
+        self._load_blocks: dict[str, list[int]] = {}
+        self._pending_stores: list[StoreSpec] = []
+        self.stats = KVConnectorStats()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.gpu = dict(kv_caches)
+        for name, tensor in kv_caches.items():
+            shape = list(tensor.shape)
+            shape[self.dim] = self.num_slots * self.per_chunk
+            self.cpu[name] = torch.empty(
+                shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
+            )
+
+    def handle_preemptions(self) -> None:
+        """Wait for every submitted store: preempted blocks may be overwritten next."""
+        for jobs in self._stores.values():
+            for future, _ in jobs:
+                future.exception()
+
+    def start_load_kv(self, meta: OffloadMetadata) -> None:
+        self._held.update(meta.held)
+        self._pending_stores = list(meta.stores)
+        for load in meta.loads:
+            self._load_blocks[load.req_id] = load.gpu_blocks
+            self._loads[load.req_id] = self._pool.submit(self._load, load)
+
+    def wait_for_save(self) -> None:
+        for store in self._pending_stores:
+            future = self._pool.submit(self._store, store)
+            self._stores.setdefault(store.req_id, []).append((future, store.keys))
+        self._pending_stores = []
+
+    def _cpu_index(self, slots: list[int], offsets: list[int]) -> torch.Tensor:
+        return torch.tensor(
+            [s * self.per_chunk + o for s, o in zip(slots, offsets, strict=True)], dtype=torch.long
+        )
+
+    def _store(self, store: StoreSpec) -> None:
+        start = time.perf_counter()
+        slots = [s for s in store.slots for _ in range(self.per_chunk)]
+        offsets = list(range(self.per_chunk)) * len(store.slots)
+        cpu_index = self._cpu_index(slots, offsets)
+        nbytes = 0
+        for name, gpu in self.gpu.items():
+            blocks = gpu.index_select(self.dim, torch.tensor(store.gpu_blocks, device=gpu.device))
+            self.cpu[name].index_copy_(self.dim, cpu_index, blocks.to("cpu"))
+            nbytes += blocks.numel() * blocks.element_size()
+        self._count("store", nbytes, time.perf_counter() - start)
+
+    def _load(self, load: LoadSpec) -> None:
+        start = time.perf_counter()
+        cpu_index = self._cpu_index(load.slots, load.offsets)
+        nbytes = 0
+        for name, gpu in self.gpu.items():
+            blocks = self.cpu[name].index_select(self.dim, cpu_index)
+            gpu.index_copy_(
+                self.dim, torch.tensor(load.gpu_blocks, device=gpu.device), blocks.to(gpu.device)
+            )
+            nbytes += blocks.numel() * blocks.element_size()
+        self._count("load", nbytes, time.perf_counter() - start)
+
+    def _count(self, kind: str, nbytes: int, seconds: float) -> None:
+        data = self.stats.data
+        data[f"{kind}s"] = data.get(f"{kind}s", 0) + 1
+        data[f"{kind}_bytes"] = data.get(f"{kind}_bytes", 0) + nbytes
+        data[f"{kind}_seconds"] = data.get(f"{kind}_seconds", 0.0) + seconds
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose loads are done, and held requests with no store left."""
+        recving = set()
+        for req_id, future in list(self._loads.items()):
+            if future.done():
+                del self._loads[req_id]
+                recving.add(req_id)
+                if future.exception() is not None:
+                    self._load_errors.update(self._load_blocks.pop(req_id, []))
+                else:
+                    self._load_blocks.pop(req_id, None)
+        for req_id, jobs in list(self._stores.items()):
+            still = []
+            for future, keys in jobs:
+                if not future.done():
+                    still.append((future, keys))
+                    continue
+                target = self._failed if future.exception() is not None else self._stored
+                for key in keys:
+                    target[key] = target.get(key, 0) + 1
+            if still:
+                self._stores[req_id] = still
+            else:
+                del self._stores[req_id]
+        sending = {r for r in self._held if r not in self._stores}
+        self._held -= sending
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> OffloadWorkerMeta | None:
+        if not self._stored and not self._failed:
+            return None
+        meta = OffloadWorkerMeta(self._stored, self._failed)
+        self._stored, self._failed = {}, {}
+        return meta
+
+    def take_stats(self) -> KVConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        """Finish queued copies (they target memory the engine still owns), then stop."""
+        self._pool.shutdown(wait=True)
