@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test lint typecheck pytest clean
+.PHONY: venv demo test lint typecheck pytest system-deps clean
 
 # torch goes in first and pinned (the CPU build lies on local disk; an unpinned torch pulls a
 # multi-GB CUDA build), and every later install is constrained to it.
@@ -30,7 +30,15 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
-pytest: venv
+# Real services the tests start themselves (never mocked): redis-server from Debian.
+system-deps:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (needed by the storage tests)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null || { echo "redis-server is missing and could not be installed" >&2; exit 1; }
+
+pytest: venv system-deps
 	$(PY) -m pytest
 
 test: lint typecheck pytest

@@ -218,6 +218,7 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
     assert {r.name for r in results if r.outcome == NOT_CLAIMED} == {
         "store_and_reuse",
         "corrupted_bytes_detected",
+        "offload_and_reload",
         "hetero_tp",
         "block_size_mismatch",
         "layout_conversion",
