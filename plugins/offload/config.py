@@ -18,3 +18,5 @@ class OffloadingConfig(msgspec.Struct, forbid_unknown_fields=True):
     eviction_policy: Literal["lru", "arc"] = "lru"
     store_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_tracker_size: Annotated[int, msgspec.Meta(ge=1)] = 64_000
+    disk_url: str | None = None  # fsspec URL of a second tier for chunks evicted from CPU
+    disk_bytes_to_use: Annotated[int, msgspec.Meta(gt=0)] | None = None

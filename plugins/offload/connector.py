@@ -41,7 +41,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = OffloadScheduler(options, ctx)
         else:
-            self._worker = OffloadWorker(ctx, *chunk_geometry(options, ctx))
+            per_chunk, slots, _ = chunk_geometry(options, ctx)
+            self._worker = OffloadWorker(ctx, per_chunk, slots, options.disk_url)
 
     @property
     def scheduler(self) -> OffloadScheduler:

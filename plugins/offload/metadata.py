@@ -14,8 +14,9 @@ class LoadSpec:
 
     req_id: str
     gpu_blocks: list[int]
-    slots: list[int]
+    slots: list[int]  # -1: the chunk is on disk under `disk_keys[i]`
     offsets: list[int]
+    disk_keys: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -34,6 +35,8 @@ class OffloadMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     held: list[str] = field(default_factory=list)  # requests kept until their stores finish
+    spills: list[tuple[str, int]] = field(default_factory=list)  # (key, slot): CPU -> disk
+    disk_drops: list[str] = field(default_factory=list)  # disk chunks to delete
 
 
 @dataclass

@@ -15,8 +15,8 @@ import kvx
 from kvx import KVConnectorOutput, yield_req_data
 
 
-def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[int, int]:
-    """(engine blocks per chunk, chunks the CPU budget holds) for this engine."""
+def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[int, int, int]:
+    """(engine blocks per chunk, chunks the CPU budget holds, chunks the disk budget holds)."""
     spec = ctx.cache
     if options.blocks_per_chunk is not None and options.block_size is not None:
         raise ValueError("kv_connector_extra_config: give blocks_per_chunk or block_size, not both")
@@ -40,13 +40,25 @@ def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[i
             f"{options.cpu_bytes_to_use} bytes hold no chunk of "
             f"{chunk_bytes * element} bytes; allowed: at least that much"
         )
-    return per_chunk, slots
+    if (options.disk_url is None) != (options.disk_bytes_to_use is None):
+        raise ValueError(
+            "kv_connector_extra_config: disk_url and disk_bytes_to_use go "
+            "together (give both for a disk tier, or neither)"
+        )
+    disk = (options.disk_bytes_to_use or 0) // (chunk_bytes * element)
+    if options.disk_url is not None and disk < 1:
+        raise ValueError(
+            f"kv_connector_extra_config.disk_bytes_to_use: "
+            f"{options.disk_bytes_to_use} bytes hold no chunk of "
+            f"{chunk_bytes * element} bytes"
+        )
+    return per_chunk, slots, disk
 
 
 class OffloadScheduler:
     def __init__(self, options: OffloadingConfig, ctx: kvx.EngineContext) -> None:
         self.block_size = ctx.cache.block_size
-        self.per_chunk, slots = chunk_geometry(options, ctx)
+        self.per_chunk, slots, disk_chunks = chunk_geometry(options, ctx)
         self.tokens_per_chunk = self.per_chunk * self.block_size
         self.workers = ctx.parallel.world_size
         self.manager = OffloadingManager(
@@ -55,6 +67,7 @@ class OffloadScheduler:
             options.store_threshold,
             options.max_tracker_size,
             self.tokens_per_chunk,
+            disk_chunks,
         )
         self.requests: dict[str, kvx.Request] = {}
         self.blocks: dict[str, list[int]] = {}
@@ -64,6 +77,8 @@ class OffloadScheduler:
         self.acks: dict[str, int] = {}
         self._loads: list[LoadSpec] = []
         self._held: list[str] = []
+        self._spills: list[tuple[str, int]] = []
+        self._disk_drops: list[str] = []
 
     def chunk_keys(self, request: kvx.Request) -> list[str]:
         """One key per full chunk: the chained hash of the chunk's last block."""
@@ -94,16 +109,18 @@ class OffloadScheduler:
         last_block = math.ceil((hashed * self.block_size + num_external_tokens) / self.block_size)
         keys = self.chunk_keys(request)
         chunks = sorted({b // self.per_chunk for b in range(first_block, last_block)})
-        slots = dict(zip(chunks, self.manager.prepare_load([keys[c] for c in chunks]), strict=True))
+        where = dict(zip(chunks, self.manager.prepare_load([keys[c] for c in chunks]), strict=True))
         self.loading[req_id] = [keys[c] for c in chunks]
         table = self.blocks[req_id]
         span = range(first_block, last_block)
+        slots = [where[b // self.per_chunk] for b in span]
         self._loads.append(
             LoadSpec(
                 req_id,
                 [table[b] for b in span],
-                [slots[b // self.per_chunk] for b in span],
+                [-1 if s is None else s for s in slots],
                 [b % self.per_chunk for b in span],
+                [keys[b // self.per_chunk] if s is None else "" for b, s in zip(span, slots)],
             )
         )
         # Chunks being loaded are already stored: never offer them again.
@@ -131,8 +148,8 @@ class OffloadScheduler:
             store = self._stores_for(request, done)
             if store is not None:
                 stores.append(store)
-        meta = OffloadMetadata(self._loads, stores, self._held)
-        self._loads, self._held = [], []
+        meta = OffloadMetadata(self._loads, stores, self._held, self._spills, self._disk_drops)
+        self._loads, self._held, self._spills, self._disk_drops = [], [], [], []
         return meta
 
     def _stores_for(self, request: kvx.Request, computed: int) -> StoreSpec | None:
@@ -148,6 +165,8 @@ class OffloadScheduler:
         plan = self.manager.prepare_store(keys[start:complete])
         if plan is None or not plan.keys:
             return None
+        self._spills += plan.spills
+        self._disk_drops += plan.disk_drops
         table = self.blocks[req_id]
         gpu_blocks = []
         for key in plan.keys:

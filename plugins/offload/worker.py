@@ -3,7 +3,8 @@
 One background thread runs copy jobs in submission order, so a store into a slot always runs
 after the jobs that read that slot's previous content. Stores are submitted in `wait_for_save`
 (after the forward wrote the blocks), loads in `start_load_kv`; `handle_preemptions` waits for
-every queued store before the engine may overwrite preempted blocks.
+every queued store before the engine may overwrite preempted blocks. With a disk tier, chunks
+evicted from a CPU slot are written to a file before anything else may reuse the slot.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import fsspec
 import torch
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 
@@ -24,7 +26,13 @@ def blocks_dim(layout: str) -> int:
 
 
 class OffloadWorker:
-    def __init__(self, ctx: kvx.EngineContext, blocks_per_chunk: int, num_slots: int) -> None:
+    def __init__(
+        self,
+        ctx: kvx.EngineContext,
+        blocks_per_chunk: int,
+        num_slots: int,
+        disk_url: str | None = None,
+    ) -> None:
         self.dim = 0 if ctx.cache.use_mla else blocks_dim(ctx.cache.layout)
         self.per_chunk = blocks_per_chunk
         self.num_slots = num_slots
@@ -40,6 +48,11 @@ class OffloadWorker:
         self._load_blocks: dict[str, list[int]] = {}
         self._pending_stores: list[StoreSpec] = []
         self.stats = KVConnectorStats()
+        self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
+        self.fs: fsspec.AbstractFileSystem | None = None
+        if disk_url is not None:
+            self.fs, self.root = fsspec.core.url_to_fs(disk_url)
+            self.fs.makedirs(self.root, exist_ok=True)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.gpu = dict(kv_caches)
@@ -59,6 +72,10 @@ class OffloadWorker:
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         self._held.update(meta.held)
         self._pending_stores = list(meta.stores)
+        for key, slot in meta.spills:  # before any store may overwrite the slot
+            self._pool.submit(self._spill, key, slot)
+        for key in meta.disk_drops:
+            self._pool.submit(self._drop_from_disk, key)
         for load in meta.loads:
             self._load_blocks[load.req_id] = load.gpu_blocks
             self._loads[load.req_id] = self._pool.submit(self._load, load)
@@ -88,15 +105,76 @@ class OffloadWorker:
 
     def _load(self, load: LoadSpec) -> None:
         start = time.perf_counter()
-        cpu_index = self._cpu_index(load.slots, load.offsets)
+        from_cpu = [i for i, slot in enumerate(load.slots) if slot >= 0]
         nbytes = 0
-        for name, gpu in self.gpu.items():
-            blocks = self.cpu[name].index_select(self.dim, cpu_index)
-            gpu.index_copy_(
-                self.dim, torch.tensor(load.gpu_blocks, device=gpu.device), blocks.to(gpu.device)
+        if from_cpu:
+            cpu_index = self._cpu_index(
+                [load.slots[i] for i in from_cpu], [load.offsets[i] for i in from_cpu]
             )
-            nbytes += blocks.numel() * blocks.element_size()
+            for name, gpu in self.gpu.items():
+                blocks = self.cpu[name].index_select(self.dim, cpu_index)
+                target = torch.tensor([load.gpu_blocks[i] for i in from_cpu], device=gpu.device)
+                gpu.index_copy_(self.dim, target, blocks.to(gpu.device))
+                nbytes += blocks.numel() * blocks.element_size()
+        by_key: dict[str, list[int]] = {}
+        for i, slot in enumerate(load.slots):
+            if slot < 0:
+                by_key.setdefault(load.disk_keys[i], []).append(i)
+        for key, positions in by_key.items():
+            chunk = self._read_chunk(key)
+            offsets = torch.tensor([load.offsets[i] for i in positions], dtype=torch.long)
+            for name, gpu in self.gpu.items():
+                blocks = chunk[name].index_select(self.dim, offsets)
+                target = torch.tensor([load.gpu_blocks[i] for i in positions], device=gpu.device)
+                gpu.index_copy_(self.dim, target, blocks.to(gpu.device))
+                nbytes += blocks.numel() * blocks.element_size()
         self._count("load", nbytes, time.perf_counter() - start)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}.{self.rank}.kv"
+
+    def _spill(self, key: str, slot: int) -> None:
+        """Write a CPU slot's chunk (every layer) to the disk tier, atomically."""
+        assert self.fs is not None
+        start = time.perf_counter()
+        data = b"".join(
+            self.cpu[name]
+            .narrow(self.dim, slot * self.per_chunk, self.per_chunk)
+            .contiguous()
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
+            for name in sorted(self.cpu)
+        )
+        tmp = f"{self._path(key)}.tmp"
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, self._path(key))
+        self._count("spill", len(data), time.perf_counter() - start)
+
+    def _read_chunk(self, key: str) -> dict[str, torch.Tensor]:
+        """A spilled chunk, per layer, shaped like the layer with `blocks_per_chunk` blocks."""
+        assert self.fs is not None
+        data = bytearray(self.fs.cat_file(self._path(key)))
+        chunk, offset = {}, 0
+        for name in sorted(self.cpu):
+            shape = list(self.cpu[name].shape)
+            shape[self.dim] = self.per_chunk
+            count = int(torch.Size(shape).numel())
+            size = count * self.cpu[name].element_size()
+            if offset + size > len(data):
+                raise ValueError(f"{self._path(key)} is truncated")
+            chunk[name] = torch.frombuffer(
+                data, dtype=self.cpu[name].dtype, offset=offset, count=count
+            ).view(shape)
+            offset += size
+        if offset != len(data):
+            raise ValueError(f"{self._path(key)} has {len(data) - offset} unexpected bytes")
+        return chunk
+
+    def _drop_from_disk(self, key: str) -> None:
+        assert self.fs is not None
+        self.fs.rm_file(self._path(key))
 
     def _count(self, kind: str, nbytes: int, seconds: float) -> None:
         data = self.stats.data

@@ -65,6 +65,24 @@ def test_store_threshold_and_events() -> None:
     assert m.take_events() == []
 
 
+def test_disk_tier_keeps_evicted_chunks_loadable() -> None:
+    m = OffloadingManager(num_slots=1, disk_chunks=2)
+    stored(m, K[0])
+    plan = m.prepare_store([K[1]])
+    assert plan is not None and plan.spills == [(K[0], 0)] and plan.disk_drops == []
+    m.complete_store(plan.keys)
+    assert m.lookup([K[0], K[1]]) == 2  # K[0] on disk, K[1] in the CPU slot
+    assert m.prepare_load([K[0], K[1]]) == [None, 0]
+    m.complete_load([K[0], K[1]])
+    stored(m, K[2])  # K[1] spills; the disk tier (2 chunks) is full
+    plan = m.prepare_store([K[3]])  # K[2] spills, the oldest disk chunk K[0] goes
+    assert plan is not None and plan.disk_drops == [K[0]]
+    m.complete_store(plan.keys)
+    assert m.lookup([K[0]]) == 0 and m.lookup([K[1], K[2], K[3]]) == 3
+    media = [(type(e).__name__, e.medium) for e in m.take_events()]
+    assert ("BlockStored", "DISK") in media and ("BlockRemoved", "DISK") in media
+
+
 def test_arc_keeps_frequent_keys_through_a_scan() -> None:
     arc = ARCPolicy(capacity=3)
     for key in K[:3]:
@@ -113,6 +131,10 @@ def test_config_errors(extra: dict[str, object], message: str) -> None:
         ),
         ({"cpu_bytes_to_use": 1 << 20, "block_size": 24}, "24 is not a multiple of the engine"),
         ({"cpu_bytes_to_use": 100}, "hold no chunk"),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "disk_url": "memory://x"},
+            "disk_url and disk_bytes_to_use go together",
+        ),
     ],
 )
 def test_geometry_errors(extra: dict[str, object], message: str) -> None:
@@ -134,6 +156,18 @@ def test_geometry_errors(extra: dict[str, object], message: str) -> None:
         {"cpu_bytes_to_use": 1 << 24},
         {"cpu_bytes_to_use": 1 << 24, "block_size": 32, "eviction_policy": "arc"},
         {"cpu_bytes_to_use": 1 << 24, "blocks_per_chunk": 2, "store_threshold": 1},
+        # A CPU tier of 4 chunks: reloads come from the disk tier.
+        {
+            "cpu_bytes_to_use": 1 << 16,
+            "disk_url": "file://{tmp}/disk",
+            "disk_bytes_to_use": 1 << 24,
+        },
+        {
+            "cpu_bytes_to_use": 1 << 16,
+            "disk_url": "memory://kvx-offload-test",
+            "disk_bytes_to_use": 1 << 24,
+            "eviction_policy": "arc",
+        },
     ],
 )
 def test_conformance(extra: dict[str, object]) -> None:
