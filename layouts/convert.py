@@ -1,0 +1,154 @@
+"""`convert_blocks`: blocks in any layout and block size into any other layout and block size."""
+
+from __future__ import annotations
+
+import torch
+from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
+from kvx.layouts.builtin import get_layout
+from kvx.layouts.descriptor import BLOCKS, HEAD_SIZE, HEADS, TOKENS, Layout
+
+_SUB = "sub"  # sub-block index, when a block is split into min(block sizes)-token pieces
+
+
+def convert_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_block_ids: BlockIdsLike,
+    dst_block_ids: BlockIdsLike,
+    *,
+    src_layout: str | Layout = "NHD",
+    dst_layout: str | Layout = "NHD",
+    num_tokens: int | None = None,
+    src_heads: range | None = None,
+    dst_heads: range | None = None,
+) -> None:
+    """Write the tokens of `src`'s blocks into `dst`'s blocks, converting layout and block size.
+
+    The source blocks, in the order given, hold a token sequence (`num_tokens` long, default:
+    all their tokens); it is written in order into the destination blocks, whose block size may
+    be smaller or larger than the source's (either must divide the other). Exactly the blocks
+    that sequence needs must be given; the part of a last, partial destination block past
+    `num_tokens` and every other block of `dst` stay untouched. `src_heads` / `dst_heads` select
+    a contiguous head range on either side for heterogeneous TP (both must select as many heads).
+    Block sizes are read from the tensors. Unlike vLLM (remote block <= local block only), any
+    divisible pair of block sizes works in both directions.
+    """
+    ls, ld = get_layout(src_layout), get_layout(dst_layout)
+    if ls.dims != ld.dims:
+        raise ValueError(
+            f"cannot convert {ls.name} to {ld.name}: they hold different dims "
+            f"({sorted(ls.dims)} vs {sorted(ld.dims)})"
+        )
+    if src.dtype != dst.dtype:
+        raise ValueError(f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
+    ss, sd = ls.sizes_of(src), ld.sizes_of(dst)
+    for dim in sorted(ls.dims - {BLOCKS, TOKENS, HEADS}):
+        if ss[dim] != sd[dim]:
+            raise ValueError(f"src has {dim}={ss[dim]} but dst has {dim}={sd[dim]}")
+    vs, vd = ls.semantic_view(src), ld.semantic_view(dst)
+    if HEADS in ls.dims:
+        vs, vd = _select_heads(vs, ls, src_heads, vd, ld, dst_heads)
+    elif src_heads is not None or dst_heads is not None:
+        raise ValueError(f"src_heads / dst_heads: layout {ls.name} has no heads dim")
+    ns, nd = ss[TOKENS], sd[TOKENS]
+    if max(ns, nd) % min(ns, nd):
+        raise ValueError(
+            f"block sizes must divide one another: src block size {ns}, dst block size {nd}"
+        )
+
+    src_idx = block_index(src_block_ids, ss[BLOCKS], src.device, "src_block_ids")
+    dst_idx = block_index(dst_block_ids, sd[BLOCKS], dst.device, "dst_block_ids")
+    total = src_idx.numel() * ns if num_tokens is None else num_tokens
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    for arg, idx, size in (("src_block_ids", src_idx, ns), ("dst_block_ids", dst_idx, nd)):
+        if idx.numel() != -(-total // size):
+            raise ValueError(
+                f"{arg} has {idx.numel()} blocks but {total} tokens need "
+                f"{-(-total // size)} blocks of {size} tokens"
+            )
+    if dst_idx.unique().numel() != dst_idx.numel():
+        raise ValueError("dst_block_ids repeats a block id; each destination block is written once")
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr() and bool(
+        torch.isin(dst_idx, src_idx.to(dst_idx.device)).any()
+    ):
+        raise ValueError("src and dst share memory and src_block_ids overlap dst_block_ids")
+
+    w = min(_word(vs, ls), _word(vd, ld))
+    vs, vd = as_words(vs, w), as_words(vd, w)
+    order = [d for d in ld.memory if d != BLOCKS]
+    longest = max(ns, nd)
+    whole = total // longest * longest
+    if whole:
+        g = min(ns, nd)
+        src_main = _blocks_major(vs, ls.memory, order, ns // g)
+        dst_main = _blocks_major(vd, ld.memory, order, nd // g)
+        gather_scatter(src_main, src_idx[: whole // ns], dst_main, dst_idx[: whole // nd])
+    if total > whole:
+        _copy_tail(vs, ls, src_idx[whole // ns :], vd, ld, dst_idx[whole // nd :], total - whole)
+
+
+def _select_heads(
+    vs: torch.Tensor,
+    ls: Layout,
+    src_heads: range | None,
+    vd: torch.Tensor,
+    ld: Layout,
+    dst_heads: range | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Narrow both views to the selected head ranges (same count on both sides)."""
+    picked = []
+    for arg, view, layout, heads in (
+        ("src_heads", vs, ls, src_heads),
+        ("dst_heads", vd, ld, dst_heads),
+    ):
+        dim = layout.memory.index(HEADS)
+        have = view.shape[dim]
+        heads = range(have) if heads is None else heads
+        if not (isinstance(heads, range) and heads.step == 1 and 0 <= heads.start < heads.stop):
+            raise ValueError(f"{arg} must be a non-empty range(start, stop), got {heads!r}")
+        if heads.stop > have:
+            raise ValueError(f"{arg} {heads!r} exceeds the {have} heads of the tensor")
+        picked.append(view.narrow(dim, heads.start, len(heads)))
+    if picked[0].shape[ls.memory.index(HEADS)] != picked[1].shape[ld.memory.index(HEADS)]:
+        raise ValueError(
+            f"src selects {picked[0].shape[ls.memory.index(HEADS)]} heads but dst "
+            f"{picked[1].shape[ld.memory.index(HEADS)]}; pass src_heads / dst_heads to pick "
+            "matching head ranges (heterogeneous TP)"
+        )
+    return picked[0], picked[1]
+
+
+def _word(view: torch.Tensor, layout: Layout) -> int:
+    """Widest word for `view`: only head_size, the innermost dim of every transform, may widen."""
+    return word_bytes(view) if layout.memory[-1] == HEAD_SIZE else view.element_size()
+
+
+def _blocks_major(
+    view: torch.Tensor, memory: tuple[str, ...], order: list[str], sub: int
+) -> torch.Tensor:
+    """`view` as `[blocks, sub, *order]`, its tokens split into `sub` pieces (a strided view)."""
+    t = memory.index(TOKENS)
+    split = view.unflatten(t, (sub, view.shape[t] // sub))
+    names = [*memory[:t], _SUB, *memory[t:]]
+    return split.permute([names.index(d) for d in (BLOCKS, _SUB, *order)])
+
+
+def _copy_tail(
+    vs: torch.Tensor,
+    ls: Layout,
+    src_idx: torch.Tensor,
+    vd: torch.Tensor,
+    ld: Layout,
+    dst_idx: torch.Tensor,
+    count: int,
+) -> None:
+    """Copy the first `count` tokens of `src_idx`'s blocks into `dst_idx`'s, token by index."""
+    rest = [d for d in ld.memory if d not in (BLOCKS, TOKENS)]
+    src_tok = vs.permute([ls.memory.index(d) for d in (BLOCKS, TOKENS, *rest)])
+    dst_tok = vd.permute([ld.memory.index(d) for d in (BLOCKS, TOKENS, *rest)])
+    ns, nd = src_tok.shape[1], dst_tok.shape[1]
+    pos = torch.arange(count, device=vs.device)
+    tokens = src_tok[src_idx[pos // ns], pos % ns].to(vd.device)
+    pos = pos.to(vd.device)
+    dst_tok[dst_idx[pos // nd], pos % nd] = tokens

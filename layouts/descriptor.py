@@ -1,0 +1,197 @@
+"""The layout model: where the bytes of a paged KV cache tensor live.
+
+A `Layout` describes one layer's KV tensor (or a cross-layer tensor holding every layer) with
+three facts:
+
+- `shape`: the tensor's logical dims as the engine presents them (vLLM's
+  `get_kv_cache_shape`), each a semantic dim or a product of them such as `"kv*head_size"`;
+- `stride_order`: vLLM's `get_kv_cache_stride_order`, i.e. memory dim `i` is logical dim
+  `stride_order[i]`;
+- `memory`: the semantic dims in memory order, outermost first. It is what kvx trusts: the
+  memory-ordered logical dims are reshaped into it, so a packed dim may hide a different
+  factor order (vLLM-CPU's `[blocks, heads, tokens, 2*head_size]` is K-then-V per slab).
+
+Semantic dims: `layers`, `blocks`, `kv` (always 2: K then V), `tokens` (the block size),
+`heads` (KV heads on this rank) and `head_size` (MLA: the latent width).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+LAYERS = "layers"
+BLOCKS = "blocks"
+KV = "kv"
+TOKENS = "tokens"
+HEADS = "heads"
+HEAD_SIZE = "head_size"
+DIMS = (LAYERS, BLOCKS, KV, TOKENS, HEADS, HEAD_SIZE)
+"""Every semantic dim a layout may use."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One KV cache layout (see the module docstring for the three fields that define it).
+
+    `tp_dim` is the dim tensor parallelism shards (`"heads"`, or None when every rank holds the
+    whole tensor, as for MLA). Construction validates the description.
+    """
+
+    name: str
+    shape: tuple[str, ...]
+    memory: tuple[str, ...]
+    stride_order: tuple[int, ...] = ()
+    tp_dim: str | None = HEADS
+    summary: str = ""
+    _factors: tuple[tuple[str, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        factors = tuple(tuple(entry.split("*")) for entry in self.shape)
+        object.__setattr__(self, "_factors", factors)
+        if not self.stride_order:
+            object.__setattr__(self, "stride_order", tuple(range(len(self.shape))))
+        where = f"layout {self.name!r}"
+        unknown = sorted({d for f in factors for d in f} - set(DIMS))
+        if unknown or set(self.memory) - set(DIMS):
+            bad = unknown or sorted(set(self.memory) - set(DIMS))
+            raise ValueError(f"{where}: unknown dim(s) {bad}; allowed: {list(DIMS)}")
+        if len(set(self.memory)) != len(self.memory):
+            raise ValueError(f"{where}: memory {self.memory} repeats a dim")
+        used = sorted(d for f in factors for d in f)
+        if used != sorted(self.memory):
+            raise ValueError(
+                f"{where}: shape {self.shape} and memory {self.memory} must use the same dims"
+            )
+        if BLOCKS not in self.memory or TOKENS not in self.memory:
+            raise ValueError(f"{where}: memory {self.memory} needs 'blocks' and 'tokens'")
+        if sorted(self.stride_order) != list(range(len(self.shape))):
+            raise ValueError(
+                f"{where}: stride_order {self.stride_order} is not a permutation of "
+                f"range({len(self.shape)})"
+            )
+        for f in factors:
+            if len(f) > 1 and (BLOCKS in f or len([d for d in f if d != KV]) > 1):
+                raise ValueError(
+                    f"{where}: shape entry {'*'.join(f)!r} cannot be sized from a tensor; "
+                    "a product may hold 'kv' and one other dim, never 'blocks'"
+                )
+        if self.tp_dim is not None and self.tp_dim not in self.memory:
+            raise ValueError(f"{where}: tp_dim {self.tp_dim!r} is not one of {self.memory}")
+
+    # -- facts ---------------------------------------------------------------------------------
+
+    @property
+    def dims(self) -> frozenset[str]:
+        """The semantic dims this layout holds."""
+        return frozenset(self.memory)
+
+    @property
+    def is_cross_layer(self) -> bool:
+        """True if one tensor holds every layer."""
+        return LAYERS in self.memory
+
+    @property
+    def blocks_first(self) -> bool:
+        """True if blocks are the outermost memory dim (vLLM's "blocks-first")."""
+        return self.memory[0] == BLOCKS
+
+    @property
+    def kv_split(self) -> bool:
+        """True if K and V of a block are separate regions (`kv` outside `blocks` in memory)."""
+        return KV in self.memory and self.memory.index(KV) < self.memory.index(BLOCKS)
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    def logical_shape(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int = 1,
+        head_size: int = 1,
+        num_layers: int = 1,
+    ) -> tuple[int, ...]:
+        """The tensor shape for these sizes (dims the layout lacks are ignored)."""
+        sizes = self._sizes(num_blocks, block_size, num_heads, head_size, num_layers)
+        return tuple(math.prod(sizes[d] for d in f) for f in self._factors)
+
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int = 1,
+        head_size: int = 1,
+        num_layers: int = 1,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """An uninitialised tensor with this layout's logical shape and memory order."""
+        import torch
+
+        shape = self.logical_shape(num_blocks, block_size, num_heads, head_size, num_layers)
+        physical = torch.empty([shape[i] for i in self.stride_order], dtype=dtype, device=device)
+        inverse = sorted(range(len(shape)), key=self.stride_order.__getitem__)
+        return physical.permute(inverse)
+
+    def sizes_of(self, tensor: torch.Tensor) -> dict[str, int]:
+        """Every semantic dim's size, read from `tensor`'s shape (raises on a mismatch)."""
+        if tensor.dim() != len(self.shape):
+            raise ValueError(
+                f"layout {self.name!r} expects a {len(self.shape)}-d tensor "
+                f"{list(self.shape)}, got shape {tuple(tensor.shape)}"
+            )
+        sizes: dict[str, int] = {KV: 2} if KV in self.memory else {}
+        for f, n in zip(self._factors, tensor.shape):
+            rest = [d for d in f if d != KV]
+            known = math.prod(sizes[d] for d in f if d == KV)
+            if not rest:
+                ok = n == known
+            else:
+                ok = n % known == 0 and sizes.setdefault(rest[0], n // known) == n // known
+            if not ok:
+                raise ValueError(
+                    f"layout {self.name!r}: dim {'*'.join(f)!r} has size {n}, which does not "
+                    f"fit (kv is always 2); tensor shape {tuple(tensor.shape)}"
+                )
+        return sizes
+
+    def block_size_of(self, tensor: torch.Tensor) -> int:
+        """Tokens per block of `tensor`."""
+        return self.sizes_of(tensor)[TOKENS]
+
+    def num_blocks_of(self, tensor: torch.Tensor) -> int:
+        """Blocks in `tensor`."""
+        return self.sizes_of(tensor)[BLOCKS]
+
+    def semantic_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of `tensor` with one dim per entry of `memory`, in that order."""
+        sizes = self.sizes_of(tensor)
+        try:
+            return tensor.permute(self.stride_order).view([sizes[d] for d in self.memory])
+        except RuntimeError:
+            raise ValueError(
+                f"layout {self.name!r}: tensor of shape {tuple(tensor.shape)} and strides "
+                f"{tensor.stride()} is not laid out in memory as {list(self.memory)}"
+            ) from None
+
+    def _sizes(
+        self, num_blocks: int, block_size: int, num_heads: int, head_size: int, num_layers: int
+    ) -> Mapping[str, int]:
+        sizes = {
+            LAYERS: num_layers,
+            BLOCKS: num_blocks,
+            KV: 2,
+            TOKENS: block_size,
+            HEADS: num_heads,
+            HEAD_SIZE: head_size,
+        }
+        for dim, n in sizes.items():
+            if n < (0 if dim == BLOCKS else 1):
+                raise ValueError(f"layout {self.name!r}: {dim} must be >= 1, got {n}")
+        return sizes

@@ -1,0 +1,101 @@
+"""vLLM's receive-side transforms, with vLLM's (legacy NIXL connector) signatures and semantics.
+
+Each takes one K or V cache with the logical shape `[num_blocks, block_size, heads, head_size]`
+(the per-layer, per-K/V tensor vLLM's NIXL connector registers), the block ids that were just
+received, and rewrites those blocks in place. Other blocks are not touched.
+
+vLLM does `index_select -> reshape/permute (a copy) -> index_copy_`. Here the permutation is
+folded into the gather, so each block is read once and written once, on a bit view of the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
+
+
+def kv_postprocess_layout_on_receive(cache: torch.Tensor, indices: BlockIdsLike) -> None:
+    """Reorder blocks a remote HND engine wrote into this NHD cache.
+
+    Each selected block's elements, in the cache's logical order, are read as
+    `[heads, block_size, head_size]` and written back as `[block_size, heads, head_size]`
+    (matches vLLM's `kv_postprocess_layout_on_receive`).
+    """
+    _regroup(cache, indices, 1, heads_major=False, fn="kv_postprocess_layout_on_receive")
+
+
+def kv_postprocess_blksize_on_receive(
+    cache: torch.Tensor, indices: BlockIdsLike, block_size_ratio: int
+) -> None:
+    """Merge `block_size_ratio` smaller remote blocks received into each local block (HND).
+
+    The selected block, read in `[heads, block_size, head_size]` order (HND memory order), holds
+    `r = block_size_ratio` remote blocks `[heads, block_size / r, head_size]` one after another;
+    they are rewritten as one block whose tokens are the remote blocks' tokens in order
+    (matches vLLM's `kv_postprocess_blksize_on_receive`; only remote <= local block size).
+    """
+    _regroup(
+        cache, indices, block_size_ratio, heads_major=True, fn="kv_postprocess_blksize_on_receive"
+    )
+
+
+def kv_postprocess_blksize_and_layout_on_receive(
+    cache: torch.Tensor, indices: BlockIdsLike, block_size_ratio: int
+) -> None:
+    """Merge smaller HND remote blocks into each local NHD block.
+
+    The selected block, read in the cache's logical `[block_size, heads, head_size]` order,
+    holds `r = block_size_ratio` remote HND blocks `[heads, block_size / r, head_size]`; they are
+    rewritten as one NHD block with the remote blocks' tokens in order (matches vLLM's
+    `kv_postprocess_blksize_and_layout_on_receive`; only remote <= local block size).
+    """
+    _regroup(
+        cache,
+        indices,
+        block_size_ratio,
+        heads_major=False,
+        fn="kv_postprocess_blksize_and_layout_on_receive",
+    )
+
+
+def _regroup(
+    cache: torch.Tensor, indices: BlockIdsLike, ratio: int, *, heads_major: bool, fn: str
+) -> None:
+    """Rewrite each selected block `X[b]` from `r` sub-blocks `[heads, n, head_size]`.
+
+    `X` is the cache viewed `[B, H, N, D]` when `heads_major`, else `[B, N, H, D]`; the flat
+    contents of `X[b]` are the `r` received sub-blocks, and the result is written to `X[b]`
+    with token `j * n + t` taken from sub-block `j`, token `t`.
+    """
+    if cache.dim() != 4:
+        raise ValueError(
+            f"{fn}: cache must be 4-d [num_blocks, block_size, heads, head_size], "
+            f"got shape {tuple(cache.shape)}"
+        )
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"{fn}: block_size_ratio must be an int >= 1, got {ratio!r}")
+    num_blocks, block_size, heads, _ = cache.shape
+    if block_size % ratio:
+        raise ValueError(
+            f"{fn}: block_size_ratio {ratio} does not divide the cache's block size {block_size}"
+        )
+    idx = block_index(indices, num_blocks, cache.device, f"{fn}: indices")
+    if idx.numel() == 0:
+        return
+    if idx.device.type == "cpu":
+        # Chunks are gathered after earlier chunks were written: a repeated id would be
+        # transformed twice. vLLM's single gather makes repeats harmless, so drop them.
+        idx = torch.unique(idx)
+    x = cache.permute(0, 2, 1, 3) if heads_major else cache
+    x = as_words(x, word_bytes(x))
+    n, d = block_size // ratio, x.shape[-1]
+    # Received sub-blocks `[r, H, n, D]`, reordered to X's order with tokens split as (r, n).
+    order = (0, 2, 1, 3, 4) if heads_major else (0, 1, 3, 2, 4)
+    tokens_dim = 2 if heads_major else 1
+    dst = x.unflatten(tokens_dim, (ratio, n))
+    if x[0].is_contiguous():
+        src = x.view(num_blocks, ratio, heads, n, d).permute(order)
+        gather_scatter(src, idx, dst, idx)
+    else:
+        received = x.index_select(0, idx).view(-1, ratio, heads, n, d)
+        dst.index_copy_(0, idx, received.permute(order))
