@@ -1,0 +1,801 @@
+"""The reference scheduler's lifecycle semantics (reference sections 4.2-4.7 and the checklist of
+section 8): P-side delayed frees, D-side WAITING_FOR_REMOTE_KVS, load failures, preemption,
+chunked prefill, prefix caching and request validation.
+
+`ScriptedConnector` is a real connector written against the public contract: what it loads is
+scripted per request through `kv_transfer_params` (`load`, `async`, `bad`, `silent`, `fail`,
+`hold`), and its worker side writes the KV the model would have computed into the paged cache
+(corrupting the `bad` blocks). Engines load it through `kv_connector_module_path`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from kvx import (
+    EngineContext,
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheSpec,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVTransferConfig,
+    KVTransferResults,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
+from kvx.engine import (
+    Engine,
+    EngineConfig,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    ToyModel,
+    prefix_hashes,
+)
+from kvx.engine.kv_cache import rank_heads
+
+BS = 16
+SMALL: dict[str, Any] = {"num_layers": 2, "num_kv_heads": 2, "head_size": 8, "block_size": BS}
+TOKEN = 7  # what Scheduler-level tests "sample"
+
+
+# -- the scripted connector ------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    is_async: bool
+    bad: list[int] = field(default_factory=list)  # block indices (in the request's table)
+    silent: bool = False  # corrupt the bad blocks without reporting them
+    fail: bool = False  # the whole receive fails (failed_recving), nothing is written
+
+
+@dataclass
+class ScriptedMeta(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    sends: list[str] = field(default_factory=list)
+
+
+class ScriptedConnector(KVConnectorBase_V1):
+    """Loads what `kv_transfer_params["load"]` says (a token count or "all"); holds finished
+    requests whose params say `hold` until its workers report them sent (next step)."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext):
+        super().__init__(config, role, ctx)
+        self.calls: list[tuple[Any, ...]] = []
+        self.sched_outputs: list[SchedulerOutput] = []
+        self._loads: list[Load] = []
+        self._sends: list[str] = []
+        self._caches: dict[str, torch.Tensor] = {}
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._sent: set[str] = set()
+        self._errors: set[int] = set()
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> Any:
+        self.calls.append(("match", request.request_id, num_computed_tokens))
+        params = request.kv_transfer_params or {}
+        if "load" not in params or params.get("loaded"):
+            return 0, False
+        total = request.num_prompt_tokens if params["load"] == "all" else params["load"]
+        count = max(0, total - num_computed_tokens)
+        return count, bool(params.get("async")) and count > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.calls.append(("alloc", request.request_id, num_external_tokens))
+        params = request.kv_transfer_params or {}
+        if num_external_tokens == 0 or "load" not in params or params.get("loaded"):
+            return
+        params["loaded"] = True
+        start = (blocks.num_hashed_blocks or (0,))[0] * self.engine_context.cache.block_size
+        self._loads.append(
+            Load(
+                request.request_id,
+                list(request.prompt_token_ids),
+                list(blocks.get_block_ids()[0]),
+                start,
+                start + num_external_tokens,
+                bool(params.get("async")),
+                list(params.get("bad", [])),
+                bool(params.get("silent")),
+                bool(params.get("fail")),
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ScriptedMeta:
+        self.calls.append(("build_meta",))
+        self.sched_outputs.append(scheduler_output)
+        meta = ScriptedMeta(self._loads, self._sends)
+        self._loads, self._sends = [], []
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.calls.append(("update_output",))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> Any:
+        self.calls.append(("finished", request.request_id, request.status, list(block_ids)))
+        params = request.kv_transfer_params or {}
+        if params.get("hold") and request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            self._sends.append(request.request_id)
+            return True, {"remote_block_ids": list(block_ids), "remote_request_id": "p-1"}
+        return False, None
+
+    # worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = dict(kv_caches)
+
+    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
+        self.calls.append(("handle_preemptions", frozenset(preempted_req_ids)))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self.calls.append(("bind",))
+        super().bind_connector_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ScriptedMeta)
+        self._sent.update(meta.sends)
+        for load in meta.loads:
+            if load.fail:
+                self._recv_failed.add(load.req_id)
+                continue
+            self._write(load)
+            if not load.silent:
+                self._errors.update(load.block_ids[i] for i in load.bad)
+            if load.is_async:
+                self._recv_done.add(load.req_id)
+
+    def _write(self, load: Load) -> None:
+        spec, par = self.engine_context.cache, self.engine_context.parallel
+        assert spec.layout == "NHD"
+        model = ToyModel(spec.num_layers, spec.num_kv_heads, spec.head_size)
+        heads = rank_heads(spec.num_kv_heads, par.tp_size, par.tp_rank)
+        hashes = prefix_hashes(load.token_ids)
+        pos = torch.arange(load.start, load.end)
+        table = torch.tensor(load.block_ids, dtype=torch.long)
+        blocks, offsets = table[pos // spec.block_size], pos % spec.block_size
+        for name, tensor in self._caches.items():
+            layer = spec.layer_names.index(name)
+            kv = model.token_kv(hashes[load.start : load.end], layer, heads, tensor.dtype)
+            for i in load.bad:
+                kv[(pos // spec.block_size) == i] += 1.0
+            tensor.permute(1, 2, 0, 3, 4)[blocks, offsets] = kv
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVTransferResults:
+        sent, self._sent = self._sent, set()
+        done, self._recv_done = self._recv_done, set()
+        failed, self._recv_failed = self._recv_failed, set()
+        return KVTransferResults(sent, done | failed, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+CTX = EngineContext("sched", "m", KVCacheSpec(("l0", "l1"), 2, 8, BS))
+
+
+def scheduler(num_blocks: int = 16, **config: Any) -> tuple[Scheduler, ScriptedConnector]:
+    connector = ScriptedConnector(
+        KVTransferConfig(kv_connector="ScriptedConnector", kv_role="kv_both"),
+        KVConnectorRole.SCHEDULER,
+        CTX,
+    )
+    return Scheduler(SchedulerConfig(num_blocks, BS, **config), connector), connector
+
+
+def step(
+    s: Scheduler, kv: KVConnectorOutput | None = None
+) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    out = s.schedule()
+    return out, s.update_from_output(out, {r: TOKEN for r in out.num_scheduled_tokens}, kv)
+
+
+def status(s: Scheduler, req_id: str) -> RequestStatus:
+    return s.states[req_id].request.status
+
+
+def is_empty(s: Scheduler) -> bool:
+    return (
+        not s.has_pending_work()
+        and s.pool.num_free_blocks == s.config.num_blocks
+        and all(c == 0 for c in s.pool.ref_cnt)
+        and s.held_blocks() == {}
+    )
+
+
+def scripted_kv(policy: str = "fail", role: str = "kv_both") -> KVTransferConfig:
+    return KVTransferConfig.from_dict(
+        {
+            "kv_connector": "ScriptedConnector",
+            "kv_connector_module_path": __name__,
+            "kv_role": role,
+            "kv_load_failure_policy": policy,
+        }
+    )
+
+
+def make_engine(policy: str | None = "fail", **config: Any) -> Engine:
+    kv = None if policy is None else scripted_kv(policy)
+    return Engine(EngineConfig(**{**SMALL, "num_blocks": 32, **config}, kv_transfer_config=kv))
+
+
+def sched_conn(engine: Engine) -> ScriptedConnector:
+    assert isinstance(engine.scheduler_connector, ScriptedConnector)
+    return engine.scheduler_connector
+
+
+def run(engine: Engine, max_steps: int = 300) -> dict[str, RequestOutput]:
+    """Step to the end, checking the KV bytes after every step; the final output per request."""
+    final: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_pending_work():
+            return final
+        for out in engine.step():
+            assert out.request_id not in final, f"{out.request_id} finished twice"
+            if out.finished:
+                final[out.request_id] = out
+        assert engine.check_kv() == []
+    raise AssertionError(f"engine did not finish in {max_steps} steps")
+
+
+def baseline(prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    engine = make_engine(None, num_blocks=64)
+    try:
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, max_tokens)
+        return {rid: out.output_token_ids for rid, out in run(engine).items()}
+    finally:
+        engine.shutdown()
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [(offset + 37 * i + 11) % 1000 for i in range(n)]
+
+
+# -- P side (reference 4.2) ------------------------------------------------------------------
+
+
+def test_p_side_blocks_are_held_until_finished_sending() -> None:
+    s, conn = scheduler(num_blocks=8)
+    s.add_request(Request("r", prompt(40), max_tokens=1, kv_transfer_params={"hold": True}))
+    first, outputs = step(s)
+    assert first.num_scheduled_tokens == {"r": 40}
+    blocks = first.scheduled_new_reqs[0].block_ids[0]
+    assert len(blocks) == 3  # 2.5 blocks
+    assert [(o.request_id, o.finished, o.status) for o in outputs] == [
+        ("r", True, RequestStatus.FINISHED_LENGTH_CAPPED)
+    ]
+    assert outputs[0].new_token_ids == [TOKEN] and outputs[0].output_token_ids == [TOKEN]
+    assert outputs[0].kv_transfer_params == {"remote_block_ids": blocks, "remote_request_id": "p-1"}
+    assert [c for c in conn.calls if c[0] == "finished"] == [
+        ("finished", "r", RequestStatus.FINISHED_LENGTH_CAPPED, blocks)
+    ]
+    assert "r" not in s.running and "r" not in s.waiting
+    assert s.held_blocks() == {"r": blocks}
+    assert [s.pool.ref_cnt[b] for b in blocks] == [1, 1, 1]
+    assert s.pool.num_free_blocks == 5
+    assert s.has_pending_work()
+    s.abort_request("r")  # finished already: an abort changes nothing, the blocks stay held
+    assert s.held_blocks() == {"r": blocks}
+
+    second, outputs = step(s)
+    assert second.finished_req_ids == {"r"} and outputs == []
+    assert second.num_scheduled_tokens == {}
+    third, _ = step(s)
+    assert third.finished_req_ids == set()  # exactly once
+    assert [s.pool.ref_cnt[b] for b in blocks] == [1, 1, 1]
+    assert s.has_pending_work()
+
+    _, outputs = step(s, KVConnectorOutput(finished_sending={"r"}))
+    assert outputs == []
+    assert is_empty(s)
+
+
+def test_p_side_short_prompt_holds_one_block() -> None:
+    s, _ = scheduler(num_blocks=4)
+    s.add_request(Request("r", prompt(5), max_tokens=1, kv_transfer_params={"hold": True}))
+    _, outputs = step(s)
+    (held,) = s.held_blocks().values()
+    assert len(held) == 1 and outputs[0].kv_transfer_params["remote_block_ids"] == held  # type: ignore[index]
+    assert s.pool.ref_cnt[held[0]] == 1 and s.pool.num_free_blocks == 3
+    step(s, KVConnectorOutput(finished_sending={"r"}))
+    assert is_empty(s)
+
+
+def test_p_side_prefix_hit_still_sends_every_block() -> None:
+    s, _ = scheduler(num_blocks=8)
+    s.add_request(Request("warm", prompt(40), max_tokens=1))
+    step(s)
+    s.add_request(Request("r", prompt(40), max_tokens=1, kv_transfer_params={"hold": True}))
+    out, outputs = step(s)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 32  # 2 blocks hit locally
+    assert out.num_scheduled_tokens == {"r": 8}
+    assert s.stats["prefix_hit_tokens"] == 32
+    assert len(outputs[0].kv_transfer_params["remote_block_ids"]) == 3  # type: ignore[index]
+    step(s, KVConnectorOutput(finished_sending={"r"}))
+    assert is_empty(s)
+
+
+def test_p_side_abort_frees_at_once_and_is_reported() -> None:
+    s, conn = scheduler(num_blocks=8)
+    s.add_request(Request("r", prompt(40), max_tokens=5, kv_transfer_params={"hold": True}))
+    step(s)
+    s.abort_request("r")
+    assert s.held_blocks() == {} and s.pool.num_free_blocks == 8
+    out, outputs = step(s)
+    assert out.finished_req_ids == {"r"}
+    assert [(o.request_id, o.finished, o.status, o.kv_transfer_params) for o in outputs] == [
+        ("r", True, RequestStatus.FINISHED_ABORTED, None)
+    ]
+    assert [c[:3] for c in conn.calls if c[0] == "finished"] == [
+        ("finished", "r", RequestStatus.FINISHED_ABORTED)
+    ]
+    s.abort_request("r")  # a second abort is a no-op
+    assert step(s)[1] == []
+    assert is_empty(s)
+
+
+def test_p_side_finished_sending_from_every_worker_with_tp2() -> None:
+    engine = make_engine(tp_size=2)
+    try:
+        engine.add_request("r", prompt(40), 1, {"hold": True})
+        (out,) = engine.step()
+        assert out.finished and out.kv_transfer_params is not None
+        held = engine.scheduler.held_blocks()
+        assert list(held) == ["r"] and len(held["r"]) == 3
+        assert engine.check_kv() == []  # held blocks still hold the prompt's KV
+        assert engine.step() == []  # both workers report "r" sent in this step
+        assert engine.scheduler.held_blocks() == {}
+        assert not engine.has_pending_work()
+        assert engine.scheduler.pool.num_free_blocks == 32
+    finally:
+        engine.shutdown()
+
+
+# -- D side (reference 4.3) ------------------------------------------------------------------
+
+
+def remote(**extra: Any) -> dict[str, Any]:
+    return {"load": "all", "async": True, **extra}
+
+
+@pytest.mark.parametrize("length", [40, 32])
+def test_d_side_waits_for_remote_kvs_then_recomputes_the_last_token(length: int) -> None:
+    s, conn = scheduler(num_blocks=8)
+    s.add_request(Request("d", prompt(length), max_tokens=2, kv_transfer_params=remote()))
+    s.add_request(Request("n", prompt(20, 500), max_tokens=3))
+    first, _ = step(s)
+    assert first.num_scheduled_tokens == {"n": 20}  # the normal request runs meanwhile
+    assert status(s, "d") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = s.blocks_of("d")
+    assert len(blocks) == math.ceil(length / BS)
+    assert [s.pool.ref_cnt[b] for b in blocks] == [1] * len(blocks)
+    assert not any(s.pool.is_cached(b) for b in blocks)  # no spurious prefix caching
+    assert ("alloc", "d", length) in conn.calls and ("alloc", "n", 0) in conn.calls
+    (load,) = first.kv_connector_metadata.loads
+    assert (load.req_id, load.block_ids, load.start, load.end) == ("d", blocks, 0, length)
+
+    for _ in range(3):  # never scheduled before finished_recving
+        out, _ = step(s)
+        assert "d" not in out.num_scheduled_tokens
+        assert status(s, "d") is RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert not any(s.pool.is_cached(b) for b in blocks)
+    out, _ = step(s, KVConnectorOutput(finished_recving={"d"}))
+    assert "d" not in out.num_scheduled_tokens
+    assert not any(s.pool.is_cached(b) for b in blocks)
+
+    promoted, outputs = step(s)
+    assert promoted.num_scheduled_tokens["d"] == 1
+    (new,) = [n for n in promoted.scheduled_new_reqs if n.req_id == "d"]
+    assert new.num_computed_tokens == length - 1
+    assert new.block_ids == (blocks,)  # no extra block for the recomputed token
+    assert [s.pool.is_cached(b) for b in blocks] == [True] * (length // BS) + [False] * (
+        len(blocks) - length // BS
+    )
+    assert [c for c in conn.calls if c[:2] == ("alloc", "d")] == [
+        ("alloc", "d", length),
+        ("alloc", "d", 0),  # called again after the load, with nothing to load
+    ]
+    assert [(o.request_id, o.output_token_ids) for o in outputs if o.request_id == "d"] == [
+        ("d", [TOKEN])
+    ]
+    for _ in range(5):
+        step(s)
+    assert status(s, "d") is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert is_empty(s)
+
+
+def test_d_side_request_that_never_receives_stays_waiting() -> None:
+    s, _ = scheduler(num_blocks=8)
+    s.add_request(Request("d", prompt(40), max_tokens=2, kv_transfer_params=remote()))
+    for _ in range(10):
+        out, outputs = step(s)
+        assert out.num_scheduled_tokens == {} and outputs == []
+    assert status(s, "d") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert s.has_pending_work() and s.pool.num_free_blocks == 5
+
+
+def test_d_side_abort_while_waiting_keeps_blocks_until_finished_recving() -> None:
+    s, conn = scheduler(num_blocks=8)
+    s.add_request(Request("d", prompt(40), max_tokens=2, kv_transfer_params=remote()))
+    step(s)
+    blocks = s.blocks_of("d")
+    s.abort_request("d")
+    assert [c[:3] for c in conn.calls if c[0] == "finished"] == [
+        ("finished", "d", RequestStatus.FINISHED_ABORTED)
+    ]
+    assert s.held_blocks() == {"d": blocks}  # the read may still land in them
+    assert [s.pool.ref_cnt[b] for b in blocks] == [1, 1, 1]
+    out, outputs = step(s)
+    assert out.finished_req_ids == {"d"}
+    assert [(o.request_id, o.status) for o in outputs] == [("d", RequestStatus.FINISHED_ABORTED)]
+    step(s)
+    assert s.held_blocks() == {"d": blocks} and s.has_pending_work()
+    _, outputs = step(s, KVConnectorOutput(finished_recving={"d"}))
+    assert outputs == []
+    assert is_empty(s)
+
+
+def test_d_side_abort_after_recv_before_promotion_frees_at_once() -> None:
+    s, _ = scheduler(num_blocks=8)
+    s.add_request(Request("d", prompt(40), max_tokens=2, kv_transfer_params=remote()))
+    step(s)
+    step(s, KVConnectorOutput(finished_recving={"d"}))
+    s.abort_request("d")
+    assert s.held_blocks() == {}
+    step(s)
+    assert is_empty(s)
+
+
+def test_d_side_cannot_allocate_for_the_load_then_succeeds_later() -> None:
+    s, _ = scheduler(num_blocks=4)
+    s.add_request(Request("n", prompt(30, 500), max_tokens=2))  # 2 blocks
+    s.add_request(Request("d", prompt(40), max_tokens=2, kv_transfer_params=remote()))  # 3
+    step(s)
+    assert status(s, "d") is RequestStatus.WAITING and s.blocks_of("d") == []
+    step(s)  # "n" finishes
+    assert status(s, "n") is RequestStatus.FINISHED_LENGTH_CAPPED
+    step(s)
+    assert status(s, "d") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, KVConnectorOutput(finished_recving={"d"}))
+    for _ in range(3):
+        step(s)
+    assert status(s, "d") is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert is_empty(s)
+
+
+# -- load failures (reference 4.7) -----------------------------------------------------------
+
+
+LONG = prompt(60)  # 3 full blocks and a partial one
+
+
+def scheduled_history(engine: Engine, req_id: str) -> list[tuple[int, int]]:
+    """(num_computed_tokens before the step, tokens scheduled) of every step that ran req_id."""
+    history = []
+    for out in sched_conn(engine).sched_outputs:
+        if req_id not in out.num_scheduled_tokens:
+            continue
+        starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        history.append((starts[req_id], out.num_scheduled_tokens[req_id]))
+    return history
+
+
+@pytest.fixture(scope="module")
+def long_baseline() -> list[int]:
+    return baseline({"d": LONG}, 3)["d"]
+
+
+def test_async_load_failure_recompute_truncates_at_the_first_bad_block(
+    long_baseline: list[int],
+) -> None:
+    engine = make_engine("recompute")
+    try:
+        engine.add_request("d", LONG, 3, remote(bad=[2, 3]))
+        assert engine.step() == []  # load started, finished and failed in this step
+        req = engine.scheduler.states["d"].request
+        assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert req.num_computed_tokens == 2 * BS
+        assert engine.stats()["load_errors"] == 1
+        final = run(engine)
+        assert final["d"].status is RequestStatus.FINISHED_LENGTH_CAPPED
+        assert final["d"].output_token_ids == long_baseline
+        assert scheduled_history(engine, "d")[0] == (32, 28)  # the valid prefix is kept
+        assert engine.scheduler.pool.num_free_blocks == 32
+    finally:
+        engine.shutdown()
+
+
+def test_async_corruption_that_is_not_reported_changes_the_output(
+    long_baseline: list[int],
+) -> None:
+    """The recompute test has teeth: the same corruption, unreported, is visible."""
+    engine = make_engine("recompute")
+    try:
+        engine.add_request("d", LONG, 3, remote(bad=[2], silent=True))
+        engine.step()
+        engine.step()  # promoted: the last token is computed and sampled
+        problems = engine.check_kv()
+        assert len(problems) == 2  # one line per layer
+        for layer, line in enumerate(problems):
+            assert f"pp0/tp0 model.layers.{layer}.self_attn: request d position 32 (of 60)" in line
+        final: dict[str, RequestOutput] = {}
+        while engine.has_pending_work():
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+        assert final["d"].output_token_ids != long_baseline
+    finally:
+        engine.shutdown()
+
+
+def test_async_load_failure_fail_policy_finishes_with_error() -> None:
+    engine = make_engine("fail")
+    try:
+        engine.add_request("d", LONG, 3, remote(bad=[1]))
+        (out,) = engine.step()
+        assert (out.request_id, out.finished, out.status) == (
+            "d",
+            True,
+            RequestStatus.FINISHED_ERROR,
+        )
+        assert out.output_token_ids == []
+        pool = engine.scheduler.pool
+        assert not any(pool.is_cached(b) for b in range(pool.num_blocks))
+        assert engine.step() == []
+        assert not engine.has_pending_work() and pool.num_free_blocks == 32
+    finally:
+        engine.shutdown()
+
+
+def test_sync_load_failure_recompute(long_baseline: list[int]) -> None:
+    engine = make_engine("recompute")
+    try:
+        engine.add_request("d", LONG, 3, {"load": 48, "bad": [1]})
+        assert engine.step() == []  # the step's sampled token is discarded
+        req = engine.scheduler.states["d"].request
+        assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == BS
+        final = run(engine)
+        assert final["d"].output_token_ids == long_baseline
+        assert scheduled_history(engine, "d")[:2] == [(48, 12), (16, 44)]
+    finally:
+        engine.shutdown()
+
+
+def test_sync_load_failure_fail_evicts_the_bad_and_later_blocks() -> None:
+    engine = make_engine("fail")
+    try:
+        engine.add_request("d", LONG, 3, {"load": 48, "bad": [1]})
+        (out,) = engine.step()
+        assert (out.finished, out.status) == (True, RequestStatus.FINISHED_ERROR)
+        blocks = sched_conn(engine).sched_outputs[0].scheduled_new_reqs[0].block_ids[0]
+        pool = engine.scheduler.pool
+        assert [pool.is_cached(b) for b in blocks] == [True, False, False, False]
+        assert pool.num_free_blocks == 32
+        # cache pollution prevention: the same prompt only hits the good first block
+        engine.add_request("again", LONG, 1)
+        engine.step()
+        assert engine.stats()["prefix_hit_tokens"] == BS
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_recving_fails_the_whole_request(policy: str, long_baseline: list[int]) -> None:
+    engine = make_engine(policy)
+    try:
+        engine.add_request("d", LONG, 3, remote(fail=True))
+        outputs = engine.step()
+        if policy == "fail":
+            assert [(o.request_id, o.status) for o in outputs] == [
+                ("d", RequestStatus.FINISHED_ERROR)
+            ]
+            assert engine.step() == []
+            assert not engine.has_pending_work()
+            assert engine.scheduler.pool.num_free_blocks == 32
+            return
+        assert outputs == []
+        assert engine.scheduler.states["d"].request.num_computed_tokens == 0
+        final = run(engine)
+        assert final["d"].output_token_ids == long_baseline
+        assert scheduled_history(engine, "d")[0] == (0, 60)  # retried from scratch
+        assert engine.scheduler.pool.num_free_blocks == 32
+    finally:
+        engine.shutdown()
+
+
+def test_d_side_async_load_with_engine_matches_baseline(long_baseline: list[int]) -> None:
+    engine = make_engine("fail")
+    try:
+        engine.add_request("d", LONG, 3, remote())
+        final = run(engine)
+        assert final["d"].output_token_ids == long_baseline
+        assert scheduled_history(engine, "d")[0] == (59, 1)
+        assert engine.stats()["external_tokens"] == 60
+        assert engine.stats()["external_blocks"] == 4
+    finally:
+        engine.shutdown()
+
+
+# -- preemption (reference 4.5) --------------------------------------------------------------
+
+
+def test_preemption_resumes_with_full_block_table_and_same_outputs() -> None:
+    prompts = {f"r{i}": prompt(30, 100 * i) for i in range(3)}
+    expected = baseline(prompts, 20)
+    engine = make_engine("fail", num_blocks=6)
+    try:
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, 20)
+        final = run(engine)
+        assert {rid: o.output_token_ids for rid, o in final.items()} == expected
+        assert engine.stats()["preemptions"] > 0
+        outs = sched_conn(engine).sched_outputs
+        preempted = [o for o in outs if o.preempted_req_ids]
+        resumed = [o for o in outs if o.scheduled_cached_reqs.resumed_req_ids]
+        assert sum(len(o.preempted_req_ids) for o in preempted) == engine.stats()["preemptions"]
+        assert resumed
+        for out in resumed:
+            cached = out.scheduled_cached_reqs
+            for i, rid in enumerate(cached.req_ids):
+                if rid not in cached.resumed_req_ids:
+                    continue
+                (table,) = cached.new_block_ids[i]  # type: ignore[misc]
+                end = cached.num_computed_tokens[i] + out.num_scheduled_tokens[rid]
+                assert len(table) == math.ceil(end / BS)
+                assert rid not in {n.req_id for n in out.scheduled_new_reqs}
+        # the worker side learns of preemptions before binding that step's metadata
+        worker = engine.workers[0].connector
+        assert isinstance(worker, ScriptedConnector)
+        calls = [c for c in worker.calls if c[0] in ("handle_preemptions", "bind")]
+        seen = [c[1] for c in calls if c[0] == "handle_preemptions"]
+        assert seen == [frozenset(o.preempted_req_ids) for o in preempted]
+        steps = [i for i, c in enumerate(calls) if c[0] == "bind"]
+        assert len(steps) == len(outs)
+        for i, c in enumerate(calls):
+            if c[0] == "handle_preemptions":
+                assert calls[i + 1][0] == "bind"
+        # a preempted request is asked for external tokens again before it resumes
+        sched_calls = sched_conn(engine).calls
+        for rid in set().union(*(o.preempted_req_ids for o in preempted)):
+            asked = [i for i, c in enumerate(sched_calls) if c[:2] == ("match", rid)]
+            assert len(asked) >= 2
+        assert engine.scheduler.pool.num_free_blocks == 6
+    finally:
+        engine.shutdown()
+
+
+def test_preemption_without_connector_matches_baseline() -> None:
+    prompts = {f"r{i}": prompt(30, 100 * i) for i in range(3)}
+    expected = baseline(prompts, 20)
+    engine = make_engine(None, num_blocks=6)
+    try:
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, 20)
+        final = run(engine)
+        assert {rid: o.output_token_ids for rid, o in final.items()} == expected
+        assert engine.stats()["preemptions"] > 0
+        assert engine.scheduler.pool.num_free_blocks == 6
+    finally:
+        engine.shutdown()
+
+
+# -- chunked prefill, prefix caching, validation ---------------------------------------------
+
+
+def test_chunked_prefill_under_the_token_budget() -> None:
+    prompts = {"a": prompt(40), "b": prompt(10, 300)}
+    expected = baseline(prompts, 3)
+    engine = make_engine("fail", max_num_batched_tokens=16)
+    try:
+        engine.add_request("a", prompts["a"], 3)
+        engine.add_request("b", prompts["b"], 3)
+        final = run(engine)
+        assert {rid: o.output_token_ids for rid, o in final.items()} == expected
+        budgets = [o.num_scheduled_tokens for o in sched_conn(engine).sched_outputs]
+        assert all(sum(b.values()) <= 16 for b in budgets)
+        assert budgets[:4] == [{"a": 16}, {"a": 16}, {"a": 8, "b": 8}, {"a": 1, "b": 2}]
+        assert scheduled_history(engine, "a")[:3] == [(0, 16), (16, 16), (32, 8)]
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_cache_hits() -> None:
+    shared = prompt(40)
+    expected = baseline({"second": [*shared, 5, 6, 7]}, 2)
+    engine = make_engine(None)
+    try:
+        engine.add_request("first", shared, 2)
+        run(engine)
+        assert engine.stats()["prefix_hit_tokens"] == 0
+        engine.add_request("second", [*shared, 5, 6, 7], 2)
+        final = run(engine)
+        assert engine.stats()["prefix_hit_tokens"] == 32
+        assert final["second"].output_token_ids == expected["second"]
+        # a whole-block prompt still computes its last token: one block fewer is hit
+        engine.add_request("exact", shared[:32], 1)
+        run(engine)
+        assert engine.stats()["prefix_hit_tokens"] == 32 + 16
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_caching_disabled() -> None:
+    engine = make_engine(None, enable_prefix_caching=False)
+    try:
+        for rid in ("a", "b"):
+            engine.add_request(rid, prompt(40), 1)
+            run(engine)
+        assert engine.stats()["prefix_hit_tokens"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_add_request_errors() -> None:
+    s, _ = scheduler(num_blocks=4)
+    s.add_request(Request("r", [1, 2, 3]))
+    with pytest.raises(ValueError, match=r"^request id 'r' is already in use$"):
+        s.add_request(Request("r", [4]))
+    with pytest.raises(ValueError, match=r"^request 'e' has an empty prompt$"):
+        s.add_request(Request("e", []))
+    with pytest.raises(ValueError, match=r"^request 'z': max_tokens must be >= 1$"):
+        s.add_request(Request("z", [1], max_tokens=0))
+    with pytest.raises(ValueError) as info:
+        s.add_request(Request("big", list(range(60)), max_tokens=5))
+    assert str(info.value) == (
+        "request 'big' needs up to 5 blocks but the engine has 4; shorten it or give the "
+        "engine more blocks"
+    )
+    s.add_request(Request("fits", list(range(60)), max_tokens=4))  # exactly 4 blocks
+    assert list(s.states) == ["r", "fits"] and s.waiting == ["r", "fits"]
+
+
+def test_scheduler_config_errors() -> None:
+    with pytest.raises(ValueError, match="kv_load_failure_policy must be 'fail' or 'recompute'"):
+        Scheduler(SchedulerConfig(4, BS, kv_load_failure_policy="retry"))
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        Scheduler(SchedulerConfig(0, BS))
+
+
+def test_scheduler_without_connector() -> None:
+    s = Scheduler(SchedulerConfig(8, BS))
+    s.add_request(Request("r", prompt(20), max_tokens=2))
+    out, outputs = step(s)
+    assert out.kv_connector_metadata is None and out.num_scheduled_tokens == {"r": 20}
+    assert [o.output_token_ids for o in outputs] == [[TOKEN]]
+    out, outputs = step(s)
+    assert outputs[0].finished and outputs[0].status is RequestStatus.FINISHED_LENGTH_CAPPED
+    step(s)
+    assert not s.has_pending_work() and s.pool.num_free_blocks == 8
