@@ -1,8 +1,10 @@
 """Machinery shared by the transforms: bit views, block-id checks and the gather/scatter loop.
 
-Transforms only move bytes, so they run on integer views of the caches: every dtype (float8
-included, which has few CPU kernels) is handled alike, NaN payloads survive bit for bit, and a
-wide word (up to 8 bytes) means fewer elements for the indexing kernels to visit.
+Transforms only move bytes, so they run on bit views of the caches: every dtype (float8
+included, which has few CPU kernels) is handled alike, and a wide word means fewer elements for
+the indexing kernels, which copy element by element (16-byte words are ~25% faster than 8-byte
+ones for `index_copy_` on CPU). Words are integers, or complex128 for 16 bytes: the kernels only
+load and store them, never compute, so every bit pattern (NaN payloads included) survives.
 """
 
 from __future__ import annotations
@@ -12,20 +14,26 @@ from collections.abc import Sequence
 
 import torch
 
-CPU_CHUNK_BYTES = 2 << 20
+CPU_CHUNK_BYTES = 4 << 20
 """Bytes gathered per step on CPU: the staging copy stays in cache between gather and scatter."""
 
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_WORDS = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+    16: torch.complex128,
+}
 
 BlockIdsLike = Sequence[int] | torch.Tensor
 
 
-def word_bytes(t: torch.Tensor, max_bytes: int = 8) -> int:
+def word_bytes(t: torch.Tensor, max_bytes: int = 16) -> int:
     """The widest word (<= `max_bytes`) `t` can be viewed as, widening only its last dim."""
     e = t.element_size()
     if t.dim() == 0 or (t.stride(-1) != 1 and t.shape[-1] != 1):
         return e
-    for w in (8, 4, 2):
+    for w in (16, 8, 4, 2):
         if e < w <= max_bytes and all(
             (n * e) % w == 0 for n in (t.shape[-1], t.storage_offset(), *t.stride()[:-1])
         ):
@@ -34,7 +42,7 @@ def word_bytes(t: torch.Tensor, max_bytes: int = 8) -> int:
 
 
 def as_words(t: torch.Tensor, w: int) -> torch.Tensor:
-    """A bit-identical integer view of `t` with `w`-byte elements (see `word_bytes`)."""
+    """A bit-identical view of `t` with `w`-byte elements (see `word_bytes`)."""
     same = t.view(_WORDS[t.element_size()])
     return same if w == t.element_size() else same.view(_WORDS[w])
 

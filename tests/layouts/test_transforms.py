@@ -488,3 +488,28 @@ def test_no_python_loop_over_blocks() -> None:
         convert_blocks(src, dst, list(range(64)), list(range(32)), dst_layout="HND")
     assert len(calls) == 1
     assert math.prod(src.shape) == math.prod(dst.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_nan_payloads_survive_wide_words(dtype: torch.dtype) -> None:
+    # Signalling and quiet NaNs with payloads, as 16-byte words: moved, never computed on.
+    patterns = {
+        torch.float32: [0x7F800001, 0x7FC01234, -0x00400001, 0x7F80_0000 + 0x3FFFFF],
+        torch.float64: [0x7FF0000000000001, 0x7FF8000000001234, -0x0008000000000001, 5],
+        torch.bfloat16: [0x7F81, 0x7FC1, -0x007F, 0x0001],
+    }[dtype]
+    word = WORDS[torch.empty(0, dtype=dtype).element_size()]
+    cache = NHD.allocate(4, 8, 2, 16, dtype=dtype)
+    bits(cache).copy_(
+        torch.tensor(patterns, dtype=word).repeat(cache.numel() // 4).view(cache.shape)
+    )
+    before = bits(cache).clone()
+    out = HND.allocate(2, 16, 2, 16, dtype=dtype)
+    assert _kernels.word_bytes(NHD.semantic_view(cache)) == 16
+    convert_blocks(cache, out, [3, 1], [1], dst_layout="HND")
+    assert torch.equal(bits(out[:, 1, :8]), before[:, 3]) and torch.equal(
+        bits(out[:, 1, 8:]), before[:, 1]
+    )
+    kv_postprocess_blksize_and_layout_on_receive(cache[0], [2, 0], 2)
+    kv_postprocess_blksize_and_layout_on_receive(cache[0], [2, 0], 1)
+    assert set(bits(cache).flatten().tolist()) == set(patterns)
