@@ -72,8 +72,8 @@ def copy_kv_blocks(
                 f"layer {name!r}: src blocks {tuple(vs.shape[1:])} and dst blocks "
                 f"{tuple(vd.shape[1:])} differ in shape ({spec.name} semantic dims)"
             )
-        w = min(word_bytes(vs), word_bytes(vd)) if spec.memory[-1] == HEAD_SIZE else 0
-        w = w or vs.element_size()
+        wide = spec.memory[-1] == HEAD_SIZE  # only head_size may widen into words
+        w = min(word_bytes(vs), word_bytes(vd)) if wide else vs.element_size()
         gather_scatter(
             as_words(vs, w),
             index("src_block_ids", src_block_ids, src, vs.shape[0]),
