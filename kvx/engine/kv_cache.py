@@ -63,6 +63,11 @@ class PagedKVCache:
     """Per-layer KV tensors of one worker (its TP head shard, its PP layers)."""
 
     def __init__(self, spec: KVCacheSpec, parallel: ParallelInfo, layer_names: Sequence[str]):
+        if spec.layout == "MLA" and not spec.use_mla:
+            raise ValueError(
+                "KVCacheSpec.layout: 'MLA' holds one latent vector per token; set "
+                "use_mla=True for an MLA model, or pick an attention layout"
+            )
         layout = "MLA" if spec.use_mla else spec.layout
         if layout not in ENGINE_LAYOUTS:
             raise ValueError(

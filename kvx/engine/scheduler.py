@@ -60,6 +60,7 @@ class _State:
     blocks: list[int] = field(default_factory=list)
     ever_scheduled: bool = False
     sync_loaded_tokens: int = 0  # tokens loaded synchronously in the current step
+    loaded: bool = False  # promoted after a remote load, not yet scheduled
     kv_transfer_params_out: dict[str, Any] | None = None
 
 
@@ -210,11 +211,11 @@ class Scheduler:
                 return
             state = self.states[req_id]
             req = state.request
-            promoted = False
-            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._promote(state):
-                    continue
-                promoted = req.num_computed_tokens > 0
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not self._promote(state):
+                continue
+            # A promoted request keeps its loaded blocks until it is scheduled, even when it
+            # has to wait for more blocks first.
+            promoted = state.loaded
             hits: list[int] = []
             n_ext, load_async = 0, False
             if promoted:
@@ -252,6 +253,7 @@ class Scheduler:
             self._after_alloc(state, len(hits), n_ext)
             req.num_computed_tokens = num_computed
             state.sync_loaded_tokens = n_ext
+            state.loaded = False
             self.stats["prefix_hit_tokens"] += n_local if not promoted else 0
             self._count_external(n_local, n_ext)
             resumed = state.ever_scheduled
@@ -345,6 +347,7 @@ class Scheduler:
         if req.num_computed_tokens == 0:  # nothing valid was loaded: start over
             self.pool.free(state.blocks)
             state.blocks = []
+        state.loaded = req.num_computed_tokens > 0
         req.status = RequestStatus.PREEMPTED if state.ever_scheduled else RequestStatus.WAITING
         return True
 

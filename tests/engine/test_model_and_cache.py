@@ -237,6 +237,14 @@ def test_unsupported_layout_lists_the_allowed_ones() -> None:
         Engine(replace(BASE, layout="LBHNC"))
 
 
+def test_mla_layout_without_an_mla_model_is_refused_at_build_time() -> None:
+    """`layout="MLA"` with `use_mla=False` must not build an engine that breaks on step 1."""
+    with pytest.raises(ValueError, match="MLA"):
+        engine = Engine(replace(BASE, layout="MLA"))
+        engine.add_request("r", PROMPTS["b"], 1)
+        engine.step()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

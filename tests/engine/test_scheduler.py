@@ -498,6 +498,28 @@ def test_d_side_cannot_allocate_for_the_load_then_succeeds_later() -> None:
     assert is_empty(s)
 
 
+def test_d_side_out_of_blocks_after_recv_waits_and_does_not_leak() -> None:
+    """Checklist: "cannot schedule after recv when out of KV blocks -> request waits (not lost)".
+
+    "d" loads 32 of its 40 prompt tokens; when the load finishes every block is taken by "n",
+    so promotion cannot grow "d" by the block its last 8 tokens need."""
+    s, _ = scheduler(num_blocks=4)
+    s.add_request(Request("d", prompt(40), max_tokens=2, kv_transfer_params=remote(load=32)))
+    s.add_request(Request("n", prompt(20, 500), max_tokens=6))
+    step(s)
+    assert status(s, "d") is RequestStatus.WAITING_FOR_REMOTE_KVS
+    d_blocks = s.blocks_of("d")
+    assert len(d_blocks) == 2 and s.pool.num_free_blocks == 0
+    step(s, KVConnectorOutput(finished_recving={"d"}))
+    for _ in range(12):
+        step(s)
+        if not s.has_pending_work():
+            break
+    assert status(s, "d") is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert status(s, "n") is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert is_empty(s), f"ref counts after both requests finished: {s.pool.ref_cnt}"
+
+
 # -- load failures (reference 4.7) -----------------------------------------------------------
 
 
