@@ -102,6 +102,12 @@ class Layout:
         return self.memory[0] == BLOCKS
 
     @property
+    def blocks_dim(self) -> int:
+        """Index of the blocks dim in the tensor's (logical) shape: where to `index_select`
+        whole blocks."""
+        return self.shape.index(BLOCKS)
+
+    @property
     def kv_split(self) -> bool:
         """True if K and V of a block are separate regions (`kv` outside `blocks` in memory)."""
         return KV in self.memory and self.memory.index(KV) < self.memory.index(BLOCKS)

@@ -1,7 +1,8 @@
 """A worker's paged KV cache: one tensor per layer, in the engine's layout, with token access.
 
-The tensors handed to a connector (`tensors`) have the layout's shape and memory order. The
-engine itself reads and writes through a *token view* of each tensor, a strided view shaped
+The tensors handed to a connector (`tensors`) have the layout's shape and memory order; the
+layout is any one registered through the `kvx_layouts` hook (`kvx list`). The engine itself
+reads and writes through a *token view* of each tensor, a strided view shaped
 `[blocks, block_size, kv_parts, heads, head_size]` over the same memory, so the model code is
 the same for every layout.
 """
@@ -9,10 +10,12 @@ the same for every layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from kvx.errors import did_you_mean, quoted_list
+from kvx.errors import RegistryError
+from kvx.registry import get_registry
 from kvx.types import KVCacheSpec, ParallelInfo
 
 
@@ -30,33 +33,19 @@ def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
     return range(head, head + 1)
 
 
-def _alloc(layout: str, b: int, n: int, h: int, d: int, dtype: torch.dtype) -> torch.Tensor:
-    if layout == "NHD":
-        return torch.zeros(2, b, n, h, d, dtype=dtype)
-    if layout == "HND":  # logical [2, B, N, H, D], heads before tokens in memory
-        return torch.zeros(2, b, h, n, d, dtype=dtype).transpose(2, 3)
-    if layout == "FLASHINFER_NHD":
-        return torch.zeros(b, 2, n, h, d, dtype=dtype)
-    if layout == "FLASHINFER_HND":
-        return torch.zeros(b, 2, h, n, d, dtype=dtype).transpose(2, 3)
-    if layout == "CPU_PACKED":
-        return torch.zeros(b, h, n, 2 * d, dtype=dtype)
-    raise AssertionError(layout)
+TOKEN_DIMS = ("blocks", "tokens", "kv", "heads", "head_size")
 
 
-def _token_view(layout: str, t: torch.Tensor, n: int, h: int, d: int) -> torch.Tensor:
-    if layout in ("NHD", "HND"):
-        return t.permute(1, 2, 0, 3, 4)
-    if layout in ("FLASHINFER_NHD", "FLASHINFER_HND"):
-        return t.permute(0, 2, 1, 3, 4)
-    if layout == "CPU_PACKED":  # each (block, head) slab: all K tokens, then all V tokens
-        return t.view(t.shape[0], h, 2, n, d).permute(0, 3, 2, 1, 4)
-    if layout == "MLA":
-        return t.view(t.shape[0], n, 1, 1, d)
-    raise AssertionError(layout)
-
-
-ENGINE_LAYOUTS = ("NHD", "HND", "FLASHINFER_NHD", "FLASHINFER_HND", "CPU_PACKED", "MLA")
+def token_view(layout: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """`[blocks, block_size, kv_parts, heads, head_size]` view of a tensor in a registered
+    layout (MLA: one part, one head), sharing its memory."""
+    view = layout.semantic_view(tensor)
+    memory = list(layout.memory)
+    for dim in ("kv", "heads"):
+        if dim not in memory:  # MLA: a single latent vector per token
+            view = view.unsqueeze(-1)
+            memory.append(dim)
+    return view.permute([memory.index(d) for d in TOKEN_DIMS])
 
 
 class PagedKVCache:
@@ -68,16 +57,18 @@ class PagedKVCache:
                 "KVCacheSpec.layout: 'MLA' holds one latent vector per token; set "
                 "use_mla=True for an MLA model, or pick an attention layout"
             )
-        layout = "MLA" if spec.use_mla else spec.layout
-        if layout not in ENGINE_LAYOUTS:
+        try:
+            layout = get_registry().load_layout("MLA" if spec.use_mla else spec.layout)
+        except RegistryError as exc:
+            raise ValueError(f"KVCacheSpec.layout: {exc}") from None
+        if layout.is_cross_layer:
             raise ValueError(
-                f"KVCacheSpec.layout: {spec.layout!r} is not supported by the reference engine"
-                f"{did_you_mean(spec.layout, ENGINE_LAYOUTS)}; allowed: "
-                f"{quoted_list(ENGINE_LAYOUTS)}"
+                f"KVCacheSpec.layout: {spec.layout!r} holds every layer in one "
+                "tensor; the reference engine keeps one tensor per layer"
             )
         if spec.num_blocks < 1:
             raise ValueError(f"KVCacheSpec.num_blocks must be >= 1, got {spec.num_blocks}")
-        self.layout = layout
+        self.layout = layout.name
         self.block_size = spec.block_size
         self.dtype = spec.torch_dtype
         self.heads = (
@@ -94,12 +85,9 @@ class PagedKVCache:
         self.tensors: dict[str, torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] = {}
         for name in layer_names:
-            if layout == "MLA":
-                tensor = torch.zeros(spec.num_blocks, n, d, dtype=self.dtype)
-            else:
-                tensor = _alloc(layout, spec.num_blocks, n, h, d, self.dtype)
+            tensor = layout.allocate(spec.num_blocks, n, h, d, dtype=self.dtype).zero_()
             self.tensors[name] = tensor
-            self._views[name] = _token_view(layout, tensor, n, h, d)
+            self._views[name] = token_view(layout, tensor)
 
     def slots(self, block_ids: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
         """(block index, offset) of every token position in [start, end)."""

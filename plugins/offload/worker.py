@@ -14,15 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import fsspec
 import torch
+from kvx.layouts import get_layout
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 
 import kvx
 from kvx import KVConnectorStats
-
-
-def blocks_dim(layout: str) -> int:
-    """Which dim of a layer tensor indexes blocks (FlashAttention layouts put K/V first)."""
-    return 1 if layout in ("NHD", "HND") else 0
 
 
 class OffloadWorker:
@@ -33,7 +29,7 @@ class OffloadWorker:
         num_slots: int,
         disk_url: str | None = None,
     ) -> None:
-        self.dim = 0 if ctx.cache.use_mla else blocks_dim(ctx.cache.layout)
+        self.dim = get_layout("MLA" if ctx.cache.use_mla else ctx.cache.layout).blocks_dim
         self.per_chunk = blocks_per_chunk
         self.num_slots = num_slots
         self.gpu: dict[str, torch.Tensor] = {}

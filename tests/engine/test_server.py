@@ -125,8 +125,8 @@ def test_bad_config_fails_at_start_with_the_childs_message() -> None:
         )
     assert type(info.value) is EngineError
     assert str(info.value).startswith(
-        "srv-bad failed to start: ValueError: KVCacheSpec.layout: 'NDH' is not supported by "
-        'the reference engine (did you mean "NHD"?); allowed: '
+        "srv-bad failed to start: ValueError: KVCacheSpec.layout: 'NDH' is not a registered "
+        'layout (did you mean "NHD"?); known: '
     )
     assert time.monotonic() - start < 45
     deadline = time.monotonic() + 10

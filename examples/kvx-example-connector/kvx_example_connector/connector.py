@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from kvx.layouts import get_layout
 
 import kvx
 from kvx import Capability, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -45,11 +46,6 @@ class ExamplePDMetadata(KVConnectorMetadata):
 
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
-
-
-def blocks_dim(layout: str) -> int:
-    """Which dim of a layer tensor indexes blocks (FlashAttention layouts put K/V first)."""
-    return 1 if layout in ("NHD", "HND") else 0
 
 
 class ExamplePDConnector(KVConnectorBase_V1):
@@ -146,7 +142,8 @@ class ExamplePDConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: kvx.ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, ExamplePDMetadata) and self._pool is not None
-        dim = blocks_dim(self.engine_context.cache.layout)
+        cache = self.engine_context.cache
+        dim = get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
         for save in meta.saves:
             index = torch.tensor(save.block_ids, dtype=torch.long)
             snapshot = {name: t.index_select(dim, index) for name, t in self._caches.items()}
