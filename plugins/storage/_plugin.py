@@ -1,0 +1,59 @@
+"""Registers SharedStorageConnector and its storage backends (names only; nothing heavy is
+imported until a connector or backend is built)."""
+
+import kvx
+from kvx import ConnectorSpec, StorageBackendSpec
+
+# fsspec protocols served by FsspecBackend; s3/gs/az/... need their fsspec package (s3fs, gcsfs,
+# adlfs...), which fsspec names when it is missing.
+FSSPEC_SCHEMES = (
+    "file",
+    "local",
+    "memory",
+    "s3",
+    "s3a",
+    "gs",
+    "gcs",
+    "az",
+    "abfs",
+    "abfss",
+    "oss",
+    "hdfs",
+    "sftp",
+    "ssh",
+    "ftp",
+    "smb",
+)
+
+
+@kvx.hookimpl
+def kvx_connectors() -> list[ConnectorSpec]:
+    return [
+        ConnectorSpec(
+            name="SharedStorageConnector",
+            aliases=("ExampleConnector",),
+            target="kvx.plugins.storage:SharedStorageConnector",
+            summary="stores full KV blocks by prefix hash in files, object stores or Redis",
+            config_schema="kvx.plugins.storage.config:SharedStorageConfig",
+        )
+    ]
+
+
+@kvx.hookimpl
+def kvx_storage_backends() -> list[StorageBackendSpec]:
+    return [
+        StorageBackendSpec(
+            name="fsspec",
+            target="kvx.plugins.storage.backends.fsspec_backend:FsspecBackend",
+            schemes=FSSPEC_SCHEMES,
+            summary="files through fsspec: local disk, memory, object stores",
+        ),
+        StorageBackendSpec(
+            name="redis",
+            target="kvx.plugins.storage.backends.redis_backend:RedisBackend",
+            schemes=("redis", "rediss"),
+            summary="one value per block, layer and head shard; pipelined; optional TTL",
+            requires=("redis",),
+            extra="redis",
+        ),
+    ]

@@ -1,0 +1,1 @@
+"""Storage backends of the SharedStorageConnector, chosen by URL scheme through the registry."""

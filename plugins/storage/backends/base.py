@@ -1,0 +1,49 @@
+"""The small protocol every storage backend implements, and opening one by URL."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import kvx
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What the connector's config says about IO (backends ignore what does not apply)."""
+
+    ttl_s: int | None = None
+    timeout_s: float = 10.0
+
+
+class StorageBackend(Protocol):
+    """A flat key -> bytes store. Keys are `/`-separated strings of safe characters.
+
+    Every value is written atomically: a reader sees it whole or not at all. Methods may be
+    called from several threads at once.
+    """
+
+    url: str
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store every `(key, value)`; raise on failure (values already written may stay)."""
+
+    def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
+        """The values of `keys` (None where absent or unreadable); a value longer than
+        `max_bytes` may come back truncated to `max_bytes + 1` bytes."""
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key holds a value."""
+
+    def close(self) -> None:
+        """Release connections and threads."""
+
+
+def open_backend(url: str, options: BackendOptions) -> StorageBackend:
+    """The backend registered (`kvx_storage_backends`) for `url`'s scheme, opened on `url`."""
+    registry = kvx.get_registry()
+    entry = registry.storage_backend_for_url(url)
+    cls = registry.load_storage_backend(entry.name)
+    backend: StorageBackend = cls(url, options)
+    return backend

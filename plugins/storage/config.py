@@ -1,0 +1,77 @@
+"""SharedStorageConnector's typed extra config (no heavy imports: kvx validates configs with it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from typing import Annotated
+
+import msgspec
+
+DEFAULT_STORAGE_URL = "file://" + os.path.join(tempfile.gettempdir(), "kvx-kv")
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
+_NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+REDIS_SCHEMES = ("redis", "rediss")
+
+
+class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Where KV blocks are stored and how they are written.
+
+    `storage_url` picks the backend by scheme (`file://`, `memory://`, any fsspec protocol,
+    `redis://host:port/db`); vLLM's `shared_storage_path` (a local directory) is accepted
+    instead of it. `storage_block_size` is the tokens per stored block (the key granularity):
+    engines that share a store must use the same value, and it must divide, or be a multiple
+    of, each engine's block size (default 16, or the engine's block size when 16 does not fit).
+    """
+
+    storage_url: str = DEFAULT_STORAGE_URL
+    shared_storage_path: str | None = None
+    namespace: str | None = None
+    storage_block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    redis_ttl_s: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    verify_checksums: bool = True
+    max_inflight_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
+    io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+
+    def __post_init__(self) -> None:
+        if self.shared_storage_path is not None:
+            if self.storage_url != DEFAULT_STORAGE_URL:
+                raise ValueError(
+                    "give either storage_url or shared_storage_path (vLLM's name for a local "
+                    f"directory), not both; got {self.storage_url!r} and "
+                    f"{self.shared_storage_path!r}"
+                )
+            if not self.shared_storage_path:
+                raise ValueError('shared_storage_path: "" is not a directory')
+        url = self.url
+        match = _URL.match(url)
+        if match is None:
+            raise ValueError(
+                f"storage_url: {url!r} is not a URL of the form scheme://...; e.g. "
+                "'file:///var/kv', 'memory://kv', 's3://bucket/kv', 'redis://127.0.0.1:6379/0'"
+            )
+        scheme = match.group(1)
+        import kvx
+
+        try:
+            kvx.get_registry().storage_backend_for_url(url)
+        except kvx.RegistryError as exc:
+            raise ValueError(f"storage_url: {exc}") from None
+        if self.redis_ttl_s is not None and scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"redis_ttl_s: only redis:// storage expires keys; storage_url is {url!r}"
+            )
+        if self.namespace is not None and not _NAMESPACE.match(self.namespace):
+            raise ValueError(
+                f"namespace: {self.namespace!r} is not allowed; use 1-128 characters of "
+                "letters, digits, '.', '_' and '-'"
+            )
+
+    @property
+    def url(self) -> str:
+        """The storage URL in effect (`shared_storage_path` becomes a `file://` URL)."""
+        if self.shared_storage_path is not None:
+            return "file://" + os.path.abspath(self.shared_storage_path)
+        return self.storage_url

@@ -1,0 +1,145 @@
+"""Stored-block keys: a chained hash of the token prefix under a namespace, plus head shards.
+
+A stored block is `block_size` prompt tokens. Its key is
+`blake2b(parent_key || token ids as little-endian int64)`, the parent of block 0 being a seed
+derived from the namespace, the stored block size and the request's multimodal hashes; so two
+prompts that share a prefix share the keys (and the stored values) of that prefix. One value is
+stored per (block, layer, head shard) under
+`<namespace>/b<block_size>/<hex[:2]>/<hex>/<layer>.h<first>-<end>` (global KV heads
+`[first, end)`), which lets an engine of any TP size find the heads it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import kvx
+
+DIGEST_BYTES = 16
+DEFAULT_BLOCK_SIZE = 16
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_namespace(ctx: kvx.EngineContext) -> str:
+    """`<model>-<dtype>-k<kv heads>d<head size>[-mla]`: what makes KV of equal tokens equal."""
+    spec = ctx.cache
+    model = _UNSAFE.sub("_", ctx.model_name).strip("_") or "model"
+    mla = "-mla" if spec.use_mla else ""
+    return f"{model[:80]}-{spec.dtype}-k{kv_heads(spec)}d{spec.head_size}{mla}"
+
+
+def kv_heads(spec: kvx.KVCacheSpec) -> int:
+    """KV heads stored per token: the model's KV heads, or one latent "head" for MLA."""
+    return 1 if spec.use_mla else spec.num_kv_heads
+
+
+def chain_seed(namespace: str, block_size: int, mm_hashes: Sequence[str] = ()) -> bytes:
+    """The parent key of a request's first block."""
+    text = f"kvx-storage-v1\0{namespace}\0{block_size}\0" + "-".join(mm_hashes)
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[str]:
+    """Hex keys of every full block of `token_ids` (a partial last block has none)."""
+    keys: list[str] = []
+    parent = seed
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        chunk = token_ids[start : start + block_size]
+        parent = hashlib.blake2b(
+            parent + struct.pack(f"<{block_size}q", *chunk), digest_size=DIGEST_BYTES
+        ).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def shard_ranges(num_heads: int, num_shards: int) -> list[range]:
+    """The head ranges of a partition of `num_heads` into `num_shards` equal shards."""
+    if num_shards < 1 or num_heads % num_shards:
+        raise ValueError(f"{num_heads} KV heads cannot be split into {num_shards} shards")
+    per = num_heads // num_shards
+    return [range(i * per, (i + 1) * per) for i in range(num_shards)]
+
+
+def shard_counts(num_heads: int, preferred: int) -> list[int]:
+    """Every partition a writer of some TP size may have used, `preferred` first."""
+    counts = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
+    return sorted(counts, key=lambda n: (n != preferred, n))
+
+
+def rank_heads(num_heads: int, tp_size: int, tp_rank: int) -> range:
+    """Global KV heads a TP rank holds; one shared head per rank when TP exceeds the heads
+    (matches vLLM's physical head range)."""
+    if tp_size <= num_heads:
+        if num_heads % tp_size:
+            raise ValueError(f"{num_heads} KV heads cannot be split over TP {tp_size}")
+        per = num_heads // tp_size
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    if tp_size % num_heads:
+        raise ValueError(f"TP {tp_size} is not a multiple of {num_heads} KV heads")
+    head = tp_rank * num_heads // tp_size
+    return range(head, head + 1)
+
+
+def is_writer(num_heads: int, tp_size: int, tp_rank: int) -> bool:
+    """Whether this rank stores its heads: of ranks holding the same heads only the first does."""
+    replicas = max(1, tp_size // num_heads)
+    return tp_rank % replicas == 0
+
+
+def value_key(namespace: str, block_size: int, block_key: str, layer: str, heads: range) -> str:
+    """The storage key of one block's KV for one layer and one head shard."""
+    return (
+        f"{namespace}/b{block_size}/{block_key[:2]}/{block_key}/"
+        f"{quote(layer, safe='')}.h{heads.start}-{heads.stop}"
+    )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The key space and block shape an engine reads and writes (same on both sides)."""
+
+    namespace: str
+    block_size: int  # tokens per stored block
+    engine_block_size: int
+    total_heads: int
+    head_size: int
+    dtype: str
+    mla: bool
+
+    @classmethod
+    def of(cls, ctx: kvx.EngineContext, namespace: str | None, block_size: int | None) -> Geometry:
+        spec = ctx.cache
+        engine = spec.block_size
+        if block_size is None:
+            block_size = DEFAULT_BLOCK_SIZE
+            if max(block_size, engine) % min(block_size, engine):
+                block_size = engine
+        elif max(block_size, engine) % min(block_size, engine):
+            raise ValueError(
+                f"kv_connector_extra_config.storage_block_size: {block_size} neither divides nor "
+                f"is a multiple of the engine's block size {engine}"
+            )
+        return cls(
+            namespace=namespace or default_namespace(ctx),
+            block_size=block_size,
+            engine_block_size=engine,
+            total_heads=kv_heads(spec),
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            mla=spec.use_mla,
+        )
+
+    @property
+    def kv_parts(self) -> int:
+        return 1 if self.mla else 2
+
+    def seed(self, mm_hashes: Sequence[str] = ()) -> bytes:
+        return chain_seed(self.namespace, self.block_size, mm_hashes)
+
+    def value_key(self, block_key: str, layer: str, heads: range) -> str:
+        return value_key(self.namespace, self.block_size, block_key, layer, heads)

@@ -1,0 +1,45 @@
+"""What the scheduler side sends the workers each step: loads and stores of stored blocks.
+
+Token positions are request positions; a stored block `i` of a request holds tokens
+`[i * storage_block_size, (i + 1) * storage_block_size)`. Plain fields only (msgpack-able).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvx import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Load tokens `[start, start + num_tokens)` into engine blocks `block_ids` (the blocks
+    holding those tokens, in order; `start` is engine-block aligned).
+
+    `keys[j]` is stored block `first_block + j`, written by `shards[j]` equal head shards."""
+
+    req_id: str
+    block_ids: list[int]
+    start: int
+    num_tokens: int
+    first_block: int
+    keys: list[str]
+    shards: list[int]
+
+
+@dataclass
+class StoreSpec:
+    """Store stored blocks `first_block ...` (`keys`) from engine blocks `block_ids`, which hold
+    tokens from `block_ids_start` (engine-block aligned) on."""
+
+    req_id: str
+    block_ids: list[int]
+    block_ids_start: int
+    first_block: int
+    keys: list[str]
+
+
+@dataclass
+class StorageMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)

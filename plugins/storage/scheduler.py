@@ -1,0 +1,212 @@
+"""Scheduler side: find the longest stored prefix, and say which blocks to load and store.
+
+Matches vLLM's ExampleConnector (synchronous loads, never the last prompt token, stores of full
+blocks only), but per stored block instead of per prompt: a prefix shared by two prompts is
+stored once, and a partial prefix hit loads what exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvx.plugins.storage.backends.base import StorageBackend
+from kvx.plugins.storage.keys import Geometry, block_keys, shard_counts, shard_ranges
+from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
+
+import kvx
+
+logger = logging.getLogger(__name__)
+
+PROBE_BATCH = 32  # stored blocks checked per round trip
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    keys: list[str]
+    block_ids: list[int] = field(default_factory=list)
+
+
+class StorageScheduler:
+    """Existence checks are fresh on every call; what is learned is kept only until the step's
+    `build_connector_meta`, since other engines add blocks (and TTLs drop them) at any time."""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        backend: StorageBackend,
+        layer_names: tuple[str, ...],
+        preferred_shards: int,
+        store: bool,
+    ) -> None:
+        self.geo = geometry
+        self.backend = backend
+        self.layers = layer_names
+        self.store = store
+        self._shard_order = shard_counts(geometry.total_heads, preferred_shards)
+        self._keys: dict[str, list[str]] = {}  # request id -> keys of its prompt's full blocks
+        self._reqs: dict[str, _Request] = {}  # scheduled requests
+        self._found: dict[str, dict[int, int]] = {}  # this step: stored block -> shard count
+        self._loads: dict[str, int] = {}  # this step: request id -> external tokens
+
+    # -- contract --------------------------------------------------------------------------
+
+    def on_new_request(self, request: kvx.Request) -> None:
+        self._request_keys(request)
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens of full stored blocks beyond `num_computed_tokens`, engine-block aligned and
+        never the last prompt token (vLLM: `align_to_block_size(len - 1)`); loads are sync."""
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        cap = (len(request.prompt_token_ids) - 1) // ebs * ebs
+        if cap <= num_computed_tokens:
+            return 0, False
+        keys = self._request_keys(request)
+        first = num_computed_tokens // bs
+        found = self._probe(keys, first, min(len(keys), -(-cap // bs)))
+        self._found[request.request_id] = found
+        end = min((first + len(found)) * bs, cap) // ebs * ebs
+        return max(0, end - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            self._loads[request.request_id] = num_external_tokens
+        else:
+            self._loads.pop(request.request_id, None)
+
+    def build_connector_meta(self, out: kvx.SchedulerOutput) -> StorageMetadata:
+        meta = StorageMetadata()
+        for req_id in out.preempted_req_ids:
+            if req_id in self._reqs:
+                self._reqs[req_id].block_ids = []
+        for new in out.scheduled_new_reqs:
+            keys = self._keys.get(new.req_id)
+            if keys is None:  # on_new_request / get_num_new_matched_tokens were not called
+                keys = block_keys(new.prompt_token_ids, self.geo.block_size, self.geo.seed())
+                self._keys[new.req_id] = keys
+            state = _Request(len(new.prompt_token_ids), keys, list(new.block_ids[0]))
+            self._reqs[new.req_id] = state
+            self._plan(meta, new.req_id, state, new.num_computed_tokens, out)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._reqs.get(req_id)
+            if known is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                known.block_ids = list(added[0]) if added else []
+            elif added:
+                known.block_ids.extend(added[0])
+            self._plan(meta, req_id, known, cached.num_computed_tokens[i], out)
+        if self._loads:
+            logger.warning("kvx storage: loads of unscheduled requests dropped: %s", self._loads)
+        self._loads.clear()
+        self._found.clear()
+        return meta
+
+    def request_finished(self, request: kvx.Request) -> None:
+        req_id = request.request_id
+        self._keys.pop(req_id, None)
+        self._reqs.pop(req_id, None)
+        self._found.pop(req_id, None)
+        self._loads.pop(req_id, None)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _request_keys(self, request: kvx.Request) -> list[str]:
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            seed = self.geo.seed(request.mm_hashes)
+            keys = block_keys(request.prompt_token_ids, self.geo.block_size, seed)
+            self._keys[request.request_id] = keys
+        return keys
+
+    def _plan(
+        self,
+        meta: StorageMetadata,
+        req_id: str,
+        state: _Request,
+        computed: int,
+        out: kvx.SchedulerOutput,
+    ) -> None:
+        """Add the request's load (tokens just counted as computed) and the stored blocks its
+        scheduled tokens complete this step (prompt tokens only)."""
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        n_ext = self._loads.pop(req_id, 0)
+        if n_ext:
+            start = computed - n_ext
+            first, last = start // bs, -(-computed // bs)
+            found = self._found.get(req_id, {})
+            if any(b not in found for b in range(first, last)):
+                found = self._probe(state.keys, first, last)
+            shards = [found.get(b, self._shard_order[0]) for b in range(first, last)]
+            meta.loads.append(
+                LoadSpec(
+                    req_id=req_id,
+                    block_ids=state.block_ids[start // ebs : -(-computed // ebs)],
+                    start=start,
+                    num_tokens=n_ext,
+                    first_block=first,
+                    keys=state.keys[first:last],
+                    shards=shards,
+                )
+            )
+        scheduled = out.num_scheduled_tokens.get(req_id, 0)
+        if not self.store or not scheduled:
+            return
+        first = computed // bs
+        last = min(min(computed + scheduled, state.prompt_len) // bs, len(state.keys))
+        if last > first:
+            eb0 = first * bs // ebs
+            meta.stores.append(
+                StoreSpec(
+                    req_id=req_id,
+                    block_ids=state.block_ids[eb0 : -(-last * bs // ebs)],
+                    block_ids_start=eb0 * ebs,
+                    first_block=first,
+                    keys=state.keys[first:last],
+                )
+            )
+
+    def _probe(self, keys: list[str], first: int, last: int) -> dict[int, int]:
+        """The run of stored blocks from `first` (before `last`) whose every layer and head
+        shard exists, each with the shard count it was found under."""
+        found: dict[int, int] = {}
+        block = first
+        while block < last:
+            shards = self._shard_order[0]
+            batch = range(block, min(last, block + PROBE_BATCH))
+            for b, ok in zip(batch, self._present(keys, batch, shards), strict=True):
+                if not ok:
+                    others = self._shard_order[1:]
+                    alt = next((n for n in others if self._present(keys, [b], n)[0]), None)
+                    if alt is None:
+                        return found
+                    # Writers of this TP size are the likely ones for the next blocks too.
+                    self._shard_order.remove(alt)
+                    self._shard_order.insert(0, alt)
+                    found[b] = alt
+                    block = b + 1
+                    break
+                found[b] = shards
+            else:
+                block = batch.stop
+        return found
+
+    def _present(self, keys: list[str], blocks: range | list[int], shards: int) -> list[bool]:
+        """Per block: whether every layer x head shard value of that partition exists."""
+        parts = shard_ranges(self.geo.total_heads, shards)
+        per_block = len(self.layers) * len(parts)
+        names = [
+            self.geo.value_key(keys[b], layer, heads)
+            for b in blocks
+            for layer in self.layers
+            for heads in parts
+        ]
+        exists = self.backend.exists_many(names)
+        return [all(exists[i * per_block : (i + 1) * per_block]) for i in range(len(blocks))]
