@@ -175,38 +175,44 @@ class StorageScheduler:
 
     def _probe(self, keys: list[str], first: int, last: int) -> dict[int, int]:
         """The run of stored blocks from `first` (before `last`) whose every layer and head
-        shard exists, each with the shard count it was found under."""
+        shard exists, each with the shard count (writer TP partition) it was found under.
+
+        A block's partition is looked for among all candidates in one round trip; the blocks
+        after it are then checked under the same partition in batches."""
         found: dict[int, int] = {}
         block = first
         while block < last:
-            shards = self._shard_order[0]
-            batch = range(block, min(last, block + PROBE_BATCH))
-            for b, ok in zip(batch, self._present(keys, batch, shards), strict=True):
-                if not ok:
-                    others = self._shard_order[1:]
-                    alt = next((n for n in others if self._present(keys, [b], n)[0]), None)
-                    if alt is None:
-                        return found
-                    # Writers of this TP size are the likely ones for the next blocks too.
-                    self._shard_order.remove(alt)
-                    self._shard_order.insert(0, alt)
-                    found[b] = alt
-                    block = b + 1
-                    break
-                found[b] = shards
-            else:
-                block = batch.stop
+            shards = self._partition_of(keys[block])
+            if shards is None:
+                return found
+            found[block] = shards
+            block += 1
+            while block < last:
+                batch = range(block, min(last, block + PROBE_BATCH))
+                names = [self._names(keys[b], shards) for b in batch]
+                exists = self.backend.exists_many([n for group in names for n in group])
+                per = len(names[0])
+                run = 0
+                while run < len(batch) and all(exists[run * per : (run + 1) * per]):
+                    found[block + run] = shards
+                    run += 1
+                block += run
+                if run < len(batch):
+                    break  # look for this block under every partition
         return found
 
-    def _present(self, keys: list[str], blocks: range | list[int], shards: int) -> list[bool]:
-        """Per block: whether every layer x head shard value of that partition exists."""
+    def _partition_of(self, key: str) -> int | None:
+        """The first shard count (own TP first) under which every value of a block exists."""
+        names = [self._names(key, n) for n in self._shard_order]
+        exists = self.backend.exists_many([n for group in names for n in group])
+        at = 0
+        for shards, group in zip(self._shard_order, names, strict=True):
+            if all(exists[at : at + len(group)]):
+                return shards
+            at += len(group)
+        return None
+
+    def _names(self, key: str, shards: int) -> list[str]:
+        """Every layer x head shard value of one stored block under one partition."""
         parts = shard_ranges(self.geo.total_heads, shards)
-        per_block = len(self.layers) * len(parts)
-        names = [
-            self.geo.value_key(keys[b], layer, heads)
-            for b in blocks
-            for layer in self.layers
-            for heads in parts
-        ]
-        exists = self.backend.exists_many(names)
-        return [all(exists[i * per_block : (i + 1) * per_block]) for i in range(len(blocks))]
+        return [self.geo.value_key(key, layer, heads) for layer in self.layers for heads in parts]

@@ -1,0 +1,211 @@
+"""Storage backends: atomic values, Redis round trips, TTL, unreachable servers, clean shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kvx.plugins.storage.backends.base import BackendOptions, open_backend
+from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.keys import block_keys, chain_seed, value_key
+
+import kvx
+from kvx import KVTransferConfig
+
+MakeRig = Callable[..., Any]  # conftest's Rig factory
+LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")  # the rig's layers
+
+
+def watch(read: Callable[[], bytes | None], done: threading.Event) -> list[bytes | None]:
+    """Read until `done` is set (and once more), returning everything seen."""
+    seen = []
+    while not done.is_set():
+        seen.append(read())
+    seen.append(read())
+    return seen
+
+
+class SlowFile:
+    """A writable file that trickles its bytes out, so a write takes a while."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        for i in range(0, len(view), 1 << 16):
+            self.f.write(view[i : i + (1 << 16)])
+            self.f.flush()
+            time.sleep(0.005)
+        return len(view)
+
+    def __enter__(self) -> SlowFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+
+@pytest.mark.timeout(30)
+def test_file_reader_never_sees_a_torn_value(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    real_open = backend.fs.open
+    backend.fs.open = lambda path, mode="rb", **kw: (  # type: ignore[method-assign]
+        SlowFile(real_open(path, mode, **kw)) if "w" in mode else real_open(path, mode, **kw)
+    )
+    old, new = b"a" * (1 << 20), b"b" * (2 << 20)
+    backend.put_many([("ns/k", old)])
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (backend.put_many([("ns/k", new)]), done.set()))
+    partial: list[int] = []
+    seen: list[bytes | None] = []
+    writer.start()
+    while not done.is_set():
+        seen.append(backend.get_many(["ns/k"], 4 << 20)[0])
+        partial += [p.stat().st_size for p in (tmp_path / "ns").glob("k.tmp-*")]
+    writer.join()
+    seen.append(backend.get_many(["ns/k"], 4 << 20)[0])
+    assert any(0 < n < len(new) for n in partial), "the write was not observed in progress"
+    assert set(seen) <= {old, new} and seen[-1] == new
+    assert not list((tmp_path / "ns").glob("k.tmp-*"))
+
+
+@pytest.mark.timeout(30)
+def test_redis_reader_never_sees_a_torn_value(redis_url: str) -> None:
+    backend = open_backend(redis_url, BackendOptions())
+    try:
+        values = [bytes([i]) * (4 << 20) for i in range(1, 4)]
+        done = threading.Event()
+
+        def write() -> None:
+            for v in values:
+                backend.put_many([("ns/k", v)])
+            done.set()
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        seen = watch(lambda: backend.get_many(["ns/k"], 8 << 20)[0], done)
+        writer.join()
+        assert set(seen) <= {None, *values} and seen[-1] == values[-1]
+    finally:
+        backend.close()
+
+
+@pytest.mark.timeout(30)
+def test_memory_backend_is_shared_within_a_process() -> None:
+    a = open_backend("memory://kvx-shared-test", BackendOptions())
+    b = open_backend("memory://kvx-shared-test", BackendOptions())
+    a.put_many([("x/y", b"value")])
+    assert b.get_many(["x/y", "x/z"], 100) == [b"value", None]
+    assert b.exists_many(["x/y", "x/z"]) == [True, False]
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_redis_is_a_clear_error(make_rig: MakeRig) -> None:
+    with pytest.raises(ConnectionError) as info:
+        make_rig("redis://127.0.0.1:1/0", extra={"timeout_s": 2.0})
+    message = str(info.value)
+    assert "redis://127.0.0.1:1/0" in message and "redis-server" in message
+
+
+@pytest.mark.timeout(30)
+def test_ttl_is_set_on_every_value(redis_url: str, make_rig: MakeRig) -> None:
+    tokens = list(range(40))
+    make_rig(redis_url, extra={"redis_ttl_s": 120}).prefill("p", tokens)
+    client = redis.Redis.from_url(redis_url)
+    keys = client.keys("kvx/*")
+    assert len(keys) == 2 * 2  # 2 full blocks x 2 layers x 1 shard
+    assert all(0 < client.ttl(k) <= 120 for k in keys)
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_redis_does_one_round_trip_per_layer(
+    redis_url: str, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = list(range(16 * 12 + 5))  # 12 full blocks
+    rig = make_rig(redis_url, tp=2, num_blocks=40)
+    calls: list[int] = []
+    real = redis.client.Pipeline.execute
+
+    def counted(self: redis.client.Pipeline, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(self.command_stack))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
+    rig.prefill("p", tokens)
+    # Scheduler: block 0 under every partition (1, 2 or 4 shards x 2 layers), absent. Each
+    # rank: one SET pipeline per layer for the 12 full blocks.
+    assert calls == [(1 + 2 + 4) * 2, 12, 12, 12, 12]
+    calls.clear()
+    reader = make_rig(redis_url, tp=2, num_blocks=40)
+    calls.clear()
+    run = reader.prefill("d", tokens, compute=False)
+    assert run.num_external == 192
+    # Scheduler: block 0 under every partition, then blocks 1-11 under the one found. Workers:
+    # one GETRANGE pipeline per layer; no stores (the partial block is never stored).
+    assert calls == [(1 + 2 + 4) * 2, 11 * 2 * 2, 12, 12, 12, 12]
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_leaves_no_threads(
+    storage_url: str, make_rig: MakeRig, no_new_threads: None
+) -> None:
+    rig = make_rig(storage_url, tp=2)
+    rig.prefill("p", list(range(50)))
+    assert any(t.name.startswith("kvx-storage-writer") for t in threading.enumerate())
+    rig.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_write_failures_are_counted_not_raised(tmp_path: Path, make_rig: MakeRig) -> None:
+    rig = make_rig(f"file://{tmp_path}")
+    for worker, _, _ in rig.workers:
+        backend = worker.worker.backend
+
+        def fail(items: Any) -> None:
+            raise OSError("disk full")
+
+        backend.put_many = fail
+    rig.prefill("p", list(range(40)))
+    stats = rig.workers[0][0].get_kv_connector_stats()
+    assert stats is not None and stats.data["save_errors"] == 2  # one per layer
+
+
+def test_backends_are_registered_by_scheme() -> None:
+    registry = kvx.get_registry()
+    assert registry.connector("ExampleConnector").name == "SharedStorageConnector"
+    for url, name in [
+        ("file:///tmp/x", "fsspec"),
+        ("memory://x", "fsspec"),
+        ("s3://bucket/x", "fsspec"),
+        ("redis://h:1/0", "redis"),
+    ]:
+        assert registry.storage_backend_for_url(url).name == name
+    assert registry.storage_backends()["redis"].spec.requires == ("redis",)
+
+
+def test_value_keys_are_per_block_layer_and_shard() -> None:
+    keys = block_keys(list(range(40)), 16, chain_seed("ns", 16))
+    assert len(keys) == 2 and all(len(k) == 32 for k in keys)
+    assert value_key("ns", 16, keys[0], "a/b.c", range(2, 4)) == (
+        f"ns/b16/{keys[0][:2]}/{keys[0]}/a%2Fb.c.h2-4"
+    )
+
+
+def test_connector_config_round_trips_through_kvx_validate(tmp_path: Path) -> None:
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+        }
+    )
+    extra = config.kv_connector_extra_config
+    assert extra["storage_url"].startswith("file://") and extra["verify_checksums"] is True
+    assert kvx.get_registry().resolve_connector_class(config).__name__ == "SharedStorageConnector"

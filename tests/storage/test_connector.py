@@ -1,0 +1,281 @@
+"""SharedStorageConnector through the contract: what is stored, what loads, byte for byte."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kvx.plugins.storage.keys import block_keys, chain_seed, value_key
+
+from kvx import (
+    CachedRequestData,
+    KVCacheBlocks,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+MakeRig = Callable[..., Any]  # conftest's Rig factory
+NAMESPACE = "test-ns"  # the rig's namespace
+LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")  # the rig's layers
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def test_store_then_load_byte_exact(storage_url: str, make_rig: MakeRig) -> None:
+    tokens = prompt(50)
+    producer = make_rig(storage_url)
+    stored = producer.prefill("p", tokens)
+    assert stored.num_external == 0
+    assert [s.keys for s in stored.metas[0].stores] == [
+        block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[:3]
+    ]
+    producer.check(tokens, stored.block_ids, len(tokens))
+
+    consumer = make_rig(storage_url)
+    loaded = consumer.prefill("d", tokens, compute=False)
+    assert loaded.num_external == 48  # three full blocks; the partial fourth is never stored
+    assert loaded.errors == [set()]
+    consumer.check(tokens, loaded.block_ids, 48)
+
+
+def test_matching_is_idempotent_and_never_claims_the_last_token(
+    storage_url: str, make_rig: MakeRig
+) -> None:
+    tokens = prompt(64, seed=1)
+    make_rig(storage_url).prefill("p", tokens)
+    rig = make_rig(storage_url)
+    request = Request("d", tokens)
+    answers = {rig.scheduler.get_num_new_matched_tokens(request, 0) for _ in range(3)}
+    assert answers == {(48, False)}  # 4 blocks stored, but token 63 must be recomputed
+    assert rig.scheduler.get_num_new_matched_tokens(request, 32) == (16, False)
+    assert rig.scheduler.get_num_new_matched_tokens(request, 48) == (0, False)
+    assert rig.scheduler.get_num_new_matched_tokens(Request("x", tokens[:16]), 0) == (0, False)
+    meta = rig.scheduler.build_connector_meta(SchedulerOutput())
+    assert meta.loads == [] and meta.stores == []  # asking had no side effect
+
+
+def test_shared_prefix_is_stored_once(tmp_path: Path, make_rig: MakeRig) -> None:
+    url = f"file://{tmp_path}"
+    first = prompt(64, seed=2)
+    second = first[:40] + prompt(40, seed=3)
+    rig = make_rig(url)
+    rig.prefill("a", first)
+    run = rig.prefill("b", second)
+    assert run.num_external == 32  # the two shared full blocks
+    stored = {s for m in run.metas for spec in m.stores for s in spec.keys}
+    keys_a = block_keys(first, 16, chain_seed(NAMESPACE, 16))
+    keys_b = block_keys(second, 16, chain_seed(NAMESPACE, 16))
+    assert keys_a[:2] == keys_b[:2] and keys_a[2] != keys_b[2]
+    assert stored == set(keys_b[2:5])  # b stores only what it computed
+    blocks = {p.parent.name for p in tmp_path.rglob("*.h0-4")}
+    assert blocks == set(keys_a) | set(keys_b)  # 4 + 3 distinct blocks, prefix shared
+    rig.check(second, run.block_ids, len(second), alone=False)
+
+
+def test_partial_prefix_hit_loads_what_exists(tmp_path: Path, make_rig: MakeRig) -> None:
+    url = f"file://{tmp_path}"
+    tokens = prompt(100, seed=4)
+    make_rig(url).prefill("p", tokens[:64])
+    rig = make_rig(url)
+    run = rig.prefill("d", tokens, compute=False)
+    assert run.num_external == 64  # the stored 4 blocks of a 6-block prompt
+    rig.check(tokens, run.block_ids, 64)
+    # A hole in the middle: only the prefix before it counts.
+    key = block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[2]
+    next(tmp_path.rglob(f"{key}/{LAYERS[1]}.h0-4")).unlink()
+    assert rig.scheduler.get_num_new_matched_tokens(Request("e", tokens), 0) == (32, False)
+
+
+def test_local_prefix_hit_loads_only_the_rest(storage_url: str, make_rig: MakeRig) -> None:
+    tokens = prompt(80, seed=5)
+    make_rig(storage_url).prefill("p", tokens)
+    rig = make_rig(storage_url)
+    run = rig.prefill("d", tokens, compute=False, num_computed=32)
+    assert run.num_external == 32  # tokens 32..63; 0..31 were a local hit
+    (load,) = run.metas[0].loads
+    assert (load.start, load.num_tokens, load.block_ids) == (32, 32, run.block_ids[2:4])
+
+
+def corrupt_file(tmp_path: Path, key: str) -> None:
+    path = next(tmp_path.rglob(f"{key}/{LAYERS[0]}.h0-4"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def corrupt_redis(url: str, key: str) -> None:
+    client = redis.Redis.from_url(url)
+    name = "kvx/" + value_key(NAMESPACE, 16, key, LAYERS[0], range(4))
+    data = client.get(name)
+    assert data is not None
+    client.setrange(name, len(data) // 2, bytes([data[len(data) // 2] ^ 0x40]))
+    client.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_corruption_is_reported_as_load_errors(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest, make_rig: MakeRig
+) -> None:
+    url = f"file://{tmp_path}" if backend == "file" else request.getfixturevalue("redis_url")
+    tokens = prompt(80, seed=6)
+    make_rig(url).prefill("p", tokens)
+    key = block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[1]
+    if backend == "file":
+        corrupt_file(tmp_path, key)
+    else:
+        corrupt_redis(url, key)
+    rig = make_rig(url)
+    run = rig.prefill("d", tokens, compute=False)
+    assert run.num_external == 64  # the header is intact: the scheduler cannot tell
+    # Block 1 is bad, so blocks 2 and 3 (a prefix is valid only up to its first bad block).
+    assert run.errors == [set(run.block_ids[1:4])]
+    rig.check(tokens, run.block_ids[:1], 16)  # block 0 loaded exactly; nothing else written
+
+
+def test_checksums_can_be_skipped(tmp_path: Path, make_rig: MakeRig) -> None:
+    url = f"file://{tmp_path}"
+    tokens = prompt(40, seed=7)
+    make_rig(url).prefill("p", tokens)
+    corrupt_file(tmp_path, block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[0])
+    run = make_rig(url, extra={"verify_checksums": False}).prefill("d", tokens, compute=False)
+    assert run.errors == [set()]
+
+
+def test_missing_value_is_a_load_error(tmp_path: Path, make_rig: MakeRig) -> None:
+    url = f"file://{tmp_path}"
+    tokens = prompt(50, seed=8)
+    make_rig(url).prefill("p", tokens)
+    rig = make_rig(url)
+    request = Request("d", tokens)
+    assert rig.scheduler.get_num_new_matched_tokens(request, 0) == (48, False)
+    for path in tmp_path.rglob("*.h0-4"):  # another engine's TTL / eviction after the match
+        path.unlink()
+    blocks = rig.allocate(len(tokens))
+    rig.scheduler.update_state_after_alloc(request, KVCacheBlocks((blocks,), (0,)), 48)
+    out = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("d", tokens, (blocks,), 48)],
+        num_scheduled_tokens={"d": 2},
+    )
+    errors, _ = rig.step(out, {})
+    assert errors == set(blocks[:3])
+
+
+@pytest.mark.parametrize(
+    ("p", "d"),
+    [
+        ({"tp": 2}, {"tp": 1}),
+        ({"tp": 1}, {"tp": 2}),
+        ({"tp": 4}, {"tp": 2, "layout": "HND"}),
+        ({"tp": 4, "heads": 2}, {"tp": 1, "heads": 2}),  # P replicates heads over ranks
+        ({"tp": 1, "heads": 2}, {"tp": 4, "heads": 2}),  # D replicates heads over ranks
+        ({"layout": "HND"}, {"layout": "CPU_PACKED"}),
+        ({"layout": "FLASHINFER_NHD"}, {"layout": "FLASHINFER_HND", "tp": 2}),
+        ({"block_size": 16}, {"block_size": 32}),
+        ({"block_size": 32, "tp": 2}, {"block_size": 16}),
+        ({"block_size": 8}, {"block_size": 32, "layout": "HND"}),
+        ({"mla": True, "tp": 2}, {"mla": True, "tp": 1, "block_size": 32}),
+        ({"dtype": "bfloat16", "tp": 2}, {"dtype": "bfloat16", "tp": 4}),
+    ],
+)
+def test_loads_across_tp_layout_and_block_size(
+    p: dict[str, object], d: dict[str, object], tmp_path: Path, make_rig: MakeRig
+) -> None:
+    url = f"file://{tmp_path}"
+    tokens = prompt(75, seed=9)
+    producer = make_rig(url, **p)
+    producer.prefill("p", tokens)
+    consumer = make_rig(url, **d)
+    run = consumer.prefill("d", tokens, compute=False)
+    expected = (len(tokens) - 1) // consumer.block_size * consumer.block_size
+    assert run.num_external == expected
+    assert run.errors == [set()]
+    consumer.check(tokens, run.block_ids, expected)
+
+
+def test_tp2_store_then_tp1_load_redis(redis_url: str, make_rig: MakeRig) -> None:
+    tokens = prompt(70, seed=10)
+    make_rig(redis_url, tp=2).prefill("p", tokens)
+    rig = make_rig(redis_url, tp=1)
+    run = rig.prefill("d", tokens, compute=False)
+    assert run.num_external == 64 and run.errors == [set()]
+    rig.check(tokens, run.block_ids, 64)
+
+
+def test_different_model_shape_never_hits(tmp_path: Path, make_rig: MakeRig) -> None:
+    url = f"file://{tmp_path}"
+    tokens = prompt(40, seed=11)
+    make_rig(url, extra={"namespace": "model-a"}).prefill("p", tokens)
+    rig = make_rig(url, extra={"namespace": "model-b"})
+    assert rig.scheduler.get_num_new_matched_tokens(Request("d", tokens), 0) == (0, False)
+
+
+def test_chunked_prefill_stores_blocks_as_they_complete(
+    storage_url: str, make_rig: MakeRig
+) -> None:
+    tokens = prompt(70, seed=12)
+    rig = make_rig(storage_url)
+    run = rig.prefill("p", tokens, chunk=24)
+    keys = block_keys(tokens, 16, chain_seed(NAMESPACE, 16))
+    per_step = [[k for spec in m.stores for k in spec.keys] for m in run.metas]
+    # Steps cover tokens 0-24, 24-48, 48-70: blocks complete at 16, 32/48, 64; 64-70 is partial.
+    assert per_step == [keys[0:1], keys[1:3], keys[3:4]]
+    loaded = make_rig(storage_url).prefill("d", tokens, compute=False)
+    assert loaded.num_external == 64
+    rig.check(tokens, run.block_ids, len(tokens))
+
+
+def test_consumer_does_not_store(tmp_path: Path, make_rig: MakeRig) -> None:
+    run = make_rig(f"file://{tmp_path}", role="kv_consumer").prefill("d", prompt(40))
+    assert all(not m.stores for m in run.metas)
+    assert not list(tmp_path.rglob("*.h0-4"))
+
+
+def test_resumed_request_reloads_into_its_new_blocks(storage_url: str, make_rig: MakeRig) -> None:
+    tokens = prompt(50, seed=13)
+    make_rig(storage_url).prefill("p", tokens)
+    rig = make_rig(storage_url)
+    request = Request("d", tokens)
+    n, _ = rig.scheduler.get_num_new_matched_tokens(request, 0)
+    old = rig.allocate(len(tokens))
+    rig.scheduler.update_state_after_alloc(request, KVCacheBlocks((old,), (0,)), n)
+    rig.step(
+        SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData("d", tokens, (old,), n)],
+            num_scheduled_tokens={"d": len(tokens) - n},
+        ),
+        {},
+    )
+    # Preempted: its blocks are freed; when it resumes it matches again, gets a new table.
+    rig.step(SchedulerOutput(preempted_req_ids={"d"}), {})
+    n2, _ = rig.scheduler.get_num_new_matched_tokens(request, 0)
+    new = rig.allocate(len(tokens))
+    rig.scheduler.update_state_after_alloc(request, KVCacheBlocks((new,), (0,)), n2)
+    errors, meta = rig.step(
+        SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=["d"],
+                resumed_req_ids={"d"},
+                new_token_ids=[[]],
+                all_token_ids={"d": tokens},
+                new_block_ids=[(new,)],
+                num_computed_tokens=[n2],
+            ),
+            num_scheduled_tokens={"d": len(tokens) - n2},
+        ),
+        {},
+    )
+    assert n2 == 48 and errors == set()
+    assert meta.loads[0].block_ids == new[:3]
+    for _, caches, _ in rig.workers:  # both tables hold the prefix now
+        view = rig.token_view(caches[LAYERS[0]])
+        assert all(view[new[i]].equal(view[old[i]]) for i in range(3))

@@ -1,0 +1,75 @@
+"""SharedStorageConnector inside the reference engine: P/D through storage, the conformance
+suite's claimed scenarios."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from kvx.conformance import run_suite
+from kvx.conformance.runner import FAILED, PASSED
+
+from kvx.engine.disagg import DisaggregatedPair, pd_configs
+from kvx.engine.engine import EngineConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+LENGTHS = (37, 64, 5, 100)  # prompt lengths
+
+
+@pytest.mark.parametrize(
+    ("tp", "block_sizes", "layouts", "heads", "mla"),
+    [
+        ((2, 1), None, None, 4, False),
+        ((1, 4), None, None, 4, False),
+        ((4, 4), None, None, 2, False),  # KV heads replicated over ranks on both sides
+        ((1, 1), (16, 32), None, 4, False),
+        ((1, 1), (32, 16), None, 4, False),
+        ((1, 1), None, ("NHD", "HND"), 4, False),
+        ((2, 1), (32, 16), ("HND", "CPU_PACKED"), 4, False),
+        ((2, 1), None, None, 4, True),
+    ],
+)
+def test_prefill_to_decode_through_storage(
+    tp: tuple[int, int],
+    block_sizes: tuple[int, int] | None,
+    layouts: tuple[str, str] | None,
+    heads: int,
+    mla: bool,
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(1024) for _ in range(n)] for i, n in enumerate(LENGTHS)}
+    kv = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_extra_config": {"storage_url": f"file://{tmp_path}"},
+    }
+    base = EngineConfig(num_kv_heads=heads, use_mla=mla)
+    prefill, decode = pd_configs(base, kv, tp=tp, block_sizes=block_sizes, layouts=layouts)
+    pair = DisaggregatedPair(prefill, decode, processes=False)
+    try:
+        report = pair.run(prompts, 4)  # checks every KV byte on both engines after each step
+    finally:
+        pair.close()
+    assert report.all_identical, (report.kv_mismatches, report.results)
+    d_block = decode.block_size  # D loads every full block but the one of the last token
+    loaded = sum((n - 1) // d_block * d_block for n in LENGTHS)
+    assert report.decode_stats["external_tokens"] == loaded
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_conformance_claimed_scenarios_pass(backend: str, request: pytest.FixtureRequest) -> None:
+    if backend == "file":
+        extra = {"storage_url": "file://{tmp}"}
+        expect_passed = {"store_and_reuse", "corrupted_bytes_detected", "idempotent_matching"}
+    else:
+        extra = {"storage_url": request.getfixturevalue("redis_url")}
+        expect_passed = {"store_and_reuse", "idempotent_matching"}
+    results = run_suite(
+        {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra},
+        only=sorted(expect_passed),
+        fault_timeout_s=20,
+    )
+    assert not {r.name: r.message for r in results if r.outcome == FAILED}
+    assert {r.name for r in results if r.outcome == PASSED} == expect_passed
