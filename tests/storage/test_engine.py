@@ -4,6 +4,7 @@ suite's claimed scenarios."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,20 +20,23 @@ LENGTHS = (37, 64, 5, 100)  # prompt lengths
 
 
 @pytest.mark.parametrize(
-    ("tp", "block_sizes", "layouts", "heads", "mla"),
+    ("tp", "pp", "block_sizes", "layouts", "heads", "mla"),
     [
-        ((2, 1), None, None, 4, False),
-        ((1, 4), None, None, 4, False),
-        ((4, 4), None, None, 2, False),  # KV heads replicated over ranks on both sides
-        ((1, 1), (16, 32), None, 4, False),
-        ((1, 1), (32, 16), None, 4, False),
-        ((1, 1), None, ("NHD", "HND"), 4, False),
-        ((2, 1), (32, 16), ("HND", "CPU_PACKED"), 4, False),
-        ((2, 1), None, None, 4, True),
+        ((2, 1), (1, 1), None, None, 4, False),
+        ((1, 4), (1, 1), None, None, 4, False),
+        ((4, 4), (1, 1), None, None, 2, False),  # KV heads replicated over ranks on both sides
+        ((2, 1), (2, 1), None, None, 4, False),
+        ((1, 1), (1, 2), (32, 16), None, 4, False),
+        ((1, 1), (1, 1), (16, 32), None, 4, False),
+        ((1, 1), (1, 1), (32, 8), None, 4, False),
+        ((1, 1), (1, 1), None, ("NHD", "HND"), 4, False),
+        ((2, 1), (1, 1), (32, 16), ("HND", "CPU_PACKED"), 4, False),
+        ((2, 1), (1, 1), None, None, 4, True),
     ],
 )
 def test_prefill_to_decode_through_storage(
     tp: tuple[int, int],
+    pp: tuple[int, int],
     block_sizes: tuple[int, int] | None,
     layouts: tuple[str, str] | None,
     heads: int,
@@ -45,8 +49,9 @@ def test_prefill_to_decode_through_storage(
         "kv_connector": "SharedStorageConnector",
         "kv_connector_extra_config": {"storage_url": f"file://{tmp_path}"},
     }
-    base = EngineConfig(num_kv_heads=heads, use_mla=mla)
+    base = EngineConfig(num_layers=4, num_kv_heads=heads, use_mla=mla)
     prefill, decode = pd_configs(base, kv, tp=tp, block_sizes=block_sizes, layouts=layouts)
+    prefill, decode = replace(prefill, pp_size=pp[0]), replace(decode, pp_size=pp[1])
     pair = DisaggregatedPair(prefill, decode, processes=False)
     try:
         report = pair.run(prompts, 4)  # checks every KV byte on both engines after each step
