@@ -3,8 +3,10 @@
 Loads are synchronous (all in `start_load_kv`, one backend round trip per layer). Saves copy the
 layer's blocks out in `save_kv_layer` (a gather into a CPU tensor) and a background writer
 encodes and writes them while the forward pass goes on; `wait_for_save` returns when the step's
-writes are durable. Every conversion between the engine's layout / block size / TP shard and the
-stored form goes through `kvx.layouts.convert_blocks`.
+writes are durable. Since nothing reads engine blocks after `save_kv_layer` returns, preempted
+blocks are safe at once (`handle_preemptions` has nothing to wait for). Every conversion
+between the engine's layout / block size / TP shard and the stored form goes through
+`kvx.layouts.convert_blocks`.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class StorageWorker:
         loads = [self._plan_load(spec) for spec in meta.loads]
         if not loads:
             return
+        if not self.caches:
+            raise RuntimeError("start_load_kv with loads before register_kv_caches")
         for layer, cache in self.caches.items():
             self._load_layer(layer, cache, loads)
         for load in loads:
@@ -146,9 +150,11 @@ class StorageWorker:
         wanted: list[tuple[_Load, int, range, str]] = [
             (load, j, heads, self.geo.value_key(key, layer, heads))
             for load in loads
-            for j, key in enumerate(load.spec.keys)
+            for j, key in enumerate(load.spec.keys[: load.bad])
             for heads in load.parts[j]
         ]
+        if not wanted:
+            return
         shapes = {heads: self._shape(heads) for _, _, heads, _ in wanted}
         limit = max(s.value_bytes for s in shapes.values())
         values = self.backend.get_many([name for *_, name in wanted], limit)
