@@ -1,0 +1,1 @@
+"""Adapters that run kvx connectors inside real engines (vLLM)."""

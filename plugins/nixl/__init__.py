@@ -1,0 +1,1 @@
+"""NixlConnector: pull-mode P/D KV transfer over NIXL (UCX)."""
