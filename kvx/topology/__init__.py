@@ -11,6 +11,7 @@ from kvx.topology.heads import (
     num_physical_heads,
     physical_head_range,
 )
+from kvx.topology.hetero import HeteroTPTransferConfig
 from kvx.topology.plan import (
     BlockSpan,
     HeadRead,
@@ -20,12 +21,15 @@ from kvx.topology.plan import (
     plan_reads,
     readers_per_remote_rank,
 )
+from kvx.topology.tp_kv import TpKVTopology
 
 __all__ = [
     "BlockSpan",
     "HeadRead",
+    "HeteroTPTransferConfig",
     "KVGeometry",
     "TopologyError",
+    "TpKVTopology",
     "TransferPlan",
     "check_compatible",
     "check_tp_heads",
