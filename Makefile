@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 # torch goes in first and pinned (the CPU build lies on local disk; an unpinned torch pulls a
 # multi-GB CUDA build), and every later install is constrained to it.
-$(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml
+$(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml layouts/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch

@@ -1,16 +1,24 @@
-"""Machinery shared by the transforms: bit views, block-id checks and the gather/scatter loop.
+"""Machinery shared by the transforms: bit views, block-id checks and the gather/scatter.
 
 Transforms only move bytes, so they run on bit views of the caches: every dtype (float8
 included, which has few CPU kernels) is handled alike, and a wide word means fewer elements for
 the indexing kernels, which copy element by element (16-byte words are ~25% faster than 8-byte
 ones for `index_copy_` on CPU). Words are integers, or complex128 for 16 bytes: the kernels only
 load and store them, never compute, so every bit pattern (NaN payloads included) survives.
+
+On CPU the gather/scatter runs in the native kernel `kvx.layouts._native` (one read and one
+write per byte, see `_native.c`) when it is built; `KVX_LAYOUTS_NATIVE` chooses: unset = use it
+if built, else warn once and use PyTorch; `1` = require it; `0` = always PyTorch.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import warnings
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -26,6 +34,39 @@ _WORDS = {
 }
 
 BlockIdsLike = Sequence[int] | torch.Tensor
+
+NATIVE_ENV = "KVX_LAYOUTS_NATIVE"
+NATIVE_MAX_DIMS = 16
+"""Dims of one block the native kernel takes (it coalesces contiguous ones first)."""
+NATIVE_BYTES_PER_THREAD = 1 << 20
+"""Bytes a call must move per thread before the native kernel splits it across threads."""
+
+
+def load_native(mode: str | None) -> ModuleType | None:
+    """The native kernel module for `mode` (the value of `KVX_LAYOUTS_NATIVE`), or None."""
+    if mode not in (None, "", "0", "1"):
+        raise ValueError(f"{NATIVE_ENV} must be 0, 1 or unset, got {mode!r}")
+    if mode == "0":
+        return None
+    try:
+        return importlib.import_module("kvx.layouts._native")
+    except ImportError as exc:
+        if mode == "1":
+            raise ImportError(
+                f"{NATIVE_ENV}=1 but the native kernel kvx.layouts._native is not built ({exc}); "
+                "reinstall kvx with a C compiler and the Python headers available"
+            ) from exc
+        warnings.warn(
+            f"kvx.layouts: native kernel not built ({exc}); layout transforms use the slower "
+            f"PyTorch path (set {NATIVE_ENV}=0 to choose it without this warning)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+native: ModuleType | None = load_native(os.environ.get(NATIVE_ENV))
+"""The loaded native kernel, or None when transforms use the PyTorch path."""
 
 
 def word_bytes(t: torch.Tensor, max_bytes: int = 16) -> int:
@@ -82,8 +123,10 @@ def gather_scatter(
 
     The gathered blocks are reinterpreted as `dst` blocks in order (so a source block may fill
     several destination blocks or the reverse). Per-block views may be strided: the gather reads
-    through `src`'s strides, the scatter writes through `dst`'s. On CPU the work is staged in
-    cache-sized chunks of whole blocks, never one block at a time.
+    through `src`'s strides, the scatter writes through `dst`'s. In place is allowed when every
+    destination block is only read by its own unit (vLLM's post-processes: same ids, unique).
+    On CPU the native kernel moves one unit at a time through a cache-resident scratch; the
+    PyTorch path stages cache-sized chunks of whole blocks, never one block at a time.
     """
     src_elems, dst_elems = math.prod(src.shape[1:]), math.prod(dst.shape[1:])
     unit = math.lcm(src_elems, dst_elems)
@@ -92,8 +135,12 @@ def gather_scatter(
     assert units * per_src == src_idx.numel() and units * per_dst == dst_idx.numel()
     if units == 0:
         return
+    cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+    if native is not None and cpu and max(src.dim(), dst.dim()) <= NATIVE_MAX_DIMS + 1:
+        _native_gather_scatter(native, src, src_idx, dst, dst_idx, units)
+        return
     step = units
-    if src.device.type == "cpu" and dst.device.type == "cpu":
+    if cpu:
         step = max(1, CPU_CHUNK_BYTES // (unit * src.element_size()))
     buf = torch.empty(
         (min(units, step) * per_src, *src.shape[1:]), dtype=src.dtype, device=src.device
@@ -105,3 +152,38 @@ def gather_scatter(
         )
         rows = rows.view(-1, *dst.shape[1:]).to(dst.device)
         dst.index_copy_(0, dst_idx[start * per_dst : stop * per_dst], rows)
+
+
+def _native_gather_scatter(
+    kernel: ModuleType,
+    src: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
+    dst_idx: torch.Tensor,
+    units: int,
+) -> None:
+    """`gather_scatter` on CPU in the native kernel (raw addresses: the tensors stay alive here)."""
+    esz = src.element_size()
+    assert dst.element_size() == esz, "src and dst words differ in size"
+    src_ids, dst_ids = (i.to(torch.long).contiguous() for i in (src_idx, dst_idx))
+    bytes_moved = src_ids.numel() * math.prod(src.shape[1:]) * esz
+    threads = min(torch.get_num_threads(), units, bytes_moved // NATIVE_BYTES_PER_THREAD, 64)
+    kernel.gather_scatter(  # checks every id against the block count before touching memory
+        src.data_ptr(),
+        src.shape[0],
+        src.stride(0) * esz,
+        src.shape[1:],
+        [s * esz for s in src.stride()[1:]],
+        src_ids.data_ptr(),
+        src_ids.numel() // units,
+        dst.data_ptr(),
+        dst.shape[0],
+        dst.stride(0) * esz,
+        dst.shape[1:],
+        [s * esz for s in dst.stride()[1:]],
+        dst_ids.data_ptr(),
+        dst_ids.numel() // units,
+        units,
+        esz,
+        max(1, threads),
+    )

@@ -5,7 +5,8 @@ Each takes one K or V cache with the logical shape `[num_blocks, block_size, hea
 received, and rewrites those blocks in place. Other blocks are not touched.
 
 vLLM does `index_select -> reshape/permute (a copy) -> index_copy_`. Here the permutation is
-folded into the gather, so each block is read once and written once, on a bit view of the cache.
+folded into the gather (or the scatter), so each block is read once and written once, on a bit
+view of the cache; on CPU the native kernel does both in one pass per block.
 """
 
 from __future__ import annotations
@@ -93,9 +94,7 @@ def _regroup(
     order = (0, 2, 1, 3, 4) if heads_major else (0, 1, 3, 2, 4)
     tokens_dim = 2 if heads_major else 1
     dst = x.unflatten(tokens_dim, (ratio, n))
-    if x[0].is_contiguous():
-        src = x.view(num_blocks, ratio, heads, n, d).permute(order)
-        gather_scatter(src, idx, dst, idx)
-    else:
-        received = x.index_select(0, idx).view(-1, ratio, heads, n, d)
-        dst.index_copy_(0, idx, received.permute(order))
+    if x[0].is_contiguous():  # the permutation goes into the gather's view
+        gather_scatter(x.view(num_blocks, ratio, heads, n, d).permute(order), idx, dst, idx)
+    else:  # into the scatter's: X[b]'s logical order is written as the received [r, H, n, D]
+        gather_scatter(x, idx, dst.permute(order), idx)

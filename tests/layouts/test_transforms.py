@@ -3,13 +3,15 @@
 The reference places each element by hand (`pos` below, from vLLM's shapes, not from
 `kvx.layouts`), works on the integer bit patterns of the tensors (random bits: NaNs and float8
 included), and the results are compared bit for bit over the whole destination, so untouched
-blocks and untouched tail tokens are checked too.
+blocks and untouched tail tokens are checked too. Every test here runs twice: on the native
+kernel (which must be built) and on the PyTorch fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from unittest.mock import patch
 
 import pytest
@@ -44,6 +46,27 @@ FAMILIES = [
     ("CROSS_MLA",),
 ]
 CHUNKS = [1, 100, _kernels.CPU_CHUNK_BYTES]  # 1 byte: one gather/scatter step per block
+THREAD_BYTES = [1, _kernels.NATIVE_BYTES_PER_THREAD]  # 1 byte: native splits any call in threads
+
+
+@pytest.fixture(scope="module", autouse=True, params=["native", "torch"])
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the module's tests on the native kernel (it must be built), then on PyTorch."""
+    module = _kernels.load_native("1") if request.param == "native" else None
+    with patch.object(_kernels, "native", module):
+        yield request.param
+
+
+@contextlib.contextmanager
+def staging(data: st.DataObject) -> Iterator[None]:
+    """Drawn staging sizes: PyTorch's chunk bytes and the native kernel's bytes per thread."""
+    chunk = data.draw(st.sampled_from(CHUNKS), "chunk bytes")
+    per_thread = data.draw(st.sampled_from(THREAD_BYTES), "bytes per thread")
+    with (
+        patch.object(_kernels, "CPU_CHUNK_BYTES", chunk),
+        patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", per_thread),
+    ):
+        yield
 
 
 def pos(name: str, layer: int, b: int, kv: int, t: int, h: int, d: int, n: int, hd: int) -> tuple:
@@ -164,7 +187,7 @@ def test_convert_blocks_matches_reference(data: st.DataObject) -> None:
     expected = ref_convert(
         src, dst, (sn, dn), (src_ids, dst_ids), (ns, nd), total, heads, layers, hd
     )
-    with patch.object(_kernels, "CPU_CHUNK_BYTES", data.draw(st.sampled_from(CHUNKS))):
+    with staging(data):
         convert_blocks(
             src,
             dst,
@@ -265,6 +288,7 @@ def test_same_tensor_with_disjoint_blocks() -> None:
     ],
 )
 def test_convert_blocks_bad_input_names_the_argument(call: dict, message: str) -> None:
+    call = dict(call)  # popped below; the parameter is shared by both kernels' runs
     src = NHD.allocate(6, 8, 2, 4, dtype=torch.bfloat16)
     dst = BUILTIN_LAYOUTS[call.pop("dst_layout", "HND")].allocate(
         6,
@@ -362,7 +386,7 @@ def test_postprocess_matches_reference_and_vllm(fn: str, data: st.DataObject) ->
     straightforward = bits(cache).clone()
     vllm_style(fn, straightforward, torch.tensor(ids, dtype=torch.long), r)
     assert torch.equal(straightforward, expected)  # the reference reads vLLM like we do
-    with patch.object(_kernels, "CPU_CHUNK_BYTES", data.draw(st.sampled_from(CHUNKS))):
+    with staging(data):
         if fn == "layout":
             transform(cache, torch.tensor(ids, dtype=torch.long))
         else:
@@ -438,7 +462,7 @@ def test_copy_kv_blocks_matches_reference(data: st.DataObject) -> None:
         )
         for x in layers
     }
-    with patch.object(_kernels, "CPU_CHUNK_BYTES", data.draw(st.sampled_from(CHUNKS))):
+    with staging(data):
         direction = data.draw(st.sampled_from(["h2d", "d2h"]))
         copy_kv_blocks(src, dst, src_ids, dst_ids, direction, layout=name)
     for x in layers:
@@ -473,20 +497,33 @@ def test_copy_kv_blocks_no_ops_and_errors() -> None:
     assert not bits(dst["l0"]).any()
 
 
-def test_no_python_loop_over_blocks() -> None:
-    # One gather and one scatter per layer, however many blocks move (CPU chunking aside).
-    calls = []
-    real = torch.index_select
+def counted(calls: list[str], name: str, real: Callable[..., object]) -> Callable[..., object]:
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(name)
+        return real(*args, **kwargs)
 
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+    return counting
 
+
+def test_no_python_loop_over_blocks(kernel: str) -> None:
+    # One native call, or one gather and one scatter, however many blocks move (CPU chunking
+    # aside); the native path never falls back to PyTorch's indexing kernels.
+    calls: list[str] = []
     src = NHD.allocate(64, 16, 2, 8, dtype=torch.bfloat16).zero_()
     dst = HND.allocate(32, 32, 2, 8, dtype=torch.bfloat16)
-    with patch.object(_kernels.torch, "index_select", counting):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            patch.object(
+                _kernels.torch, "index_select", counted(calls, "gather", torch.index_select)
+            )
+        )
+        if _kernels.native is not None:
+            real = _kernels.native.gather_scatter
+            stack.enter_context(
+                patch.object(_kernels.native, "gather_scatter", counted(calls, "native", real))
+            )
         convert_blocks(src, dst, list(range(64)), list(range(32)), dst_layout="HND")
-    assert len(calls) == 1
+    assert calls == (["native"] if kernel == "native" else ["gather"])
     assert math.prod(src.shape) == math.prod(dst.shape)
 
 

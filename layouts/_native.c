@@ -1,0 +1,283 @@
+/* One-pass CPU kernel for kvx.layouts' block gather/scatter (module kvx.layouts._native).
+ *
+ * gather_scatter moves "units": `per_src` source blocks, read in order through their strides
+ * into a small contiguous scratch buffer (their elements in logical order), then written out
+ * as `per_dst` destination blocks through the destination's strides. Each byte is read from
+ * memory once and written once, like memcpy; the permutation happens between the cache-resident
+ * scratch and the strided side. Reading a whole unit before writing it makes the in-place
+ * transforms safe (source and destination blocks may be the same memory, as long as no two
+ * units share a block). Elements are opaque 1/2/4/8/16-byte words: nothing is computed.
+ *
+ * The caller (kvx/layouts/_kernels.py) hands over raw addresses, shapes and strides from torch
+ * tensors; this module trusts them but checks every block id against the block count.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DIMS 16
+#define MAX_THREADS 64
+
+typedef struct {
+    char *base;            /* address of block 0's first element */
+    int64_t block_stride;  /* bytes between consecutive blocks */
+    const int64_t *idx;    /* block ids, `per * units` of them */
+    int64_t per;           /* blocks per unit */
+    int ndim;              /* dims of one block after coalescing (>= 1) */
+    int64_t shape[MAX_DIMS];
+    int64_t stride[MAX_DIMS]; /* bytes */
+} side_t;
+
+typedef struct {
+    const side_t *src, *dst;
+    int64_t first, last;   /* units [first, last) */
+    size_t elem;
+    size_t unit_bytes;
+    int failed;
+} job_t;
+
+/* Drop size-1 dims and merge dims that are contiguous with the next, so the innermost dim is
+ * as long as the memory allows (a 16-word head_size row plus more when tokens/heads follow). */
+static void coalesce(side_t *s, const int64_t *shape, const int64_t *stride, int ndim) {
+    int n = 0;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == 1)
+            continue;
+        if (n > 0 && s->stride[n - 1] == shape[i] * stride[i]) {
+            s->shape[n - 1] *= shape[i];
+            s->stride[n - 1] = stride[i];
+        } else {
+            s->shape[n] = shape[i];
+            s->stride[n] = stride[i];
+            n++;
+        }
+    }
+    if (n == 0) { /* a one-element block */
+        s->shape[0] = 1;
+        s->stride[0] = 0;
+        n = 1;
+    }
+    s->ndim = n;
+}
+
+/* Copy `count` elements spaced `stride` bytes apart to/from a contiguous run. */
+#define STRIDED_LOOP(T)                                                        \
+    do {                                                                       \
+        if (to_scratch)                                                        \
+            for (int64_t i = 0; i < count; i++)                                \
+                memcpy(run + i * sizeof(T), mem + i * stride, sizeof(T));      \
+        else                                                                   \
+            for (int64_t i = 0; i < count; i++)                                \
+                memcpy(mem + i * stride, run + i * sizeof(T), sizeof(T));      \
+    } while (0)
+
+static inline void move_row(char *mem, char *run, int64_t count, int64_t stride, size_t elem,
+                            int to_scratch) {
+    if ((size_t)stride == elem) {
+        if (to_scratch)
+            memcpy(run, mem, (size_t)count * elem);
+        else
+            memcpy(mem, run, (size_t)count * elem);
+        return;
+    }
+    switch (elem) {
+    case 1: STRIDED_LOOP(uint8_t); break;
+    case 2: STRIDED_LOOP(uint16_t); break;
+    case 4: STRIDED_LOOP(uint32_t); break;
+    case 8: STRIDED_LOOP(uint64_t); break;
+    default: {
+        typedef struct { uint64_t w[2]; } word16;
+        STRIDED_LOOP(word16);
+    }
+    }
+}
+
+/* Move one block between memory (strided) and `scratch` (contiguous, logical order). Returns
+ * the scratch position after it. */
+static char *move_block(const side_t *s, char *block, char *scratch, size_t elem,
+                        int to_scratch) {
+    const int nd = s->ndim;
+    const int64_t rows = nd >= 2 ? s->shape[nd - 2] : 1;
+    const int64_t row_stride = nd >= 2 ? s->stride[nd - 2] : 0;
+    const int64_t cols = s->shape[nd - 1], col_stride = s->stride[nd - 1];
+    const size_t row_bytes = (size_t)cols * elem;
+    int64_t counter[MAX_DIMS] = {0};
+    const int outer = nd - 2; /* dims [0, outer) are walked with counters */
+    char *base = block;
+    for (;;) {
+        char *mem = base;
+        for (int64_t r = 0; r < rows; r++, mem += row_stride, scratch += row_bytes)
+            move_row(mem, scratch, cols, col_stride, elem, to_scratch);
+        int d = outer - 1;
+        for (; d >= 0; d--) {
+            base += s->stride[d];
+            if (++counter[d] < s->shape[d])
+                break;
+            base -= s->stride[d] * s->shape[d];
+            counter[d] = 0;
+        }
+        if (d < 0)
+            return scratch;
+    }
+}
+
+static void *run_job(void *arg) {
+    job_t *job = arg;
+    char *scratch = malloc(job->unit_bytes ? job->unit_bytes : 1);
+    if (!scratch) {
+        job->failed = 1;
+        return NULL;
+    }
+    const side_t *src = job->src, *dst = job->dst;
+    for (int64_t u = job->first; u < job->last; u++) {
+        char *pos = scratch;
+        for (int64_t i = 0; i < src->per; i++) {
+            char *block = src->base + src->idx[u * src->per + i] * src->block_stride;
+            pos = move_block(src, block, pos, job->elem, 1);
+        }
+        pos = scratch;
+        for (int64_t i = 0; i < dst->per; i++) {
+            char *block = dst->base + dst->idx[u * dst->per + i] * dst->block_stride;
+            pos = move_block(dst, block, pos, job->elem, 0);
+        }
+    }
+    free(scratch);
+    return NULL;
+}
+
+/* Parse one side's (address, block count, block stride, shape, strides, ids address, blocks per
+ * unit) for `units` units, checking its block ids. */
+static int parse_side(side_t *s, unsigned long long addr, long long blocks, long long block_stride,
+                      PyObject *shape_obj, PyObject *stride_obj, unsigned long long idx_addr,
+                      long long per, long long units, const char *name, int64_t *elems) {
+    int64_t shape[MAX_DIMS], stride[MAX_DIMS];
+    PyObject *shape_seq = PySequence_Fast(shape_obj, "shape must be a sequence");
+    if (!shape_seq)
+        return -1;
+    PyObject *stride_seq = PySequence_Fast(stride_obj, "strides must be a sequence");
+    if (!stride_seq) {
+        Py_DECREF(shape_seq);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(shape_seq);
+    int ok = n <= MAX_DIMS && n == PySequence_Fast_GET_SIZE(stride_seq) && per >= 1;
+    *elems = 1;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(shape_seq, i));
+        stride[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(stride_seq, i));
+        ok = !PyErr_Occurred() && shape[i] >= 1 && stride[i] >= 0;
+        *elems *= ok ? shape[i] : 1;
+    }
+    Py_DECREF(shape_seq);
+    Py_DECREF(stride_seq);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError,
+                         "%s: need <= %d dims of size >= 1, strides >= 0 and blocks per unit "
+                         ">= 1", name, MAX_DIMS);
+        return -1;
+    }
+    s->base = (char *)(uintptr_t)addr;
+    s->block_stride = block_stride;
+    s->idx = (const int64_t *)(uintptr_t)idx_addr;
+    s->per = per;
+    for (int64_t i = 0; i < per * units; i++) {
+        if (s->idx[i] < 0 || s->idx[i] >= blocks) {
+            PyErr_Format(PyExc_IndexError, "%s: block id %lld is out of range for %lld blocks",
+                         name, (long long)s->idx[i], blocks);
+            return -1;
+        }
+    }
+    coalesce(s, shape, stride, (int)n);
+    return 0;
+}
+
+static PyObject *gather_scatter(PyObject *self, PyObject *args) {
+    unsigned long long src_addr, src_idx, dst_addr, dst_idx;
+    long long src_blocks, dst_blocks, src_bstride, dst_bstride, src_per, dst_per;
+    long long units, elem, threads;
+    PyObject *src_shape, *src_strides, *dst_shape, *dst_strides;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLLOOKLKLLOOKLLLL", &src_addr, &src_blocks, &src_bstride,
+                          &src_shape, &src_strides, &src_idx, &src_per, &dst_addr, &dst_blocks,
+                          &dst_bstride, &dst_shape, &dst_strides, &dst_idx, &dst_per, &units,
+                          &elem, &threads))
+        return NULL;
+    if (!(elem == 1 || elem == 2 || elem == 4 || elem == 8 || elem == 16)) {
+        PyErr_Format(PyExc_ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got %lld",
+                     elem);
+        return NULL;
+    }
+    if (units < 0 || threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "need units >= 0 and 1 <= threads <= %d, got %lld, %lld",
+                     MAX_THREADS, units, threads);
+        return NULL;
+    }
+    side_t src, dst;
+    int64_t src_elems, dst_elems;
+    if (parse_side(&src, src_addr, src_blocks, src_bstride, src_shape, src_strides, src_idx,
+                   src_per, units, "src", &src_elems) < 0 ||
+        parse_side(&dst, dst_addr, dst_blocks, dst_bstride, dst_shape, dst_strides, dst_idx,
+                   dst_per, units, "dst", &dst_elems) < 0)
+        return NULL;
+    if (src_elems * src_per != dst_elems * dst_per) {
+        PyErr_Format(PyExc_ValueError,
+                     "a unit is %lld source elements but %lld destination elements",
+                     (long long)(src_elems * src_per), (long long)(dst_elems * dst_per));
+        return NULL;
+    }
+    if (units == 0)
+        Py_RETURN_NONE;
+    if (threads > units)
+        threads = units;
+
+    job_t jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (long long t = 0; t < threads; t++) {
+        jobs[t] = (job_t){&src, &dst, units * t / threads, units * (t + 1) / threads,
+                          (size_t)elem, (size_t)(src_elems * src_per * elem), 0};
+    }
+    /* Helpers take units [k/T, (k+1)/T); this thread runs the first share, then any share a
+     * helper could not be started for. */
+    for (long long t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (long long t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            run_job(&jobs[t]);
+    }
+    for (long long t = 0; t < threads; t++)
+        failed |= jobs[t].failed;
+    Py_END_ALLOW_THREADS
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"gather_scatter", gather_scatter, METH_VARARGS,
+     "gather_scatter(src_addr, src_blocks, src_block_stride, src_shape, src_strides, "
+     "src_ids_addr, src_per_unit, dst_addr, dst_blocks, dst_block_stride, dst_shape, "
+     "dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads)\n\nMove `units` "
+     "groups of blocks (strides in bytes, ids int64): the source "
+     "blocks of each unit are read through their byte strides into a contiguous scratch, then "
+     "written through the destination's. Addresses are raw and trusted; see "
+     "kvx.layouts._kernels."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvx.layouts._native",
+    "Native one-pass block gather/scatter for kvx.layouts (CPU).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

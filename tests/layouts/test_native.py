@@ -1,0 +1,99 @@
+"""The native kernel is built in this install and chosen by default; KVX_LAYOUTS_NATIVE steers it.
+
+A broken C build must fail here (CI), not quietly fall back to the slower PyTorch path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from unittest.mock import patch
+
+import pytest
+import torch
+from kvx.layouts import NHD, _kernels, kv_postprocess_blksize_and_layout_on_receive
+
+CHOICE = (
+    "import warnings; warnings.simplefilter('error');"
+    "from kvx.layouts import _kernels; print(_kernels.native is not None)"
+)
+
+
+def python_with(env_value: str | None, code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != _kernels.NATIVE_ENV}
+    if env_value is not None:
+        env[_kernels.NATIVE_ENV] = env_value
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_native_module_is_built() -> None:
+    module = _kernels.load_native("1")
+    assert module.__file__ is not None
+    assert module.__file__.endswith(sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("value", "chosen"), [(None, "True"), ("1", "True"), ("0", "False")])
+def test_env_chooses_the_kernel_without_warnings(value: str | None, chosen: str) -> None:
+    out = python_with(value, CHOICE)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == chosen
+
+
+@pytest.mark.timeout(60)
+def test_bad_env_value_names_the_variable() -> None:
+    out = python_with("yes", "import kvx.layouts._kernels")
+    assert out.returncode != 0
+    assert "KVX_LAYOUTS_NATIVE must be 0, 1 or unset, got 'yes'" in out.stderr
+
+
+def test_missing_build_warns_once_or_fails_when_required() -> None:
+    with patch.dict(sys.modules, {"kvx.layouts._native": None}):
+        with pytest.warns(RuntimeWarning, match=r"native kernel not built .* KVX_LAYOUTS_NATIVE=0"):
+            assert _kernels.load_native(None) is None
+        with pytest.raises(ImportError, match="KVX_LAYOUTS_NATIVE=1 but the native kernel"):
+            _kernels.load_native("1")
+
+
+def test_transforms_call_the_native_kernel() -> None:
+    assert _kernels.native is not None, "kvx.layouts chose the PyTorch path in this venv"
+    cache = NHD.allocate(8, 16, 2, 8, dtype=torch.bfloat16)[0]
+    calls = []
+    real = _kernels.native.gather_scatter
+
+    def counting(*args: object) -> None:
+        calls.append(args)
+        real(*args)
+
+    with patch.object(_kernels.native, "gather_scatter", counting):
+        kv_postprocess_blksize_and_layout_on_receive(cache, [5, 1, 2], 2)
+    assert len(calls) == 1
+
+
+def test_native_kernel_rejects_bad_arguments() -> None:
+    kernel = _kernels.load_native("1")
+    ids = torch.zeros(1, dtype=torch.long)
+    buf = torch.arange(16, dtype=torch.int32)
+    # one block of [4, 4] int32 at buf, copied onto itself transposed
+    good = [buf.data_ptr(), 1, 64, [4, 4], [16, 4], ids.data_ptr(), 1]
+    good += [buf.data_ptr(), 1, 64, [4, 4], [4, 16], ids.data_ptr(), 1, 1, 4, 1]
+    kernel.gather_scatter(*good)
+    assert torch.equal(buf, torch.arange(16, dtype=torch.int32).view(4, 4).T.flatten())
+    for at, value, error, message in (
+        (15, 3, ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got 3"),
+        (16, 0, ValueError, "1 <= threads"),
+        (3, [4, 0], ValueError, "src: need <= 16 dims of size >= 1"),
+        (11, [16, -4], ValueError, "dst: need <= 16 dims"),
+        (10, [2, 4], ValueError, "a unit is 16 source elements but 8 destination elements"),
+        (1, 0, IndexError, "src: block id 0 is out of range for 0 blocks"),
+        (8, -1, IndexError, "dst: block id 0 is out of range for -1 blocks"),
+    ):
+        bad = list(good)
+        bad[at] = value
+        with pytest.raises(error, match=message):
+            kernel.gather_scatter(*bad)
+    assert torch.equal(buf, torch.arange(16, dtype=torch.int32).view(4, 4).T.flatten())
