@@ -1,8 +1,16 @@
-"""TP/PP topology: the rank grid, KV head ownership per rank and transfer plans between engines."""
+"""TP/PP topology: the rank grid, KV head ownership per rank and transfer plans between engines.
+
+Everything here is plain arithmetic except the torch.distributed group helpers of
+`kvx.topology.coordinator`, which are imported on first access.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvx.topology.errors import TopologyError
+from kvx.topology.grid import GROUP_KINDS, RankCoords, RankGrid
 from kvx.topology.heads import (
     check_tp_heads,
     head_holders,
@@ -23,17 +31,70 @@ from kvx.topology.plan import (
 )
 from kvx.topology.tp_kv import TpKVTopology
 
+if TYPE_CHECKING:
+    from kvx.topology.coordinator import (
+        GroupCoordinator,
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        get_dcp_group,
+        get_dp_group,
+        get_ep_group,
+        get_pcp_group,
+        get_pp_group,
+        get_tp_group,
+        get_world_group,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+_LAZY = (
+    "GroupCoordinator",
+    "destroy_distributed_environment",
+    "destroy_model_parallel",
+    "get_dcp_group",
+    "get_dp_group",
+    "get_ep_group",
+    "get_pcp_group",
+    "get_pp_group",
+    "get_tp_group",
+    "get_world_group",
+    "init_distributed_environment",
+    "initialize_model_parallel",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module("kvx.topology.coordinator"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "GROUP_KINDS",
     "BlockSpan",
+    "GroupCoordinator",
     "HeadRead",
     "HeteroTPTransferConfig",
     "KVGeometry",
+    "RankCoords",
+    "RankGrid",
     "TopologyError",
     "TpKVTopology",
     "TransferPlan",
     "check_compatible",
     "check_tp_heads",
+    "destroy_distributed_environment",
+    "destroy_model_parallel",
+    "get_dcp_group",
+    "get_dp_group",
+    "get_ep_group",
+    "get_pcp_group",
+    "get_pp_group",
+    "get_tp_group",
+    "get_world_group",
     "head_holders",
+    "init_distributed_environment",
+    "initialize_model_parallel",
     "is_kv_replicated",
     "is_primary_holder",
     "num_physical_heads",
