@@ -98,8 +98,11 @@ class Harness:
             for i, n in enumerate(lengths)
         }
 
-    def baseline(self, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-        return baseline_tokens(self.base, prompts, max_tokens)
+    def baseline(
+        self, prompts: dict[str, list[int]], max_tokens: int, **engine: Any
+    ) -> dict[str, list[int]]:
+        """A single engine's tokens; `engine` overrides model fields such as `num_kv_heads`."""
+        return baseline_tokens(replace(self.base, **engine), prompts, max_tokens)
 
     def run_pair(
         self, pair: DisaggregatedPair, prompts: dict[str, list[int]], max_tokens: int = 6

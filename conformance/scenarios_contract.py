@@ -7,6 +7,7 @@ import copy
 import os
 import threading
 import time
+from typing import Any
 
 from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import check, scenario
@@ -273,3 +274,67 @@ def layout_conversion(h: Harness) -> None:
     for layouts in (("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED")):
         with h.pair(layouts=layouts) as pair:
             h.run_pair(pair, h.prompts([37, 64]))
+
+
+def _store_then_load(
+    h: Harness, store: dict[str, Any], load: dict[str, Any], prompts: dict[str, list[int]]
+) -> None:
+    """One engine stores `prompts`' KV, a fresh engine of another shape loads it; both exact."""
+    expected = h.baseline(prompts, 4, num_kv_heads=load.get("num_kv_heads", h.base.num_kv_heads))
+    first = Engine(h.engine_config("kv_both", **store))
+    try:
+        _run(first, prompts, 4)
+    finally:
+        first.shutdown()
+    second = Engine(h.engine_config("kv_both", **load))
+    try:
+        got = _run(second, prompts, 4)  # checks every KV byte after every step
+        check(
+            got == expected,
+            f"stored by {store}, loaded by {load}: outputs differ: {got} != {expected}",
+        )
+        check(
+            second.stats()["external_tokens"] > 0,
+            f"stored by {store}, loaded by {load}: the second engine loaded nothing",
+        )
+    finally:
+        second.shutdown()
+
+
+@scenario(
+    "stored_hetero_tp",
+    "what an engine of one TP size stored, an engine of another TP size loads: 1:2, 2:1, 2:4, "
+    "4:2, and 4:4 with replicated KV heads",
+    (Capability.STORE_REUSE, Capability.HETERO_TP),
+    timeout_s=300,
+)
+def stored_hetero_tp(h: Harness) -> None:
+    cases = (((1, 2), 4), ((2, 1), 4), ((2, 4), 4), ((4, 2), 4), ((4, 4), 2))
+    for i, ((p, d), heads) in enumerate(cases):  # fresh prompts: each case loads its own store
+        _store_then_load(
+            h,
+            {"tp_size": p, "num_kv_heads": heads},
+            {"tp_size": d, "num_kv_heads": heads},
+            h.prompts([37, 64], seed=410 + i),
+        )
+
+
+@scenario(
+    "stored_block_size_mismatch",
+    "what an engine with one block size stored, an engine with another loads: 16->32, 32->16",
+    (Capability.STORE_REUSE, Capability.BLOCK_SIZE_MISMATCH),
+)
+def stored_block_size_mismatch(h: Harness) -> None:
+    for i, (p, d) in enumerate(((16, 32), (32, 16))):
+        prompts = h.prompts([37, 64, 70], seed=430 + i)
+        _store_then_load(h, {"block_size": p}, {"block_size": d}, prompts)
+
+
+@scenario(
+    "stored_layout_conversion",
+    "what an engine with one KV layout stored, an engine with another loads (NHD, HND, CPU packed)",
+    (Capability.STORE_REUSE, Capability.LAYOUT_CONVERSION),
+)
+def stored_layout_conversion(h: Harness) -> None:
+    for i, (p, d) in enumerate((("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED"))):
+        _store_then_load(h, {"layout": p}, {"layout": d}, h.prompts([37, 64], seed=470 + i))

@@ -222,4 +222,7 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "hetero_tp",
         "block_size_mismatch",
         "layout_conversion",
+        "stored_hetero_tp",
+        "stored_block_size_mismatch",
+        "stored_layout_conversion",
     }

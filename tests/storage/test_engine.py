@@ -63,16 +63,39 @@ def test_prefill_to_decode_through_storage(
     assert report.decode_stats["external_tokens"] == loaded
 
 
-@pytest.mark.parametrize("backend", ["file", "redis"])
-def test_conformance_claimed_scenarios_pass(backend: str, request: pytest.FixtureRequest) -> None:
-    if backend == "file":
-        extra = {"storage_url": "file://{tmp}"}
-        expect_passed = {"store_and_reuse", "corrupted_bytes_detected", "idempotent_matching"}
-    else:
-        extra = {"storage_url": request.getfixturevalue("redis_url")}
-        expect_passed = {"store_and_reuse", "idempotent_matching"}
+CLAIMED = {  # every scenario the connector's claims (store_reuse, hetero_tp, ...) select
+    "idempotent_matching",
+    "store_and_reuse",
+    "corrupted_bytes_detected",
+    "stored_hetero_tp",
+    "stored_block_size_mismatch",
+    "stored_layout_conversion",
+}
+
+
+@pytest.mark.timeout(300)
+def test_full_conformance_suite_on_files() -> None:
     results = run_suite(
-        {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra},
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_connector_extra_config": {"storage_url": "file://{tmp}"},
+        },
+        fault_timeout_s=20,
+    )
+    assert not {r.name: r.message for r in results if r.outcome == FAILED}
+    assert {r.name for r in results if r.outcome == PASSED} == CLAIMED
+
+
+@pytest.mark.timeout(300)
+def test_conformance_on_redis(redis_url: str) -> None:
+    # corrupted_bytes_detected flips bytes in files under the scenario's directory; a Redis
+    # store has none (the corrupt-value path on Redis is covered in test_connector.py).
+    expect_passed = CLAIMED - {"corrupted_bytes_detected"}
+    results = run_suite(
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_connector_extra_config": {"storage_url": redis_url},
+        },
         only=sorted(expect_passed),
         fault_timeout_s=20,
     )
