@@ -1,0 +1,35 @@
+"""What NixlConnector's scheduler side tells its workers each step (plain, msgpack-able)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvx import KVConnectorMetadata
+
+
+@dataclass
+class RemoteRead:
+    """D: read `remote_block_ids` (a `remote_num_tokens`-long prompt) of P's request into
+    `local_block_ids` (the trailing blocks the prompt needs beyond D's own prefix hit; empty:
+    only tell P it may free)."""
+
+    request_id: str
+    local_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: list[int]
+    remote_num_tokens: int
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    remote_pp_size: int
+
+
+@dataclass
+class NixlMetadata(KVConnectorMetadata):
+    """`reqs_to_recv` (D), `reqs_to_send` (P: request id -> lease seconds) and
+    `reqs_not_processed` (P: aborted requests workers must stop tracking)."""
+
+    reqs_to_recv: list[RemoteRead] = field(default_factory=list)
+    reqs_to_send: dict[str, float] = field(default_factory=dict)
+    reqs_not_processed: list[str] = field(default_factory=list)

@@ -1,0 +1,199 @@
+"""A remote (P) engine as one D worker sees it after the handshake: agents, geometry, the
+transfer plan, which P ranks this worker notifies, and the descriptor lists prepared once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvx.layouts import get_layout
+from kvx.plugins.nixl.handshake import (
+    AgentMetadata,
+    HandshakeError,
+    compatibility_hash,
+    differing_factors,
+)
+from kvx.plugins.nixl.metadata import RemoteRead
+from kvx.plugins.nixl.regions import heads_outermost_in_block
+from kvx.plugins.nixl.side_channel import fetch_payload
+
+from kvx.topology import KVGeometry, TopologyError, TransferPlan, plan_reads
+from kvx.wire import WireError, decode
+
+logger = logging.getLogger(__name__)
+
+RankKey = tuple[int, int]
+"""(pp_rank, tp_rank) of a remote worker."""
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """What a D worker knows of itself when it plans reads."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    pp_size: int
+    geometry: KVGeometry
+    layers: tuple[str, ...]
+    factors: dict[str, str]
+    dtype: str
+    head_size: int
+
+
+def notify_counts(local: LocalView, remote: KVGeometry, remote_pp: int) -> dict[RankKey, int]:
+    """Remote workers this local rank notifies when a read is done, and how many
+    notifications each of them waits for.
+
+    Every local rank that reads a remote TP rank notifies it; a remote rank nobody reads
+    (its heads are replicated and read elsewhere) is notified by local rank
+    `p * local_tp // remote_tp`, so it still frees early. Each local PP stage notifies every
+    remote PP stage.
+    """
+    readers: dict[int, set[int]] = {p: set() for p in range(remote.tp_size)}
+    for rank in range(local.tp_size):
+        for p in plan_reads(local.geometry, remote, rank).remote_ranks:
+            readers[p].add(rank)
+    counts = {}
+    for p, ranks in readers.items():
+        notifiers = ranks or {p * local.tp_size // remote.tp_size}
+        if local.tp_rank in notifiers:
+            for stage in range(remote_pp):
+                counts[(stage, p)] = len(notifiers) * local.pp_size
+    return counts
+
+
+def fetch_remote(
+    local: LocalView,
+    spec: RemoteRead,
+    *,
+    timeout_s: float,
+    max_bytes: int,
+    secret: str | None,
+    enforce_compat: bool,
+) -> dict[RankKey, AgentMetadata]:
+    """Handshake (runs in a background thread, no NIXL calls): fetch and check the payload of
+    every remote worker this rank reads from or notifies."""
+    guess = KVGeometry(
+        spec.remote_tp_size,
+        local.geometry.num_kv_heads,
+        local.geometry.block_size,
+        local.geometry.layout,
+        local.geometry.is_mla,
+    )
+    try:
+        ranks = set(plan_reads(local.geometry, guess, local.tp_rank).remote_ranks)
+        ranks |= {p for _, p in notify_counts(local, guess, 1)}
+    except TopologyError as exc:
+        raise HandshakeError(f"cannot read from engine {spec.remote_engine_id}: {exc}") from None
+    local_hash = compatibility_hash(local.factors)
+    metas = {}
+    for stage in range(spec.remote_pp_size):
+        for p in sorted(ranks):
+            reply = fetch_payload(
+                spec.remote_host,
+                spec.remote_port,
+                stage,
+                p,
+                timeout_s=timeout_s,
+                max_bytes=max_bytes,
+                secret=secret,
+            )
+            if reply.compatibility_hash != local_hash:
+                why = differing_factors(local.factors, reply.factors) or "the factors agree"
+                message = (
+                    f"NIXL compatibility hash mismatch with engine {spec.remote_engine_id}: "
+                    f"differs in {why}"
+                )
+                if enforce_compat:
+                    raise HandshakeError(message)
+                logger.warning("%s (enforce_handshake_compat is off: continuing)", message)
+            try:
+                meta = decode(reply.agent_metadata_bytes, AgentMetadata, max_bytes=max_bytes)
+            except WireError as exc:
+                raise HandshakeError(
+                    f"engine {spec.remote_engine_id}: agent metadata: {exc}"
+                ) from None
+            if meta.engine_id != spec.remote_engine_id:
+                raise HandshakeError(
+                    f"engine id mismatch: the request names remote_engine_id "
+                    f"{spec.remote_engine_id!r} but {spec.remote_host}:{spec.remote_port} "
+                    f"serves engine {meta.engine_id!r}"
+                )
+            if (meta.pp_rank, meta.tp_rank) != (stage, p) or meta.tp_size != spec.remote_tp_size:
+                raise HandshakeError(
+                    f"engine {meta.engine_id}: asked for pp_rank={stage} tp_rank={p} of TP "
+                    f"{spec.remote_tp_size}, got pp_rank={meta.pp_rank} tp_rank={meta.tp_rank} "
+                    f"of TP {meta.tp_size}"
+                )
+            if meta.dtype != local.dtype or meta.head_size != local.head_size:
+                raise HandshakeError(
+                    f"engine {meta.engine_id}: dtype {meta.dtype}/head_size {meta.head_size} "
+                    f"cannot be read into dtype {local.dtype}/head_size {local.head_size}"
+                )
+            metas[(stage, p)] = meta
+    return metas
+
+
+@dataclass
+class RemoteEngine:
+    """A remote engine this worker has shaken hands with."""
+
+    engine_id: str
+    metas: dict[RankKey, AgentMetadata]
+    agents: dict[RankKey, str]
+    geometry: KVGeometry
+    plan: TransferPlan
+    notify: dict[RankKey, int]
+    direct: bool
+    """True when reads land straight in the local blocks (same layout and block size, and
+    every head slice is one byte range); otherwise they go through a staging buffer."""
+    stage_of_layer: dict[str, int]
+    dlists: dict[tuple[int, ...], Any] = field(default_factory=dict)
+
+    def remote_dlist(self, key: RankKey, head_offset: int, num_heads: int, make: Callable) -> Any:
+        """The prepared descriptor list of remote worker `key` (cached)."""
+        k = (*key, head_offset, num_heads)
+        if k not in self.dlists:
+            self.dlists[k] = make(self.agents[key], self.metas[key], head_offset, num_heads)
+        return self.dlists[k]
+
+
+def build_remote(
+    local: LocalView, metas: dict[RankKey, AgentMetadata], add_agent: Callable[[bytes], str]
+) -> RemoteEngine:
+    """Check the fetched metadata against the local geometry, plan the reads and add the
+    remote agents (main thread: NIXL calls)."""
+    first = next(iter(metas.values()))
+    geometry = KVGeometry(
+        first.tp_size, first.num_kv_heads, first.block_size, first.layout, first.is_mla
+    )
+    try:
+        plan = plan_reads(local.geometry, geometry, local.tp_rank)
+        notify = notify_counts(local, geometry, first.pp_size)
+    except TopologyError as exc:
+        raise HandshakeError(f"cannot read from engine {first.engine_id}: {exc}") from None
+    stage_of_layer = {}
+    for (stage, _), meta in metas.items():
+        for region in meta.regions:
+            stage_of_layer.setdefault(region.layer, stage)
+    missing = [name for name in local.layers if name not in stage_of_layer]
+    if missing:
+        raise HandshakeError(
+            f"engine {first.engine_id} does not hold layers {missing} (it has "
+            f"{sorted(stage_of_layer)}): both sides must run the same model"
+        )
+    same = (geometry.layout, geometry.block_size) == (
+        local.geometry.layout,
+        local.geometry.block_size,
+    )
+    full = all(r.num_heads == len(geometry.heads_of(r.remote_tp_rank)) for r in plan.reads) and (
+        len(plan.reads) == 1
+    )
+    direct = same and (full or heads_outermost_in_block(get_layout(geometry.layout)))
+    agents = {key: add_agent(meta.agent_metadata) for key, meta in metas.items()}
+    return RemoteEngine(
+        first.engine_id, metas, agents, geometry, plan, notify, direct, stage_of_layer
+    )

@@ -1,0 +1,172 @@
+"""NixlConnector's scheduler side: the P/D request lifecycle and P's side channel.
+
+P: `request_finished` keeps a finished prompt's blocks and returns the params D needs to read
+them; workers free them after D's notifications or at lease expiry. D: a request with
+`do_remote_prefill` loads its prompt asynchronously; `update_state_after_alloc` queues the read
+once. Matches vLLM's `NixlConnectorScheduler` (sections 4.2-4.4, 5.5.1 of the reference).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvx.plugins.nixl.config import NixlConfig
+from kvx.plugins.nixl.handshake import (
+    compatibility_factors,
+    compatibility_hash,
+)
+from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.side_channel import SideChannelServer
+
+import kvx
+from kvx import KVConnectorHandshakeMetadata, RequestStatus
+
+logger = logging.getLogger(__name__)
+FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+REQUIRED_PARAMS = {
+    "remote_engine_id": str,
+    "remote_request_id": str,
+    "remote_block_ids": list,
+    "remote_host": str,
+    "remote_port": int,
+    "tp_size": int,
+}
+
+
+class NixlAgentHandshake(KVConnectorHandshakeMetadata):
+    """A worker's encoded `AgentMetadata`, handed to the scheduler side to serve."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+def malformed_params(params: dict[str, Any]) -> str | None:
+    """Why `kv_transfer_params` cannot drive a read, or None when they can."""
+    for key, kind in REQUIRED_PARAMS.items():
+        value = params.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{key}={value!r} (expected {kind.__name__})"
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in params["remote_block_ids"]):
+        return "remote_block_ids must be a list of ints"
+    return None
+
+
+class NixlScheduler:
+    def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
+        self.options = options
+        self.config = config
+        self.ctx = ctx
+        self.engine_id = str(config.engine_id)
+        self.block_size = ctx.cache.block_size
+        self._server: SideChannelServer | None = None
+        self._recv: list[RemoteRead] = []
+        self._send: dict[str, float] = {}
+        self._not_processed: list[str] = []
+
+    # -- side channel ---------------------------------------------------------------------
+
+    def serve_handshakes(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]):
+        """Start serving every worker's payload (once; producers only)."""
+        if self._server is not None or not self.config.is_kv_producer:
+            return
+        payloads = {}
+        for rank, meta in metadata.items():
+            if not isinstance(meta, NixlAgentHandshake):
+                raise TypeError(f"handshake metadata of rank {rank} is {type(meta).__name__}")
+            payloads[rank] = meta.payload
+        factors = compatibility_factors(self.ctx)
+        self._server = SideChannelServer(
+            self.options.side_channel_host,
+            self.options.side_channel_port,
+            compatibility_hash(factors),
+            factors,
+            payloads,
+            self.options.shared_secret,
+        )
+
+    # -- D side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        problem = malformed_params(params)
+        if problem is not None:
+            logger.warning("request %s: bad kv_transfer_params, %s", request.request_id, problem)
+            return 0, False
+        count = max(0, request.num_prompt_tokens - num_computed_tokens)
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # read once, even if called again
+        if malformed_params(params) is not None:
+            return
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._recv.append(self._read(request, params, local))
+
+    def _read(self, request: kvx.Request, params: dict[str, Any], local: list[int]) -> RemoteRead:
+        return RemoteRead(
+            request_id=request.request_id,
+            local_block_ids=list(local),
+            remote_engine_id=params["remote_engine_id"],
+            remote_request_id=params["remote_request_id"],
+            remote_block_ids=list(params["remote_block_ids"]),
+            remote_num_tokens=int(params.get("remote_num_tokens", request.num_prompt_tokens)),
+            remote_host=params["remote_host"],
+            remote_port=params["remote_port"],
+            remote_tp_size=params["tp_size"],
+            remote_pp_size=int(params.get("pp_size", 1)),
+        )
+
+    # -- both -----------------------------------------------------------------------------
+
+    def build_connector_meta(self) -> NixlMetadata:
+        meta = NixlMetadata(self._recv, self._send, self._not_processed)
+        self._recv, self._send, self._not_processed = [], {}, []
+        return meta
+
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            # D aborted before the read was queued: tell P to free (vLLM 4.4) without reading.
+            params["do_remote_prefill"] = False
+            if malformed_params(params) is None:
+                self._recv.append(self._read(request, params, []))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in FINISHED_OK:
+            self._not_processed.append(request.request_id)
+            return False, None
+        prompt_blocks = list(block_ids[: -(-request.num_prompt_tokens // self.block_size)])
+        if not prompt_blocks or self._server is None:
+            return False, None
+        self._send[request.request_id] = self.options.kv_lease_duration
+        parallel = self.ctx.parallel
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": prompt_blocks,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self._server.host,
+            "remote_port": self._server.port,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "tp_size": parallel.tp_size,
+            "pp_size": parallel.pp_size,
+        }
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None

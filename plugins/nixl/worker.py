@@ -1,0 +1,615 @@
+"""NixlConnector's worker side: registers the KV cache with NIXL; on D, handshakes with P in
+the background, READs P's blocks and notifies P; on P, counts D's notifications and expires
+leases. Nothing blocks a step: transfers and notifications are polled (no progress thread).
+
+Matches vLLM's `NixlConnectorWorker` (reference 5.5.2-5.5.4): region-major descriptor ids,
+lists prepared once with `prep_xfer_dlist` and transfers made with `make_prepped_xfer`, one
+READ per (remote rank, head slice), `finished_recving` with load errors on any failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvx.layouts import convert_blocks, get_layout
+from kvx.plugins.nixl.agent import make_agent
+from kvx.plugins.nixl.config import NixlConfig
+from kvx.plugins.nixl.handshake import (
+    MAX_NOTIF_BYTES,
+    AgentMetadata,
+    HandshakeError,
+    Notification,
+    Region,
+    compatibility_factors,
+)
+from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.regions import block_descs, layer_regions
+from kvx.plugins.nixl.remote import (
+    LocalView,
+    RankKey,
+    RemoteEngine,
+    build_remote,
+    fetch_remote,
+)
+from kvx.plugins.nixl.stats import NixlKVConnectorStats
+
+import kvx
+from kvx.topology import KVGeometry
+from kvx.wire import WireError, decode, encode
+
+logger = logging.getLogger(__name__)
+EXPIRED_MEMORY = 4096
+LOCAL = "NIXL_INIT_AGENT"
+
+
+@dataclass
+class SendState:
+    """P: a finished prompt whose blocks wait for D's reads."""
+
+    deadline: float
+    received: int = 0
+    expected: int | None = None
+
+
+@dataclass
+class Staging:
+    """D: a registered buffer in the remote geometry that READs land in before conversion."""
+
+    tensors: dict[tuple[RankKey, str], torch.Tensor]
+    registration: Any
+    dlists: list[Any]
+    first_token: int
+
+
+@dataclass
+class ReadJob:
+    spec: RemoteRead
+    remote: RemoteEngine
+    local_block_ids: list[int]
+    start_token: int
+    started: float
+    handles: list[Any] = field(default_factory=list)
+    staging: Staging | None = None
+    nbytes: int = 0
+    ndescs: int = 0
+
+
+HandshakeKey = tuple[str, str, int, int, int]
+
+
+class NixlWorker:
+    def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
+        self.options = options
+        self.ctx = ctx
+        self.engine_id = str(config.engine_id)
+        p = ctx.parallel
+        self.name = f"{self.engine_id}-pp{p.pp_rank}-tp{p.tp_rank}-{uuid.uuid4().hex[:8]}"
+        self.agent: Any = make_agent(self.name, options.backends, options.num_threads)
+        cache = ctx.cache
+        self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
+        self.geometry = KVGeometry(
+            p.tp_size, cache.num_kv_heads, cache.block_size, self.layout.name, cache.use_mla
+        )
+        self.heads = len(self.geometry.heads_of(p.tp_rank))
+        self.stats = NixlKVConnectorStats()
+        self._caches: dict[str, torch.Tensor] = {}
+        self._regions: list[Region] = []
+        self._registration: Any = None
+        self._local_dlists: dict[tuple[int, int], Any] = {}
+        self._view: LocalView | None = None
+        # D side
+        self._pool: ThreadPoolExecutor | None = None
+        self._handshakes: dict[HandshakeKey, tuple[Future, list[RemoteRead]]] = {}
+        self._remotes: dict[HandshakeKey, RemoteEngine] = {}
+        self._reading: dict[str, ReadJob] = {}
+        self._recved: set[str] = set()
+        self._errors: set[int] = set()
+        self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
+        self._next_heartbeat = 0.0
+        # P side
+        self._sending: dict[str, SendState] = {}
+        self._early: dict[str, tuple[float, int, int]] = {}
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._sent: set[str] = set()
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._registration is not None:
+            raise RuntimeError("register_kv_caches was called twice")
+        regions: list[Region] = []
+        for name, tensor in kv_caches.items():
+            if tensor.device.type not in ("cpu", "cuda"):
+                raise ValueError(
+                    f"layer {name}: NIXL registers cpu or cuda tensors, not {tensor.device}"
+                )
+            regions += layer_regions(name, self.layout, tensor)
+        self._caches = dict(kv_caches)
+        self._regions = regions
+        first = next(iter(kv_caches.values()))
+        self._mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
+        self._device = first.device.index or 0
+        self._registration = self.agent.register_memory(
+            [
+                (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
+                for t in kv_caches.values()
+            ],
+            self._mem_type,
+        )
+        cache = self.ctx.cache
+        p = self.ctx.parallel
+        self._view = LocalView(
+            self.engine_id,
+            p.tp_rank,
+            p.tp_size,
+            p.pp_size,
+            self.geometry,
+            tuple(kv_caches),
+            compatibility_factors(self.ctx),
+            cache.dtype,
+            cache.head_size,
+        )
+
+    def handshake_payload(self) -> bytes:
+        """This worker's encoded `AgentMetadata` (served by P's side channel)."""
+        cache = self.ctx.cache
+        p = self.ctx.parallel
+        return encode(
+            AgentMetadata(
+                engine_id=self.engine_id,
+                agent_metadata=self.agent.get_agent_metadata(),
+                pp_rank=p.pp_rank,
+                tp_rank=p.tp_rank,
+                tp_size=p.tp_size,
+                pp_size=p.pp_size,
+                num_kv_heads=cache.num_kv_heads,
+                head_size=cache.head_size,
+                block_size=cache.block_size,
+                layout=self.layout.name,
+                dtype=cache.dtype,
+                is_mla=cache.use_mla,
+                regions=self._regions,
+                device_id=self._device,
+                mem_type="VRAM" if self._mem_type == "VRAM" else "DRAM",
+            )
+        )
+
+    # -- per step -------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: NixlMetadata) -> None:
+        now = time.monotonic()
+        for req_id, lease in meta.reqs_to_send.items():
+            state = SendState(now + lease)
+            self._sending[req_id] = state
+            early = self._early.pop(req_id, None)
+            if early is not None:
+                _, count, received = early
+                state.expected, state.received = count, received
+        for req_id in meta.reqs_not_processed:
+            self._sending.pop(req_id, None)
+        for spec in meta.reqs_to_recv:
+            self._enqueue(spec)
+        self._progress_handshakes()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        self._progress_handshakes()
+        self._poll_reads()
+        self._heartbeat()
+        self._poll_notifications()
+        self._expire_leases()
+        sent, self._sent = self._sent, set()
+        recved, self._recved = self._recved, set()
+        return sent, recved
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- D: handshakes --------------------------------------------------------------------
+
+    def _enqueue(self, spec: RemoteRead) -> None:
+        key = (
+            spec.remote_engine_id,
+            spec.remote_host,
+            spec.remote_port,
+            spec.remote_tp_size,
+            spec.remote_pp_size,
+        )
+        remote = self._remotes.get(key)
+        if remote is not None:
+            self._start_read(spec, remote)
+            return
+        if key in self._handshakes:
+            self._handshakes[key][1].append(spec)
+            return
+        assert self._view is not None, "register_kv_caches must run before loads"
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-nixl-handshake")
+        future = self._pool.submit(
+            fetch_remote,
+            self._view,
+            spec,
+            timeout_s=self.options.handshake_timeout_s,
+            max_bytes=self.options.max_handshake_bytes,
+            secret=self.options.shared_secret,
+            enforce_compat=self.options.enforce_handshake_compat,
+        )
+        self._handshakes[key] = (future, [spec])
+
+    def _progress_handshakes(self) -> None:
+        for key, (future, specs) in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[key]
+            try:
+                assert self._view is not None
+                remote = build_remote(self._view, future.result(), self.agent.add_remote_agent)
+            except (HandshakeError, OSError, ValueError) as exc:
+                logger.error("handshake with engine %s failed: %s", key[0], exc)
+                self.stats.count("num_failed_handshakes")
+                for spec in specs:
+                    self._fail(spec.request_id, spec.local_block_ids)
+                continue
+            self._remotes[key] = remote
+            for spec in specs:
+                self._start_read(spec, remote)
+
+    # -- D: reads -------------------------------------------------------------------------
+
+    def _start_read(self, spec: RemoteRead, remote: RemoteEngine) -> None:
+        n = spec.remote_num_tokens
+        bd = self.geometry.block_size
+        needed = -(-n // bd)
+        local = list(spec.local_block_ids[:needed])
+        job = ReadJob(spec, remote, local, (needed - len(local)) * bd, time.monotonic())
+        if not local:
+            self._complete(job)
+            return
+        try:
+            if remote.direct:
+                self._post_direct(job)
+            else:
+                self._post_staged(job)
+        except Exception as exc:  # a bad peer or a NIXL error: never crash the step
+            logger.error("request %s: could not start the read: %s", spec.request_id, exc)
+            self._abandon(job)
+            self.stats.count("num_failed_transfers")
+            self._fail(spec.request_id, local)
+            return
+        self._reading[spec.request_id] = job
+
+    def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
+        key = (head_offset, num_heads)
+        if key not in self._local_dlists:
+            descs = block_descs(self._regions, head_offset, num_heads, self.heads)
+            self._local_dlists[key] = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
+        return self._local_dlists[key]
+
+    def _make_remote_dlist(
+        self, agent: str, meta: AgentMetadata, head_offset: int, num_heads: int
+    ) -> Any:
+        heads = len(
+            KVGeometry(
+                meta.tp_size, meta.num_kv_heads, meta.block_size, meta.layout, meta.is_mla
+            ).heads_of(meta.tp_rank)
+        )
+        descs = block_descs(meta.regions, head_offset, num_heads, heads)
+        return self.agent.prep_xfer_dlist(agent, descs, meta.mem_type)
+
+    def _post(
+        self,
+        job: ReadJob,
+        local_dlist: Any,
+        local_ids: list[int],
+        key: RankKey,
+        remote_dlist: Any,
+        remote_ids: list[int],
+        nbytes: int,
+    ) -> None:
+        handle = self.agent.make_prepped_xfer(
+            "READ", local_dlist, local_ids, remote_dlist, remote_ids
+        )
+        job.handles.append(handle)
+        job.nbytes += nbytes
+        job.ndescs += len(local_ids)
+        if self.agent.transfer(handle) == "ERR":
+            raise HandshakeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
+
+    def _post_direct(self, job: ReadJob) -> None:
+        """READ each remote (head slice of a) block straight into the local block."""
+        remote, spec = job.remote, job.spec
+        bs = self.geometry.block_size
+        remote_ids = spec.remote_block_ids[job.start_token // bs :][: len(job.local_block_ids)]
+        if len(remote_ids) != len(job.local_block_ids):
+            raise ValueError(
+                f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
+            )
+        my_index = {(r.layer, r.kv): i for i, r in enumerate(self._regions)}
+        for read in remote.plan.reads:
+            full = read.num_heads == self.heads
+            lo, nh = (0, 0) if full else (read.local_head_offset, read.num_heads)
+            local_dlist = self._local_dlist(lo, nh)
+            for stage in sorted(set(remote.stage_of_layer.values())):
+                key = (stage, read.remote_tp_rank)
+                meta = remote.metas[key]
+                remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
+                whole = read.num_heads == remote_heads and full
+                ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
+                local_ids, rids, nbytes = [], [], 0
+                for ri, region in enumerate(meta.regions):
+                    li = my_index.get((region.layer, region.kv))
+                    if li is None:
+                        continue
+                    mine = self._regions[li]
+                    local_ids += [li * mine.num_blocks + b for b in job.local_block_ids]
+                    rids += [ri * region.num_blocks + b for b in remote_ids]
+                    nbytes += len(remote_ids) * mine.block_len * read.num_heads // self.heads
+                if local_ids:
+                    remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
+                    self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
+
+    def _post_staged(self, job: ReadJob) -> None:
+        """READ whole remote blocks into a staging buffer in the remote geometry."""
+        remote, spec = job.remote, job.spec
+        rb = remote.geometry.block_size
+        first, last = job.start_token // rb, -(-spec.remote_num_tokens // rb)
+        remote_ids = spec.remote_block_ids[first:last]
+        if len(remote_ids) != last - first:
+            raise ValueError(
+                f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
+            )
+        layout = get_layout(remote.geometry.layout)
+        dtype = self.ctx.cache.torch_dtype
+        tensors: dict[tuple[RankKey, str], torch.Tensor] = {}
+        plans = []
+        for p in remote.plan.remote_ranks:
+            heads = len(remote.geometry.heads_of(p))
+            for stage in sorted(set(remote.stage_of_layer.values())):
+                key = (stage, p)
+                meta = remote.metas[key]
+                regions, rids = [], []
+                for ri, region in enumerate(meta.regions):
+                    if region.layer not in self._caches:
+                        continue
+                    if (key, region.layer) not in tensors:
+                        t = layout.allocate(
+                            len(remote_ids), rb, heads, self.ctx.cache.head_size, dtype=dtype
+                        )
+                        tensors[(key, region.layer)] = t
+                        regions += layer_regions(region.layer, layout, t)
+                    rids += [ri * region.num_blocks + b for b in remote_ids]
+                plans.append((key, regions, rids))
+        registration = self.agent.register_memory(
+            [(t.data_ptr(), t.numel() * t.element_size(), 0, "") for t in tensors.values()],
+            "DRAM",
+        )
+        job.staging = Staging(tensors, registration, [], first * rb)
+        for key, regions, rids in plans:
+            if not rids:
+                continue
+            dlist = self.agent.prep_xfer_dlist(LOCAL, block_descs(regions), "DRAM")
+            job.staging.dlists.append(dlist)
+            remote_dlist = remote.remote_dlist(key, 0, 0, self._make_remote_dlist)
+            nbytes = sum(r.block_len * r.num_blocks for r in regions)
+            self._post(job, dlist, list(range(len(rids))), key, remote_dlist, rids, nbytes)
+
+    def _poll_reads(self) -> None:
+        now = time.monotonic()
+        for req_id, job in list(self._reading.items()):
+            states = [self.agent.check_xfer_state(h) for h in job.handles]
+            if all(s == "DONE" for s in states):
+                del self._reading[req_id]
+                self._complete(job)
+            elif "ERR" in states or now - job.started > self.options.transfer_timeout_s:
+                del self._reading[req_id]
+                why = "a transfer failed" if "ERR" in states else "the read timed out"
+                logger.error("request %s: %s; its blocks are load errors", req_id, why)
+                self.stats.count("num_failed_transfers")
+                self._abandon(job)
+                self._fail(req_id, job.local_block_ids)
+
+    def _complete(self, job: ReadJob) -> None:
+        done = time.monotonic()
+        try:
+            if job.staging is not None:
+                self._convert(job)
+        except Exception as exc:
+            logger.error(
+                "request %s: converting the received blocks failed: %s", job.spec.request_id, exc
+            )
+            self._abandon(job)
+            self._fail(job.spec.request_id, job.local_block_ids)
+            return
+        self._release(job)
+        if job.handles:
+            self.stats.record_transfer(
+                done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
+            )
+        self._notify(job.remote, Notification("done", [job.spec.remote_request_id]))
+        self._recved.add(job.spec.request_id)
+
+    def _convert(self, job: ReadJob) -> None:
+        """Staged remote blocks -> local blocks: layout, block size and head slices."""
+        assert job.staging is not None
+        remote, spec = job.remote, job.spec
+        staging = job.staging
+        bd = self.geometry.block_size
+        src_layout = get_layout(remote.geometry.layout)
+        mla = self.geometry.is_mla
+        count = spec.remote_num_tokens - staging.first_token
+        skip = (job.start_token - staging.first_token) // bd
+        for name, cache in self._caches.items():
+            stage = remote.stage_of_layer[name]
+            if skip:
+                target = self.layout.allocate(
+                    -(-count // bd), bd, self.heads, self.ctx.cache.head_size, dtype=cache.dtype
+                )
+                dst_ids = list(range(-(-count // bd)))
+            else:
+                target, dst_ids = cache, job.local_block_ids
+            for read in remote.plan.reads:
+                src = staging.tensors[((stage, read.remote_tp_rank), name)]
+                convert_blocks(
+                    src,
+                    target,
+                    list(range(src_layout.num_blocks_of(src))),
+                    dst_ids,
+                    src_layout=src_layout,
+                    dst_layout=self.layout,
+                    num_tokens=count,
+                    src_heads=None
+                    if mla
+                    else range(read.remote_head_offset, read.remote_head_offset + read.num_heads),
+                    dst_heads=None
+                    if mla
+                    else range(read.local_head_offset, read.local_head_offset + read.num_heads),
+                )
+            if skip:
+                dim = self.layout.blocks_dim
+                index = torch.tensor(job.local_block_ids, dtype=torch.long)
+                picked = target.narrow(dim, skip, len(job.local_block_ids))
+                cache.index_copy_(dim, index, picked)
+
+    def _fail(self, req_id: str, local_block_ids: list[int]) -> None:
+        self._errors.update(local_block_ids)
+        self._recved.add(req_id)
+
+    def _release(self, job: ReadJob) -> None:
+        for handle in job.handles:
+            self.agent.release_xfer_handle(handle)
+        job.handles = []
+        if job.staging is not None:
+            for dlist in job.staging.dlists:
+                self.agent.release_dlist_handle(dlist)
+            self.agent.deregister_memory(job.staging.registration)
+            job.staging = None
+
+    def _abandon(self, job: ReadJob) -> None:
+        """Release what a failed read holds; a handle NIXL cannot cancel (and the staging
+        memory it may still write into) is kept and retried at shutdown."""
+        try:
+            self._release(job)
+        except Exception as exc:
+            logger.warning(
+                "request %s: releasing its transfer failed (%s); retrying at shutdown",
+                job.spec.request_id,
+                exc,
+            )
+            self._leftovers.append(job)
+
+    # -- D: notifications -----------------------------------------------------------------
+
+    def _notify(self, remote: RemoteEngine, note: Notification) -> None:
+        for key, count in remote.notify.items():
+            message = encode(Notification(note.kind, note.request_ids, count))
+            try:
+                self.agent.send_notif(remote.agents[key], message)
+            except Exception as exc:
+                logger.warning("notifying %s failed: %s", remote.agents[key], exc)
+                self.stats.count("num_failed_notifications")
+
+    def _heartbeat(self) -> None:
+        """While reads are in flight, tell P to keep the blocks (vLLM's lease heartbeats)."""
+        now = time.monotonic()
+        if not self._reading or now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.options.kv_lease_duration / 6
+        by_remote: dict[int, tuple[RemoteEngine, list[str]]] = {}
+        for job in self._reading.values():
+            entry = by_remote.setdefault(id(job.remote), (job.remote, []))
+            entry[1].append(job.spec.remote_request_id)
+        for remote, ids in by_remote.values():
+            self._notify(remote, Notification("heartbeat", ids))
+
+    # -- P: notifications and leases ------------------------------------------------------
+
+    def _poll_notifications(self) -> None:
+        now = time.monotonic()
+        for sender, messages in self.agent.get_new_notifs().items():
+            for message in messages:
+                try:
+                    note = decode(message, Notification, max_bytes=MAX_NOTIF_BYTES)
+                except WireError as exc:
+                    logger.warning("ignoring a notification from %s: %s", sender, exc)
+                    continue
+                for req_id in note.request_ids:
+                    self._on_notification(note, req_id, now)
+        for req_id, (seen, _, _) in list(self._early.items()):
+            if now - seen > self.options.kv_lease_duration:
+                del self._early[req_id]
+                self._late(req_id)
+
+    def _on_notification(self, note: Notification, req_id: str, now: float) -> None:
+        state = self._sending.get(req_id)
+        if note.kind == "heartbeat":
+            if state is not None:
+                state.deadline = max(state.deadline, now + self.options.kv_lease_duration)
+            return
+        if state is None:
+            if req_id in self._expired:
+                self._late(req_id)
+            else:  # may precede this step's metadata; kept for one lease
+                seen, _, received = self._early.get(req_id, (now, note.count, 0))
+                self._early[req_id] = (seen, note.count, received + 1)
+            return
+        state.expected = note.count
+        state.received += 1
+        if state.received >= state.expected:
+            del self._sending[req_id]
+            self._sent.add(req_id)
+
+    def _late(self, req_id: str) -> None:
+        logger.error(
+            "request %s: a read finished after P's lease expired; its KV blocks may have "
+            "been reused (raise kv_lease_duration)",
+            req_id,
+        )
+        self.stats.count("num_notifications_after_expiry")
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for req_id, state in list(self._sending.items()):
+            if now > state.deadline:
+                logger.warning("request %s: lease expired before D read it; freeing", req_id)
+                del self._sending[req_id]
+                self._sent.add(req_id)
+                self.stats.count("num_kv_expired_reqs")
+                self._expired[req_id] = None
+                while len(self._expired) > EXPIRED_MEMORY:
+                    self._expired.popitem(last=False)
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._handshakes.clear()
+        for job in [*self._reading.values(), *self._leftovers]:
+            try:
+                self._release(job)
+            except Exception as exc:
+                logger.warning("shutdown: a transfer could not be released: %s", exc)
+        self._reading.clear()
+        self._leftovers.clear()
+        for remote in self._remotes.values():
+            for dlist in remote.dlists.values():
+                self.agent.release_dlist_handle(dlist)
+            for agent in remote.agents.values():
+                self.agent.remove_remote_agent(agent)
+        self._remotes.clear()
+        for dlist in self._local_dlists.values():
+            self.agent.release_dlist_handle(dlist)
+        self._local_dlists.clear()
+        if self._registration is not None:
+            self.agent.deregister_memory(self._registration)
+            self._registration = None
+        self._caches.clear()
+        self.agent = None
