@@ -29,6 +29,16 @@ from kvx.topology.plan import (
     plan_reads,
     readers_per_remote_rank,
 )
+from kvx.topology.pp import (
+    RankRef,
+    StagePlan,
+    extract_layer_index,
+    layer_sources,
+    plan_stage_reads,
+    pp_layer_range,
+    readers_per_remote_worker,
+    stage_layer_names,
+)
 from kvx.topology.tp_kv import TpKVTopology
 
 if TYPE_CHECKING:
@@ -78,6 +88,8 @@ __all__ = [
     "KVGeometry",
     "RankCoords",
     "RankGrid",
+    "RankRef",
+    "StagePlan",
     "TopologyError",
     "TpKVTopology",
     "TransferPlan",
@@ -85,6 +97,7 @@ __all__ = [
     "check_tp_heads",
     "destroy_distributed_environment",
     "destroy_model_parallel",
+    "extract_layer_index",
     "get_dcp_group",
     "get_dp_group",
     "get_ep_group",
@@ -97,8 +110,13 @@ __all__ = [
     "initialize_model_parallel",
     "is_kv_replicated",
     "is_primary_holder",
+    "layer_sources",
     "num_physical_heads",
     "physical_head_range",
     "plan_reads",
+    "plan_stage_reads",
+    "pp_layer_range",
     "readers_per_remote_rank",
+    "readers_per_remote_worker",
+    "stage_layer_names",
 ]
