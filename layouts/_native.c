@@ -14,9 +14,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MAX_DIMS 16
 #define MAX_THREADS 64
@@ -124,12 +126,11 @@ static char *move_block(const side_t *s, char *block, char *scratch, size_t elem
     }
 }
 
-static void *run_job(void *arg) {
-    job_t *job = arg;
+static void run_job(job_t *job) {
     char *scratch = malloc(job->unit_bytes ? job->unit_bytes : 1);
     if (!scratch) {
         job->failed = 1;
-        return NULL;
+        return;
     }
     const side_t *src = job->src, *dst = job->dst;
     for (int64_t u = job->first; u < job->last; u++) {
@@ -145,7 +146,107 @@ static void *run_job(void *arg) {
         }
     }
     free(scratch);
+}
+
+/* A small persistent pool runs jobs[1..n-1] while the calling thread runs jobs[0]: creating
+ * threads per call costs as much as moving a few MiB. Idle workers spin briefly (back-to-back
+ * per-layer calls find them awake, as PyTorch's own pool does) and then sleep on a condition
+ * variable. One call uses the pool at a time; a concurrent call runs its jobs inline. */
+#define SPINS 4000
+
+static struct {
+    pthread_mutex_t call, mu;
+    pthread_cond_t wake, done;
+    atomic_long generation;
+    atomic_int pending;
+    job_t *jobs;
+    int njobs, workers;
+    long start_gen[MAX_THREADS];
+    pid_t pid;
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER,
+          .mu = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER,
+          .done = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void *worker(void *arg) {
+    const int me = (int)(intptr_t)arg;
+    long seen = pool.start_gen[me];
+    for (;;) {
+        long gen = atomic_load(&pool.generation);
+        for (int i = 0; gen == seen && i < SPINS; i++) {
+            cpu_relax();
+            gen = atomic_load(&pool.generation);
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while ((gen = atomic_load(&pool.generation)) == seen)
+                pthread_cond_wait(&pool.wake, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = gen;
+        if (me < pool.njobs)
+            run_job(&pool.jobs[me]);
+        if (atomic_fetch_sub(&pool.pending, 1) == 1) {
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
+    }
     return NULL;
+}
+
+/* Workers 1..n-1 exist (a forked child has none of its parent's). Called with `call` held. */
+static void grow_pool(int n) {
+    if (pool.pid != getpid()) { /* first call, or a child forked while a worker held `mu` */
+        pool.pid = getpid();
+        pool.workers = 1;
+        pthread_mutex_init(&pool.mu, NULL);
+        pthread_cond_init(&pool.wake, NULL);
+        pthread_cond_init(&pool.done, NULL);
+    }
+    while (pool.workers < n) {
+        pthread_t tid;
+        pool.start_gen[pool.workers] = atomic_load(&pool.generation);
+        if (pthread_create(&tid, NULL, worker, (void *)(intptr_t)pool.workers) != 0)
+            return;
+        pthread_detach(tid);
+        pool.workers++;
+    }
+}
+
+static void run_jobs(job_t *jobs, int n) {
+    if (n > 1 && pthread_mutex_trylock(&pool.call) == 0) {
+        grow_pool(n);
+        int helped = pool.workers < n ? pool.workers : n; /* jobs the pool takes: [1, helped) */
+        pool.jobs = jobs;
+        pool.njobs = helped;
+        atomic_store(&pool.pending, pool.workers - 1);
+        pthread_mutex_lock(&pool.mu);
+        atomic_fetch_add(&pool.generation, 1);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.mu);
+        run_job(&jobs[0]);
+        for (int t = helped; t < n; t++) /* workers that could not be started */
+            run_job(&jobs[t]);
+        for (int i = 0; atomic_load(&pool.pending) > 0 && i < SPINS; i++)
+            cpu_relax();
+        pthread_mutex_lock(&pool.mu);
+        while (atomic_load(&pool.pending) > 0)
+            pthread_cond_wait(&pool.done, &pool.mu);
+        pthread_mutex_unlock(&pool.mu);
+        pthread_mutex_unlock(&pool.call);
+        return;
+    }
+    for (int t = 0; t < n; t++)
+        run_job(&jobs[t]);
 }
 
 /* Parse one side's (address, block count, block stride, shape, strides, ids address, blocks per
@@ -235,25 +336,13 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
         threads = units;
 
     job_t jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     for (long long t = 0; t < threads; t++) {
         jobs[t] = (job_t){&src, &dst, units * t / threads, units * (t + 1) / threads,
                           (size_t)elem, (size_t)(src_elems * src_per * elem), 0};
     }
-    /* Helpers take units [k/T, (k+1)/T); this thread runs the first share, then any share a
-     * helper could not be started for. */
-    for (long long t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (long long t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            run_job(&jobs[t]);
-    }
+    run_jobs(jobs, (int)threads);
     for (long long t = 0; t < threads; t++)
         failed |= jobs[t].failed;
     Py_END_ALLOW_THREADS

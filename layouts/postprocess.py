@@ -12,6 +12,7 @@ view of the cache; on CPU the native kernel does both in one pass per block.
 from __future__ import annotations
 
 import torch
+from kvx.layouts import _kernels
 from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
 
 
@@ -94,7 +95,11 @@ def _regroup(
     order = (0, 2, 1, 3, 4) if heads_major else (0, 1, 3, 2, 4)
     tokens_dim = 2 if heads_major else 1
     dst = x.unflatten(tokens_dim, (ratio, n))
-    if x[0].is_contiguous():  # the permutation goes into the gather's view
+    if x[0].is_contiguous() and _kernels.native is None:
+        # PyTorch: the permutation goes into the gather's view, the scatter stays contiguous
         gather_scatter(x.view(num_blocks, ratio, heads, n, d).permute(order), idx, dst, idx)
-    else:  # into the scatter's: X[b]'s logical order is written as the received [r, H, n, D]
+    else:
+        # into the scatter's view: X[b], read in its logical order, is the received
+        # [r, H, n, D]. The native kernel prefers this: the block is read front to back (the
+        # prefetcher streams it), and the permuted writes land in lines it just read.
         gather_scatter(x, idx, dst.permute(order), idx)
