@@ -16,22 +16,9 @@ import torch
 
 from kvx.errors import RegistryError
 from kvx.registry import get_registry
+from kvx.topology import is_primary_holder
+from kvx.topology import physical_head_range as rank_heads
 from kvx.types import KVCacheSpec, ParallelInfo
-
-
-def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
-    """Global KV heads held by `tp_rank`; one shared head per rank when TP exceeds the heads
-    (matches vLLM's physical head range)."""
-    if tp_size <= num_kv_heads:
-        if num_kv_heads % tp_size:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be split over TP {tp_size}")
-        per = num_kv_heads // tp_size
-        return range(tp_rank * per, (tp_rank + 1) * per)
-    if tp_size % num_kv_heads:
-        raise ValueError(f"TP {tp_size} is not a multiple of {num_kv_heads} KV heads")
-    head = tp_rank * num_kv_heads // tp_size
-    return range(head, head + 1)
-
 
 TOKEN_DIMS = ("blocks", "tokens", "kv", "heads", "head_size")
 
@@ -71,16 +58,10 @@ class PagedKVCache:
         self.layout = layout.name
         self.block_size = spec.block_size
         self.dtype = spec.torch_dtype
-        self.heads = (
-            range(1)
-            if spec.use_mla
-            else rank_heads(spec.num_kv_heads, parallel.tp_size, parallel.tp_rank)
-        )
+        heads = (spec.num_kv_heads, parallel.tp_size, parallel.tp_rank)
+        self.heads = rank_heads(*heads, is_mla=spec.use_mla)
         # The first rank holding each head reports it; replicas stay silent so sums count once.
-        replicas = (
-            parallel.tp_size if spec.use_mla else max(1, parallel.tp_size // spec.num_kv_heads)
-        )
-        self.primary = parallel.tp_rank % replicas == 0
+        self.primary = is_primary_holder(*heads, is_mla=spec.use_mla)
         n, h, d = spec.block_size, len(self.heads), spec.head_size
         self.tensors: dict[str, torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] = {}

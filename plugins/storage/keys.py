@@ -71,26 +71,6 @@ def shard_counts(num_heads: int, preferred: int) -> list[int]:
     return sorted(counts, key=lambda n: (n != preferred, n))
 
 
-def rank_heads(num_heads: int, tp_size: int, tp_rank: int) -> range:
-    """Global KV heads a TP rank holds; one shared head per rank when TP exceeds the heads
-    (matches vLLM's physical head range)."""
-    if tp_size <= num_heads:
-        if num_heads % tp_size:
-            raise ValueError(f"{num_heads} KV heads cannot be split over TP {tp_size}")
-        per = num_heads // tp_size
-        return range(tp_rank * per, (tp_rank + 1) * per)
-    if tp_size % num_heads:
-        raise ValueError(f"TP {tp_size} is not a multiple of {num_heads} KV heads")
-    head = tp_rank * num_heads // tp_size
-    return range(head, head + 1)
-
-
-def is_writer(num_heads: int, tp_size: int, tp_rank: int) -> bool:
-    """Whether this rank stores its heads: of ranks holding the same heads only the first does."""
-    replicas = max(1, tp_size // num_heads)
-    return tp_rank % replicas == 0
-
-
 def value_key(namespace: str, block_size: int, block_key: str, layer: str, heads: range) -> str:
     """The storage key of one block's KV for one layer and one head shard."""
     return (

@@ -21,10 +21,11 @@ import torch
 from kvx.layouts import MLA, Layout, convert_blocks, get_layout
 from kvx.plugins.storage.backends.base import StorageBackend
 from kvx.plugins.storage.blockformat import BlockFormatError, BlockShape, decode_block, encode_block
-from kvx.plugins.storage.keys import Geometry, is_writer, rank_heads, shard_ranges
+from kvx.plugins.storage.keys import Geometry, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
 import kvx
+from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ class StorageWorker:
             )
         self.stored_layout = MLA if geometry.mla else TOKEN_MAJOR
         par = ctx.parallel
-        self.heads = rank_heads(geometry.total_heads, par.tp_size, par.tp_rank)
-        self.writer = is_writer(geometry.total_heads, par.tp_size, par.tp_rank)
+        self.heads = physical_head_range(geometry.total_heads, par.tp_size, par.tp_rank)
+        self.writer = is_primary_holder(geometry.total_heads, par.tp_size, par.tp_rank)
         self.dtype = getattr(torch, geometry.dtype)
         self.caches: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-writer")
@@ -157,7 +158,18 @@ class StorageWorker:
             return
         shapes = {heads: self._shape(heads) for _, _, heads, _ in wanted}
         limit = max(s.value_bytes for s in shapes.values())
-        values = self.backend.get_many([name for *_, name in wanted], limit)
+        try:
+            values = self.backend.get_many([name for *_, name in wanted], limit)
+        except Exception as exc:  # an unreachable store fails these loads, not the engine step
+            logger.warning(
+                "kvx storage: reading KV blocks from %s failed: %s: %s",
+                self.backend.url,
+                type(exc).__name__,
+                exc,
+            )
+            for load, *_ in wanted:
+                load.bad = 0  # later layers skip it; every block is reported as a load error
+            return
         for (load, j, heads, name), data in zip(wanted, values, strict=True):
             if j >= load.bad:
                 continue

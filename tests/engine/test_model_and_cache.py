@@ -248,8 +248,16 @@ def test_mla_layout_without_an_mla_model_is_refused_at_build_time() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"num_kv_heads": 3, "tp_size": 2}, "3 KV heads cannot be split over TP 2"),
-        ({"num_kv_heads": 2, "tp_size": 3}, "TP 3 is not a multiple of 2 KV heads"),
+        (
+            {"num_kv_heads": 3, "tp_size": 2},
+            "tp_size=2 does not divide num_kv_heads=3; use a TP size that divides the heads "
+            "([1, 3]) or a multiple of 3 (each rank then holds one replicated head)",
+        ),
+        (
+            {"num_kv_heads": 2, "tp_size": 3},
+            "tp_size=3 exceeds num_kv_heads=2 but is not a multiple of it, so heads cannot be "
+            "replicated evenly; use a multiple of 2 or a divisor of it ([1, 2])",
+        ),
         (
             {"pp_size": 3},
             "EngineConfig.pp_size 3 exceeds num_layers 2: every pipeline stage needs a layer",

@@ -17,9 +17,10 @@ from kvx.plugins.storage.blockformat import (
     encode_block,
 )
 from kvx.plugins.storage.config import SharedStorageConfig
-from kvx.plugins.storage.keys import block_keys, chain_seed, rank_heads, shard_counts
+from kvx.plugins.storage.keys import block_keys, chain_seed, shard_counts
 
 from kvx import ConfigError, KVTransferConfig
+from kvx.topology import physical_head_range as rank_heads
 
 MakeRig = Callable[..., Any]  # conftest's Rig factory
 SHAPE = BlockShape("bfloat16", 16, 2, 8, range(2, 4), 32)
