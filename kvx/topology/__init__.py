@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvx.topology.byte_runs import block_byte_runs
 from kvx.topology.errors import TopologyError
 from kvx.topology.grid import GROUP_KINDS, RankCoords, RankGrid
 from kvx.topology.heads import (
@@ -93,6 +94,7 @@ __all__ = [
     "TopologyError",
     "TpKVTopology",
     "TransferPlan",
+    "block_byte_runs",
     "check_compatible",
     "check_tp_heads",
     "destroy_distributed_environment",
