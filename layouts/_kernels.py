@@ -107,7 +107,7 @@ def block_index(ids: BlockIdsLike, num_blocks: int, device: torch.device, arg: s
             f"{idx.dtype} with shape {tuple(idx.shape)}"
         )
     if idx.numel():
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < 0 or hi >= num_blocks:
             raise ValueError(
                 f"{arg}: block id {lo if lo < 0 else hi} is out of range; the cache has "
@@ -117,31 +117,43 @@ def block_index(ids: BlockIdsLike, num_blocks: int, device: torch.device, arg: s
 
 
 def gather_scatter(
-    src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor
+    src: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    in_place: bool = False,
 ) -> None:
     """Copy `src[src_idx]` (blocks along dim 0) into `dst[dst_idx]`.
 
     The gathered blocks are reinterpreted as `dst` blocks in order (so a source block may fill
     several destination blocks or the reverse). Per-block views may be strided: the gather reads
-    through `src`'s strides, the scatter writes through `dst`'s. In place is allowed when every
-    destination block is only read by its own unit (vLLM's post-processes: same ids, unique).
-    On CPU the native kernel moves one unit at a time through a cache-resident scratch; the
-    PyTorch path stages cache-sized chunks of whole blocks, never one block at a time.
+    through `src`'s strides, the scatter writes through `dst`'s. `in_place`: `src` and `dst`
+    view the same memory and the ids are one tensor, each block rewritten from itself; a
+    repeated id is rewritten once. On CPU the native kernel moves one unit of blocks at a time
+    through a cache-resident scratch; the PyTorch path stages cache-sized chunks of whole
+    blocks, never one block at a time.
     """
     src_elems, dst_elems = math.prod(src.shape[1:]), math.prod(dst.shape[1:])
     unit = math.lcm(src_elems, dst_elems)
     per_src, per_dst = unit // src_elems, unit // dst_elems
     units = src_idx.numel() // per_src
     assert units * per_src == src_idx.numel() and units * per_dst == dst_idx.numel()
+    assert not in_place or (src_idx is dst_idx and per_src == 1)
     if units == 0:
         return
     cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     if native is not None and cpu and max(src.dim(), dst.dim()) <= NATIVE_MAX_DIMS + 1:
-        _native_gather_scatter(native, src, src_idx, dst, dst_idx, units)
+        _native_gather_scatter(native, src, src_idx, dst, dst_idx, units, in_place)
         return
     step = units
     if cpu:
         step = max(1, CPU_CHUNK_BYTES // (unit * src.element_size()))
+        if in_place:
+            # A chunk is gathered after earlier chunks were written: a repeated id would be
+            # rewritten twice. vLLM's single gather makes repeats harmless, so drop them.
+            src_idx = dst_idx = torch.unique(src_idx)
+            units = src_idx.numel()
     buf = torch.empty(
         (min(units, step) * per_src, *src.shape[1:]), dtype=src.dtype, device=src.device
     )
@@ -161,29 +173,32 @@ def _native_gather_scatter(
     dst: torch.Tensor,
     dst_idx: torch.Tensor,
     units: int,
+    in_place: bool,
 ) -> None:
     """`gather_scatter` on CPU in the native kernel (raw addresses: the tensors stay alive here)."""
     esz = src.element_size()
     assert dst.element_size() == esz, "src and dst words differ in size"
-    src_ids, dst_ids = (i.to(torch.long).contiguous() for i in (src_idx, dst_idx))
-    bytes_moved = src_ids.numel() * math.prod(src.shape[1:]) * esz
+    if src_idx.dtype != torch.long or not src_idx.is_contiguous():
+        src_idx = src_idx.to(torch.long).contiguous()
+    if in_place:
+        dst_idx = src_idx
+    elif dst_idx.dtype != torch.long or not dst_idx.is_contiguous():
+        dst_idx = dst_idx.to(torch.long).contiguous()
+    bytes_moved = src_idx.numel() * math.prod(src.shape[1:]) * esz
     threads = min(torch.get_num_threads(), units, bytes_moved // NATIVE_BYTES_PER_THREAD, 64)
     kernel.gather_scatter(  # checks every id against the block count before touching memory
         src.data_ptr(),
-        src.shape[0],
-        src.stride(0) * esz,
-        src.shape[1:],
-        [s * esz for s in src.stride()[1:]],
-        src_ids.data_ptr(),
-        src_ids.numel() // units,
+        src.shape,
+        src.stride(),
+        src_idx.data_ptr(),
+        src_idx.numel() // units,
         dst.data_ptr(),
-        dst.shape[0],
-        dst.stride(0) * esz,
-        dst.shape[1:],
-        [s * esz for s in dst.stride()[1:]],
-        dst_ids.data_ptr(),
-        dst_ids.numel() // units,
+        dst.shape,
+        dst.stride(),
+        dst_idx.data_ptr(),
+        dst_idx.numel() // units,
         units,
         esz,
         max(1, threads),
+        in_place,
     )

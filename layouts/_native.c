@@ -249,12 +249,12 @@ static void run_jobs(job_t *jobs, int n) {
         run_job(&jobs[t]);
 }
 
-/* Parse one side's (address, block count, block stride, shape, strides, ids address, blocks per
- * unit) for `units` units, checking its block ids. */
-static int parse_side(side_t *s, unsigned long long addr, long long blocks, long long block_stride,
-                      PyObject *shape_obj, PyObject *stride_obj, unsigned long long idx_addr,
-                      long long per, long long units, const char *name, int64_t *elems) {
-    int64_t shape[MAX_DIMS], stride[MAX_DIMS];
+/* Parse one side: address of its first element, shape and strides (in elements) of the whole
+ * tensor with blocks on dim 0, address of its int64 block ids, blocks per unit; check the ids. */
+static int parse_side(side_t *s, unsigned long long addr, PyObject *shape_obj,
+                      PyObject *stride_obj, unsigned long long idx_addr, long long per,
+                      long long units, long long elem, const char *name, int64_t *elems) {
+    int64_t shape[MAX_DIMS + 1], stride[MAX_DIMS + 1];
     PyObject *shape_seq = PySequence_Fast(shape_obj, "shape must be a sequence");
     if (!shape_seq)
         return -1;
@@ -264,48 +264,68 @@ static int parse_side(side_t *s, unsigned long long addr, long long blocks, long
         return -1;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(shape_seq);
-    int ok = n <= MAX_DIMS && n == PySequence_Fast_GET_SIZE(stride_seq) && per >= 1;
+    int ok = n >= 1 && n <= MAX_DIMS + 1 && n == PySequence_Fast_GET_SIZE(stride_seq) && per >= 1;
     *elems = 1;
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(shape_seq, i));
-        stride[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(stride_seq, i));
-        ok = !PyErr_Occurred() && shape[i] >= 1 && stride[i] >= 0;
-        *elems *= ok ? shape[i] : 1;
+        stride[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(stride_seq, i)) * elem;
+        ok = !PyErr_Occurred() && shape[i] >= (i ? 1 : 0) && stride[i] >= 0;
+        *elems *= ok && i ? shape[i] : 1;
     }
     Py_DECREF(shape_seq);
     Py_DECREF(stride_seq);
     if (!ok) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_ValueError,
-                         "%s: need <= %d dims of size >= 1, strides >= 0 and blocks per unit "
-                         ">= 1", name, MAX_DIMS);
+                         "%s: need blocks plus <= %d dims of size >= 1, strides >= 0 and blocks "
+                         "per unit >= 1", name, MAX_DIMS);
         return -1;
     }
     s->base = (char *)(uintptr_t)addr;
-    s->block_stride = block_stride;
+    s->block_stride = stride[0];
     s->idx = (const int64_t *)(uintptr_t)idx_addr;
     s->per = per;
     for (int64_t i = 0; i < per * units; i++) {
-        if (s->idx[i] < 0 || s->idx[i] >= blocks) {
+        if (s->idx[i] < 0 || s->idx[i] >= shape[0]) {
             PyErr_Format(PyExc_IndexError, "%s: block id %lld is out of range for %lld blocks",
-                         name, (long long)s->idx[i], blocks);
+                         name, (long long)s->idx[i], (long long)shape[0]);
             return -1;
         }
     }
-    coalesce(s, shape, stride, (int)n);
+    coalesce(s, shape + 1, stride + 1, (int)n - 1);
     return 0;
+}
+
+static int compare_ids(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* For in-place calls: the ids sorted (blocks visited in address order) without repeats, which
+ * would otherwise be transformed twice. Returns a malloc'ed array and sets *units. */
+static int64_t *unique_ids(const int64_t *ids, long long *units) {
+    int64_t *out = malloc((size_t)(*units ? *units : 1) * sizeof(int64_t));
+    if (!out)
+        return NULL;
+    memcpy(out, ids, (size_t)*units * sizeof(int64_t));
+    qsort(out, (size_t)*units, sizeof(int64_t), compare_ids);
+    long long n = 0;
+    for (long long i = 0; i < *units; i++)
+        if (n == 0 || out[i] != out[n - 1])
+            out[n++] = out[i];
+    *units = n;
+    return out;
 }
 
 static PyObject *gather_scatter(PyObject *self, PyObject *args) {
     unsigned long long src_addr, src_idx, dst_addr, dst_idx;
-    long long src_blocks, dst_blocks, src_bstride, dst_bstride, src_per, dst_per;
-    long long units, elem, threads;
+    long long src_per, dst_per, units, elem, threads;
+    int in_place;
     PyObject *src_shape, *src_strides, *dst_shape, *dst_strides;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KLLOOKLKLLOOKLLLL", &src_addr, &src_blocks, &src_bstride,
-                          &src_shape, &src_strides, &src_idx, &src_per, &dst_addr, &dst_blocks,
-                          &dst_bstride, &dst_shape, &dst_strides, &dst_idx, &dst_per, &units,
-                          &elem, &threads))
+    if (!PyArg_ParseTuple(args, "KOOKLKOOKLLLLp", &src_addr, &src_shape, &src_strides, &src_idx,
+                          &src_per, &dst_addr, &dst_shape, &dst_strides, &dst_idx, &dst_per,
+                          &units, &elem, &threads, &in_place))
         return NULL;
     if (!(elem == 1 || elem == 2 || elem == 4 || elem == 8 || elem == 16)) {
         PyErr_Format(PyExc_ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got %lld",
@@ -317,12 +337,17 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
                      MAX_THREADS, units, threads);
         return NULL;
     }
+    if (in_place && (src_addr != dst_addr || src_idx != dst_idx || src_per != 1 || dst_per != 1)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "in place needs the same tensor address, ids and one block per unit");
+        return NULL;
+    }
     side_t src, dst;
     int64_t src_elems, dst_elems;
-    if (parse_side(&src, src_addr, src_blocks, src_bstride, src_shape, src_strides, src_idx,
-                   src_per, units, "src", &src_elems) < 0 ||
-        parse_side(&dst, dst_addr, dst_blocks, dst_bstride, dst_shape, dst_strides, dst_idx,
-                   dst_per, units, "dst", &dst_elems) < 0)
+    if (parse_side(&src, src_addr, src_shape, src_strides, src_idx, src_per, units, elem, "src",
+                   &src_elems) < 0 ||
+        parse_side(&dst, dst_addr, dst_shape, dst_strides, dst_idx, dst_per, units, elem, "dst",
+                   &dst_elems) < 0)
         return NULL;
     if (src_elems * src_per != dst_elems * dst_per) {
         PyErr_Format(PyExc_ValueError,
@@ -332,6 +357,12 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
     }
     if (units == 0)
         Py_RETURN_NONE;
+    int64_t *ids = NULL;
+    if (in_place) {
+        if (!(ids = unique_ids(src.idx, &units)))
+            return PyErr_NoMemory();
+        src.idx = dst.idx = ids;
+    }
     if (threads > units)
         threads = units;
 
@@ -346,6 +377,7 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
     for (long long t = 0; t < threads; t++)
         failed |= jobs[t].failed;
     Py_END_ALLOW_THREADS
+    free(ids);
     if (failed)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -353,13 +385,12 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"gather_scatter", gather_scatter, METH_VARARGS,
-     "gather_scatter(src_addr, src_blocks, src_block_stride, src_shape, src_strides, "
-     "src_ids_addr, src_per_unit, dst_addr, dst_blocks, dst_block_stride, dst_shape, "
-     "dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads)\n\nMove `units` "
-     "groups of blocks (strides in bytes, ids int64): the source "
-     "blocks of each unit are read through their byte strides into a contiguous scratch, then "
-     "written through the destination's. Addresses are raw and trusted; see "
-     "kvx.layouts._kernels."},
+     "gather_scatter(src_addr, src_shape, src_strides, src_ids_addr, src_per_unit, dst_addr, "
+     "dst_shape, dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads, "
+     "in_place)\n\nMove `units` groups of blocks (blocks on dim 0, strides in elements of "
+     "elem_size bytes, ids int64): each unit's source blocks are read into a contiguous "
+     "scratch, then written through the destination's strides. in_place: same tensor and ids, "
+     "repeated ids moved once. Addresses are raw and trusted; see kvx.layouts._kernels."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,10 +84,6 @@ def _regroup(
     idx = block_index(indices, num_blocks, cache.device, f"{fn}: indices")
     if idx.numel() == 0:
         return
-    if idx.device.type == "cpu":
-        # Chunks are gathered after earlier chunks were written: a repeated id would be
-        # transformed twice. vLLM's single gather makes repeats harmless, so drop them.
-        idx = torch.unique(idx)
     x = cache.permute(0, 2, 1, 3) if heads_major else cache
     x = as_words(x, word_bytes(x))
     n, d = block_size // ratio, x.shape[-1]
@@ -97,9 +93,11 @@ def _regroup(
     dst = x.unflatten(tokens_dim, (ratio, n))
     if x[0].is_contiguous() and _kernels.native is None:
         # PyTorch: the permutation goes into the gather's view, the scatter stays contiguous
-        gather_scatter(x.view(num_blocks, ratio, heads, n, d).permute(order), idx, dst, idx)
+        gather_scatter(
+            x.view(num_blocks, ratio, heads, n, d).permute(order), idx, dst, idx, in_place=True
+        )
     else:
         # into the scatter's view: X[b], read in its logical order, is the received
         # [r, H, n, D]. The native kernel prefers this: the block is read front to back (the
         # prefetcher streams it), and the permuted writes land in lines it just read.
-        gather_scatter(x, idx, dst.permute(order), idx)
+        gather_scatter(x, idx, dst.permute(order), idx, in_place=True)

@@ -74,26 +74,28 @@ def test_transforms_call_the_native_kernel() -> None:
     assert len(calls) == 1
 
 
-def test_native_kernel_rejects_bad_arguments() -> None:
+def test_native_kernel_checks_its_arguments() -> None:
     kernel = _kernels.load_native("1")
-    ids = torch.zeros(1, dtype=torch.long)
+    ids = torch.zeros(2, dtype=torch.long)
     buf = torch.arange(16, dtype=torch.int32)
-    # one block of [4, 4] int32 at buf, copied onto itself transposed
-    good = [buf.data_ptr(), 1, 64, [4, 4], [16, 4], ids.data_ptr(), 1]
-    good += [buf.data_ptr(), 1, 64, [4, 4], [4, 16], ids.data_ptr(), 1, 1, 4, 1]
+    transposed = torch.arange(16, dtype=torch.int32).view(4, 4).T.flatten()
+    # one block of [4, 4] int32, rewritten in place transposed; the repeated id moves it once
+    good = [buf.data_ptr(), (1, 4, 4), (16, 4, 1), ids.data_ptr(), 1]
+    good += [buf.data_ptr(), (1, 4, 4), (16, 1, 4), ids.data_ptr(), 1, 2, 4, 1, True]
     kernel.gather_scatter(*good)
-    assert torch.equal(buf, torch.arange(16, dtype=torch.int32).view(4, 4).T.flatten())
+    assert torch.equal(buf, transposed)
+    other = torch.zeros(2, dtype=torch.long)
     for at, value, error, message in (
-        (15, 3, ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got 3"),
-        (16, 0, ValueError, "1 <= threads"),
-        (3, [4, 0], ValueError, "src: need <= 16 dims of size >= 1"),
-        (11, [16, -4], ValueError, "dst: need <= 16 dims"),
-        (10, [2, 4], ValueError, "a unit is 16 source elements but 8 destination elements"),
-        (1, 0, IndexError, "src: block id 0 is out of range for 0 blocks"),
-        (8, -1, IndexError, "dst: block id 0 is out of range for -1 blocks"),
+        (11, 3, ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got 3"),
+        (12, 0, ValueError, "1 <= threads"),
+        (1, (1, 4, 0), ValueError, "src: need blocks plus <= 16 dims of size >= 1"),
+        (7, (16, 4, -1), ValueError, "dst: need blocks plus <= 16 dims"),
+        (6, (1, 2, 4), ValueError, "a unit is 16 source elements but 8 destination elements"),
+        (1, (0, 4, 4), IndexError, "src: block id 0 is out of range for 0 blocks"),
+        (8, other.data_ptr(), ValueError, "in place needs the same tensor address, ids"),
     ):
         bad = list(good)
         bad[at] = value
         with pytest.raises(error, match=message):
             kernel.gather_scatter(*bad)
-    assert torch.equal(buf, torch.arange(16, dtype=torch.int32).view(4, 4).T.flatten())
+    assert torch.equal(buf, transposed)
