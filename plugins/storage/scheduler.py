@@ -178,13 +178,26 @@ class StorageScheduler:
         shard exists, each with the shard count (writer TP partition) it was found under.
 
         A block's partition is looked for among all candidates in one round trip; the blocks
-        after it are then checked under the same partition in batches."""
+        after it are then checked under the same partition in batches. If the store cannot be
+        reached the run found so far is the answer (a miss: the engine computes the rest)."""
         found: dict[int, int] = {}
+        try:
+            self._probe_into(found, keys, first, last)
+        except Exception as exc:
+            logger.warning(
+                "kvx storage: looking up KV blocks in %s failed: %s: %s",
+                self.backend.url,
+                type(exc).__name__,
+                exc,
+            )
+        return found
+
+    def _probe_into(self, found: dict[int, int], keys: list[str], first: int, last: int) -> None:
         block = first
         while block < last:
             shards = self._partition_of(keys[block])
             if shards is None:
-                return found
+                return
             found[block] = shards
             block += 1
             while block < last:
@@ -199,7 +212,6 @@ class StorageScheduler:
                 block += run
                 if run < len(batch):
                     break  # look for this block under every partition
-        return found
 
     def _partition_of(self, key: str) -> int | None:
         """The first shard count (own TP first) under which every value of a block exists."""

@@ -3,6 +3,10 @@
 One value per key, each written with a single SET (a value is whole or absent); a batch of
 keys is one pipelined round trip. Values are read with GETRANGE so an oversized value never
 comes back whole. hiredis parses replies when installed.
+
+Nothing waits on a dead or hung server beyond `timeout_s` per call: connects and replies are
+bounded by it and calls are not retried (a failed call raises; the connector turns that into
+load errors, lookup misses or save errors).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from collections.abc import Sequence
 
 import redis
 from kvx.plugins.storage.backends.base import BackendOptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 KEY_PREFIX = "kvx/"
 
@@ -26,6 +32,7 @@ class RedisBackend:
                 url,
                 socket_timeout=options.timeout_s,
                 socket_connect_timeout=options.timeout_s,
+                retry=Retry(NoBackoff(), 0),
             )
         except ValueError as exc:
             raise ValueError(
