@@ -1,0 +1,621 @@
+"""Save and load throughput of the storage and offloading connectors against raw IO.
+
+The same KV bytes (`--requests` prompts of `--tokens` tokens, 16-token blocks scattered over a
+vLLM FlashAttention NHD cache twice that size, 8 KV heads, head size 128, bfloat16, `--layers`
+layers) are saved and loaded, at the connector level (the worker side: `register_kv_caches`,
+`bind_connector_metadata`, `save_kv_layer` / `wait_for_save`, `start_load_kv` /
+`wait_for_layer_load`; metadata planned by the scheduler side beforehand), by
+
+- SharedStorageConnector on `file://` (a temporary directory) and on `redis://` (a
+  redis-server this script starts on a free loopback port and stops at the end),
+- raw baselines on the same bytes: one plain sequential file per layer (write / readinto),
+  and pipelined redis-py SET / GET of values of the connector's size, one pipeline per layer,
+- the ExampleConnector scheme, written below: one safetensors file per layer per request,
+  KV gathered and scattered through a per-token slot mapping,
+- OffloadingConnector's CPU tier (store and load of every block) against one plain
+  `Tensor.copy_` of the same bytes per layer ("memcpy").
+
+Every variant runs in each round, interleaved; the best of `--repeat` rounds is kept. Loaded
+bytes are checked against the source after the timed rounds (into zeroed caches). Files are
+written without fsync and read back from the page cache, for the connector and the baselines
+alike. On a shared machine absolute times are noise; the ratios are the result.
+
+    python benchmarks/bench_storage.py            # 32 layers x 8 x 256 tokens: 256 MiB
+    python benchmarks/bench_storage.py --quick    # 4 layers x 2 x 256 tokens: 8 MiB
+    python benchmarks/bench_storage.py --plot out.png   # needs matplotlib (the `bench` extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from kvx.layouts import NHD
+from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, StoreSpec
+from rich.console import Console
+from rich.table import Table
+
+import kvx
+from kvx import (
+    EngineContext,
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheSpec,
+    KVConnectorRole,
+    KVTransferConfig,
+    NewRequestData,
+    ParallelInfo,
+    Request,
+    SchedulerOutput,
+)
+
+Runner = Callable[[], None]
+
+
+@dataclass
+class Case:
+    """One way of moving the bytes out (`save`) and back in (`load`)."""
+
+    name: str
+    save: Runner
+    load: Runner
+    baseline: str | None  # the case this one is compared with
+    note: str
+
+
+@dataclass
+class KV:
+    """Source and destination caches with each request's (scattered) block ids."""
+
+    layers: list[str]
+    src: dict[str, torch.Tensor]
+    dst: dict[str, torch.Tensor]
+    prompts: dict[str, list[int]]
+    src_blocks: dict[str, list[int]]
+    dst_blocks: dict[str, list[int]]
+    block_size: int
+    heads: int
+    head_size: int
+
+    @property
+    def all_src(self) -> list[int]:
+        return [b for ids in self.src_blocks.values() for b in ids]
+
+    @property
+    def all_dst(self) -> list[int]:
+        return [b for ids in self.dst_blocks.values() for b in ids]
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.block_size * self.heads * self.head_size * 2
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.layers) * len(self.all_src) * self.block_bytes
+
+    def spec(self) -> KVCacheSpec:
+        num_blocks = next(iter(self.src.values())).shape[1]
+        return KVCacheSpec(
+            tuple(self.layers), self.heads, self.head_size, self.block_size, "bfloat16", "NHD",
+            False, num_blocks,
+        )  # fmt: skip
+
+    def context(self) -> EngineContext:
+        return EngineContext("bench", "bench-model", self.spec(), ParallelInfo(1, 0))
+
+    def clear_dst(self) -> None:
+        for t in self.dst.values():
+            t.zero_()
+
+    def check(self, dst: dict[str, torch.Tensor], dst_ids: list[int], what: str) -> None:
+        src_idx, dst_idx = torch.tensor(self.all_src), torch.tensor(dst_ids)
+        for name in self.layers:
+            got = dst[name].index_select(1, dst_idx).view(torch.int16)
+            if not torch.equal(got, self.src[name].index_select(1, src_idx).view(torch.int16)):
+                raise SystemExit(f"{what}: loaded bytes of {name} differ from the saved ones")
+
+
+def make_kv(layers: int, requests: int, tokens: int, heads: int, head_size: int) -> KV:
+    block_size = 16
+    per_request = tokens // block_size
+    used = requests * per_request
+    num_blocks = 2 * used
+    gen = torch.Generator().manual_seed(0)
+    names = [f"model.layers.{i}.self_attn" for i in range(layers)]
+
+    def cache() -> torch.Tensor:
+        t = NHD.allocate(num_blocks, block_size, heads, head_size, dtype=torch.bfloat16)
+        t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, t.shape, generator=gen))
+        return t
+
+    src = {n: cache() for n in names}
+    dst = {n: torch.zeros_like(src[n]) for n in names}
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    src_ids, dst_ids = order[:used], order[used:]
+    prompts, src_blocks, dst_blocks = {}, {}, {}
+    for r in range(requests):
+        req = f"req-{r}"
+        # one token past the blocks: the load side never loads a prompt's last token
+        prompts[req] = torch.randint(0, 32000, (tokens + 1,), generator=gen).tolist()
+        src_blocks[req] = src_ids[r * per_request : (r + 1) * per_request]
+        dst_blocks[req] = dst_ids[r * per_request : (r + 1) * per_request]
+    return KV(names, src, dst, prompts, src_blocks, dst_blocks, block_size, heads, head_size)
+
+
+# -- SharedStorageConnector ---------------------------------------------------------------------
+
+
+def plan_steps(scheduler: kvx.KVConnectorBase_V1, kv: KV, blocks: dict[str, list[int]]) -> Any:
+    """The scheduler side's metadata for one step that schedules every prompt from scratch:
+    stores all its full blocks, or (when they are stored) loads them."""
+    out = SchedulerOutput()
+    for req_id, prompt in kv.prompts.items():
+        request = Request(req_id, prompt)
+        scheduler.on_new_request(request)
+        n_ext, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        assert n_ext is not None
+        extra = blocks[req_id] + [blocks[req_id][-1]]  # the last token's block: never used
+        scheduler.update_state_after_alloc(request, KVCacheBlocks((extra,), (0,)), n_ext)
+        out.scheduled_new_reqs.append(NewRequestData(req_id, prompt, (extra,), n_ext))
+        out.num_scheduled_tokens[req_id] = len(prompt) - n_ext
+    meta = scheduler.build_connector_meta(out)
+    for req_id, prompt in kv.prompts.items():
+        scheduler.request_finished(Request(req_id, prompt), blocks[req_id])
+    return meta
+
+
+class StorageCase:
+    """A producer and a consumer worker-side connector on one storage URL."""
+
+    def __init__(self, kv: KV, url: str) -> None:
+        config = KVTransferConfig.from_dict(
+            {
+                "kv_connector": "SharedStorageConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"storage_url": url, "namespace": "bench"},
+            }
+        )
+        ctx = kv.context()
+        self.kv = kv
+        self.scheduler = kvx.create_connector(config, KVConnectorRole.SCHEDULER, ctx)
+        self.producer = kvx.create_connector(config, KVConnectorRole.WORKER, ctx)
+        self.consumer = kvx.create_connector(config, KVConnectorRole.WORKER, ctx)
+        self.producer.register_kv_caches(kv.src)
+        self.consumer.register_kv_caches(kv.dst)
+        self.save_meta = plan_steps(self.scheduler, kv, kv.src_blocks)
+        assert self.save_meta.stores and not self.save_meta.loads
+        self.save()
+        self.load_meta = plan_steps(self.scheduler, kv, kv.dst_blocks)
+        assert self.load_meta.loads and not self.load_meta.stores
+
+    def save(self) -> None:
+        worker = self.producer
+        worker.bind_connector_metadata(self.save_meta)
+        worker.start_load_kv(ForwardContext(kv_caches=self.kv.src))
+        for name in self.kv.layers:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, self.kv.src[name], None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        stats = worker.get_kv_connector_stats()
+        if stats is not None and stats.data.get("save_errors"):
+            raise SystemExit(f"saving through {self.producer} failed: {stats.data}")
+
+    def load(self) -> None:
+        worker = self.consumer
+        worker.bind_connector_metadata(self.load_meta)
+        worker.start_load_kv(ForwardContext(kv_caches=self.kv.dst))
+        for name in self.kv.layers:
+            worker.wait_for_layer_load(name)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        if worker.get_block_ids_with_load_errors():
+            raise SystemExit("the storage connector reported load errors")
+
+    def close(self) -> None:
+        for connector in (self.producer, self.consumer, self.scheduler):
+            connector.shutdown()
+
+
+# -- raw baselines -------------------------------------------------------------------------------
+
+
+def payload(kv: KV) -> dict[str, torch.Tensor]:
+    """Per layer, the bytes that are moved, as one contiguous tensor."""
+    idx = torch.tensor(kv.all_src)
+    return {n: kv.src[n].index_select(1, idx).contiguous() for n in kv.layers}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class RawFiles:
+    def __init__(self, kv: KV, root: Path) -> None:
+        self.data = payload(kv)
+        self.back = {n: torch.empty_like(t) for n, t in self.data.items()}
+        root.mkdir()
+        self.paths = {n: root / f"{i}.bin" for i, n in enumerate(kv.layers)}
+
+    def save(self) -> None:
+        for name, path in self.paths.items():
+            with open(path, "wb") as f:
+                f.write(self.data[name].view(torch.uint8).numpy().data)
+
+    def load(self) -> None:
+        for name, path in self.paths.items():
+            with open(path, "rb") as f:
+                f.readinto(self.back[name].view(torch.uint8).numpy().data)
+
+
+class RawRedis:
+    def __init__(self, kv: KV, url: str) -> None:
+        data = payload(kv)
+        self.client = redis.Redis.from_url(url)
+        self.values = {  # one value per block and layer, the connector's granularity
+            name: [_bytes(data[name][:, i]) for i in range(len(kv.all_src))] for name in kv.layers
+        }
+        self.back: dict[str, list[bytes]] = {}
+
+    def save(self) -> None:
+        for name, values in self.values.items():
+            pipe = self.client.pipeline(transaction=False)
+            for i, value in enumerate(values):
+                pipe.set(f"raw/{name}/{i}", value)
+            pipe.execute()
+
+    def load(self) -> None:
+        for name, values in self.values.items():
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(len(values)):
+                pipe.get(f"raw/{name}/{i}")
+            self.back[name] = pipe.execute()
+
+    def check(self) -> None:
+        if self.back != self.values:
+            raise SystemExit("raw redis: values read back differ from those written")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- vLLM's ExampleConnector scheme, straightforwardly -----------------------------------------
+
+
+class SafetensorsPerLayer:
+    """One safetensors file per layer per request under a folder named by the prompt's hash;
+    KV is gathered / scattered per token through the slot mapping, as vLLM's example does."""
+
+    def __init__(self, kv: KV, root: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        self.kv, self.root = kv, root
+        self.save_file, self.load_file = save_file, load_file
+        self.src_slots = {r: self._slots(b) for r, b in kv.src_blocks.items()}
+        self.dst_slots = {r: self._slots(b) for r, b in kv.dst_blocks.items()}
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        bs = self.kv.block_size
+        return torch.tensor([b * bs + o for b in blocks for o in range(bs)])
+
+    def _folder(self, prompt: list[int]) -> Path:
+        digest = hashlib.md5(str(prompt[:-1]).encode(), usedforsecurity=False).hexdigest()
+        folder = self.root / digest
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def save(self) -> None:
+        for req_id, prompt in self.kv.prompts.items():
+            folder, slots = self._folder(prompt), self.src_slots[req_id]
+            for name in self.kv.layers:
+                layer = self.kv.src[name]
+                tokens = layer.reshape(2, -1, self.kv.heads * self.kv.head_size)[:, slots]
+                self.save_file({"kv_cache": tokens}, str(folder / f"{name}.safetensors"))
+
+    def load(self) -> None:
+        for req_id, prompt in self.kv.prompts.items():
+            folder, slots = self._folder(prompt), self.dst_slots[req_id]
+            for name in self.kv.layers:
+                tokens = self.load_file(str(folder / f"{name}.safetensors"))["kv_cache"]
+                layer = self.kv.dst[name]
+                layer.view(2, -1, self.kv.heads * self.kv.head_size)[:, slots] = tokens
+
+
+# -- OffloadingConnector's CPU tier ----------------------------------------------------------
+
+
+class OffloadCase:
+    """Store every source block into CPU slots, load them back into the destination blocks
+    (of the same registered caches: the worker side owns one set)."""
+
+    def __init__(self, kv: KV) -> None:
+        self.kv = kv
+        n = len(kv.all_src)
+        config = KVTransferConfig.from_dict(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "cpu_bytes_to_use": n * kv.block_bytes * len(kv.layers)
+                },
+            }
+        )
+        ctx = kv.context()
+        self.caches = {name: kv.src[name] for name in kv.layers}
+        self.worker = kvx.create_connector(config, KVConnectorRole.WORKER, ctx)
+        self.worker.register_kv_caches(self.caches)
+        keys = [f"{i:08x}" for i in range(n)]
+        self.store_meta = OffloadMetadata(
+            stores=[StoreSpec("store", keys, list(range(n)), kv.all_src)]
+        )
+        self.load_meta = OffloadMetadata(
+            loads=[LoadSpec("load", kv.all_dst, list(range(n)), [0] * n)]
+        )
+
+    def save(self) -> None:
+        worker = self.worker
+        worker.bind_connector_metadata(self.store_meta)
+        worker.start_load_kv(ForwardContext(kv_caches=self.caches))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        worker.handle_preemptions(set())  # returns when every submitted store is done
+        worker.get_finished(set())
+
+    def load(self) -> None:
+        worker = self.worker
+        worker.bind_connector_metadata(self.load_meta)
+        worker.start_load_kv(ForwardContext(kv_caches=self.caches))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        while True:
+            _, recving = worker.get_finished(set())
+            if recving:
+                break
+            time.sleep(0.0002)
+        if worker.get_block_ids_with_load_errors():
+            raise SystemExit("the offloading connector reported load errors")
+
+    def check(self) -> None:
+        for name in self.kv.layers:
+            self.caches[name].index_fill_(1, torch.tensor(self.kv.all_dst), 0)
+        self.load()
+        self.kv.check(self.caches, self.kv.all_dst, "offload")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+class Memcpy:
+    def __init__(self, kv: KV) -> None:
+        self.a = payload(kv)
+        self.b = {n: torch.empty_like(t) for n, t in self.a.items()}
+
+    def save(self) -> None:
+        for name, t in self.a.items():
+            self.b[name].copy_(t)
+
+    def load(self) -> None:
+        for name, t in self.b.items():
+            self.a[name].copy_(t)
+
+
+# -- redis-server --------------------------------------------------------------------------------
+
+
+@contextmanager
+def redis_server() -> Iterator[str]:
+    """A private redis-server on a free loopback port (no persistence), stopped at the end."""
+    if shutil.which("redis-server") is None:
+        raise SystemExit("redis-server is not installed: apt-get install -y redis-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen(
+        [
+            *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        client = redis.Redis(port=port, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit(f"redis-server on port {port} did not start") from None
+                time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+
+def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, float]]:
+    times: dict[str, dict[str, list[float]]] = {c.name: {"save": [], "load": []} for c in cases}
+    for case in cases:  # warm up: allocator, page cache, connections
+        case.save()
+        case.load()
+    for _ in range(repeat):
+        for case in cases:
+            for kind, fn in (("save", case.save), ("load", case.load)):
+                start = time.perf_counter()
+                fn()
+                times[case.name][kind].append(time.perf_counter() - start)
+    return {name: {kind: min(v) for kind, v in kinds.items()} for name, kinds in times.items()}
+
+
+TARGETS = (  # (case, baseline, wanted ratio of throughputs)
+    ("kvx file://", "raw file", 0.7),
+    ("kvx file://", "safetensors per layer", 3.0),
+    ("kvx redis://", "raw redis", 0.8),
+    ("kvx offload CPU", "copy_ (memcpy)", 0.8),
+)
+
+
+def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, float, float, float]]:
+    """Measure every case; return (case, baseline, save ratio, load ratio, target) per target."""
+    kv = make_kv(args.layers, args.requests, args.tokens, args.heads, args.head_size)
+    console.print(
+        f"{args.layers} layers x {len(kv.all_src)} blocks x {kv.block_bytes // 1024} KiB (K+V, "
+        f"{kv.block_size} tokens, {args.heads} heads, head size {args.head_size}, bf16) = "
+        f"{kv.nbytes / 2**20:.0f} MiB saved and loaded per case ({args.requests} prompts of "
+        f"{args.tokens} tokens); torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"best of {args.repeat}"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="kvx-bench-", dir=args.dir) as tmp,
+        redis_server() as url,
+    ):
+        root = Path(tmp)
+        on_file = StorageCase(kv, f"file://{root}/kvx")
+        on_redis = StorageCase(kv, url)
+        raw_files, raw_redis = RawFiles(kv, root / "raw"), RawRedis(kv, url)
+        example = SafetensorsPerLayer(kv, root / "safetensors")
+        offload, memcpy = OffloadCase(kv), Memcpy(kv)
+        cases = [
+            Case("raw file", raw_files.save, raw_files.load, None, "one file per layer"),
+            Case("kvx file://", on_file.save, on_file.load, "raw file", "SharedStorageConnector"),
+            Case(
+                "safetensors per layer",
+                example.save,
+                example.load,
+                None,
+                "vLLM ExampleConnector scheme, file per layer per request",
+            ),
+            Case("raw redis", raw_redis.save, raw_redis.load, None, "pipelined SET/GET per layer"),
+            Case(
+                "kvx redis://", on_redis.save, on_redis.load, "raw redis", "SharedStorageConnector"
+            ),
+            Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "one copy_ per layer"),
+            Case(
+                "kvx offload CPU",
+                offload.save,
+                offload.load,
+                "copy_ (memcpy)",
+                "OffloadingConnector",
+            ),
+        ]
+        try:
+            results = measure(cases, args.repeat)
+            for what, loader in (("file://", on_file), ("redis://", on_redis)):
+                kv.clear_dst()
+                loader.load()
+                kv.check(kv.dst, kv.all_dst, f"kvx {what}")
+            kv.clear_dst()
+            example.load()
+            kv.check(kv.dst, kv.all_dst, "safetensors")
+            raw_redis.check()
+            offload.check()
+        finally:
+            for closing in (on_file, on_redis, raw_redis, offload):
+                closing.close()
+
+    table = Table(title="storage and offloading (throughput ratios: higher is better)")
+    for col in ("case", "save ms", "save GB/s", "load ms", "load GB/s", "vs", "save x", "load x"):
+        table.add_column(col, justify="left" if col in ("case", "vs") else "right")
+    for case in cases:
+        r = results[case.name]
+        base = results[case.baseline] if case.baseline else None
+        table.add_row(
+            case.name,
+            f"{r['save'] * 1e3:.0f}",
+            f"{kv.nbytes / r['save'] / 1e9:.2f}",
+            f"{r['load'] * 1e3:.0f}",
+            f"{kv.nbytes / r['load'] / 1e9:.2f}",
+            case.baseline or "",
+            f"{base['save'] / r['save']:.2f}" if base else "",
+            f"{base['load'] / r['load']:.2f}" if base else "",
+        )
+    console.print(table)
+    for case in cases:
+        console.print(f"  {case.name}: {case.note}")
+    verdicts = []
+    for name, base, want in TARGETS:
+        save = results[base]["save"] / results[name]["save"]
+        load = results[base]["load"] / results[name]["load"]
+        met = "met" if min(save, load) >= want else "NOT met"
+        console.print(
+            f"target {name} >= {want}x {base}: save {save:.2f}x, load {load:.2f}x -> {met}"
+        )
+        verdicts.append((name, base, save, load, want))
+    console.print("every loaded byte matched the saved bytes")
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> list[tuple[str, str, float, float, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small size (8 MiB), for CI")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=None, help="prompts in the batch")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per prompt (x16)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=None, help="timed rounds (best is kept)")
+    parser.add_argument("--dir", default=None, help="where the files go (default: the tmp dir)")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.tokens < 16 or args.tokens % 16:
+        parser.error(f"--tokens: {args.tokens} is not a positive multiple of the block size 16")
+    args.layers = args.layers or (4 if args.quick else 32)
+    args.requests = args.requests or (2 if args.quick else 8)
+    args.repeat = args.repeat or 5
+    console = Console(width=120)
+    verdicts = run(args, console)
+    if args.plot:
+        plot(verdicts, args.plot)
+        console.print(f"wrote {args.plot}")
+    return verdicts
+
+
+def plot(verdicts: list[tuple[str, str, float, float, float]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'kvx[bench]'") from None
+    names = [f"{name}\nvs {base}" for name, base, *_ in verdicts]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [v[2] for v in verdicts], 0.4, label="save")
+    ax.bar([i + 0.2 for i in x], [v[3] for v in verdicts], 0.4, label="load")
+    ax.scatter(list(x), [v[4] for v in verdicts], marker="_", s=900, color="black", label="target")
+    ax.set_xticks(list(x), names, fontsize=8)
+    ax.set_ylabel("throughput ratio (higher is better)")
+    ax.set_title("kvx storage and offloading vs baselines")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
