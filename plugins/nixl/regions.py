@@ -52,7 +52,7 @@ def block_descs(
 ) -> list[tuple[int, int, int]]:
     """(address, length, device) of every block of every region, region-major; with
     `num_heads`, only heads `head_offset...+num_heads` of the `heads` each block holds."""
-    descs = []
+    descs: list[tuple[int, int, int]] = []
     for r in regions:
         per_head = r.block_len // heads
         start = head_offset * per_head

@@ -162,10 +162,13 @@ class RemoteEngine:
 
 
 def build_remote(
-    local: LocalView, metas: dict[RankKey, AgentMetadata], add_agent: Callable[[bytes], str]
+    local: LocalView,
+    metas: dict[RankKey, AgentMetadata],
+    add_agent: Callable[[bytes], str],
+    remove_agent: Callable[[str], None],
 ) -> RemoteEngine:
     """Check the fetched metadata against the local geometry, plan the reads and add the
-    remote agents (main thread: NIXL calls)."""
+    remote agents (main thread: NIXL calls); on failure none stays added."""
     first = next(iter(metas.values()))
     geometry = KVGeometry(
         first.tp_size, first.num_kv_heads, first.block_size, first.layout, first.is_mla
@@ -175,7 +178,7 @@ def build_remote(
         notify = notify_counts(local, geometry, first.pp_size)
     except TopologyError as exc:
         raise HandshakeError(f"cannot read from engine {first.engine_id}: {exc}") from None
-    stage_of_layer = {}
+    stage_of_layer: dict[str, int] = {}
     for (stage, _), meta in metas.items():
         for region in meta.regions:
             stage_of_layer.setdefault(region.layer, stage)
@@ -193,7 +196,14 @@ def build_remote(
         len(plan.reads) == 1
     )
     direct = same and (full or heads_outermost_in_block(get_layout(geometry.layout)))
-    agents = {key: add_agent(meta.agent_metadata) for key, meta in metas.items()}
+    agents: dict[RankKey, str] = {}
+    try:
+        for key, meta in metas.items():
+            agents[key] = add_agent(meta.agent_metadata)
+    except Exception as exc:  # NIXL cannot reach the peer (e.g. it died after the handshake)
+        for name in agents.values():
+            remove_agent(name)
+        raise HandshakeError(f"cannot connect to engine {first.engine_id}: {exc}") from None
     return RemoteEngine(
         first.engine_id, metas, agents, geometry, plan, notify, direct, stage_of_layer
     )

@@ -250,7 +250,12 @@ class NixlWorker:
             del self._handshakes[key]
             try:
                 assert self._view is not None
-                remote = build_remote(self._view, future.result(), self.agent.add_remote_agent)
+                remote = build_remote(
+                    self._view,
+                    future.result(),
+                    self.agent.add_remote_agent,
+                    self.agent.remove_remote_agent,
+                )
             except (HandshakeError, OSError, ValueError) as exc:
                 logger.error("handshake with engine %s failed: %s", key[0], exc)
                 self.stats.count("num_failed_handshakes")
@@ -403,7 +408,7 @@ class NixlWorker:
     def _poll_reads(self) -> None:
         now = time.monotonic()
         for req_id, job in list(self._reading.items()):
-            states = [self.agent.check_xfer_state(h) for h in job.handles]
+            states = [self._state(h) for h in job.handles]
             if all(s == "DONE" for s in states):
                 del self._reading[req_id]
                 self._complete(job)
@@ -414,6 +419,13 @@ class NixlWorker:
                 self.stats.count("num_failed_transfers")
                 self._abandon(job)
                 self._fail(req_id, job.local_block_ids)
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception as exc:  # NIXL raises when the peer is gone
+            logger.warning("transfer state unavailable: %s", exc)
+            return "ERR"
 
     def _complete(self, job: ReadJob) -> None:
         done = time.monotonic()
@@ -427,8 +439,9 @@ class NixlWorker:
             self._abandon(job)
             self._fail(job.spec.request_id, job.local_block_ids)
             return
+        moved = bool(job.handles)
         self._release(job)
-        if job.handles:
+        if moved:
             self.stats.record_transfer(
                 done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
             )
@@ -603,7 +616,10 @@ class NixlWorker:
             for dlist in remote.dlists.values():
                 self.agent.release_dlist_handle(dlist)
             for agent in remote.agents.values():
-                self.agent.remove_remote_agent(agent)
+                try:
+                    self.agent.remove_remote_agent(agent)
+                except Exception as exc:  # a dead peer
+                    logger.warning("shutdown: removing agent %s failed: %s", agent, exc)
         self._remotes.clear()
         for dlist in self._local_dlists.values():
             self.agent.release_dlist_handle(dlist)
