@@ -91,12 +91,16 @@ class GroupCoordinator:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Every member's `tensor`, concatenated along `dim` in group order."""
+        """Every member's `tensor`, concatenated along `dim` in the order of `ranks`.
+
+        torch.distributed orders a group by global rank; groups such as vLLM 0.33's DCP groups
+        list their ranks in another order, so the parts are put back into `ranks` order."""
         if self.world_size == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
+        by_rank = dict(zip(sorted(self.ranks), parts))
+        return torch.cat([by_rank[r] for r in self.ranks], dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` with the one of group member `src` (index in the group)."""

@@ -15,16 +15,13 @@ from kvx.topology import coordinator as c
 
 from . import _dist_worker
 
+# One launch per world size (spawning ranks dominates the cost); world 8 also covers external
+# DP replicas (world larger than dp*pp*pcp*tp) and vLLM 0.33's DCP-across-PCP order.
 CONFIGS: dict[int, list[dict[str, Any]]] = {
     2: [
         {"tensor_model_parallel_size": 2},
         {"pipeline_model_parallel_size": 2},
         {"data_parallel_size": 2},
-    ],
-    4: [
-        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-        {"tensor_model_parallel_size": 2, "decode_context_model_parallel_size": 2,
-         "data_parallel_size": 2},
     ],
     8: [
         {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4},
@@ -34,6 +31,10 @@ CONFIGS: dict[int, list[dict[str, Any]]] = {
          "data_parallel_size": 2},
         {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
          "data_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "decode_context_model_parallel_size": 2,
+         "data_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "prefill_context_model_parallel_size": 2,
+         "decode_context_model_parallel_size": 4, "dcp_across_pcp": True},
     ],
 }  # fmt: skip
 
@@ -84,6 +85,7 @@ def _sizes(config: dict[str, Any], world_size: int) -> RankGrid:
         dp_size=config.get("data_parallel_size", 1),
         pcp_size=config.get("prefill_context_model_parallel_size", 1),
         dcp_size=config.get("decode_context_model_parallel_size", 1),
+        dcp_across_pcp=config.get("dcp_across_pcp", False),
     )
 
 
