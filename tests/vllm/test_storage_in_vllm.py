@@ -29,7 +29,7 @@ class Stored:
     tokens: list[list[int]]
     stats: dict[str, float]
     keys: list[list[str]]  # per prompt: stored-block keys, in token order
-    kv: list[dict[str, torch.Tensor]]  # per prompt, per layer: packed KV of its full blocks
+    kv: list[dict[str, torch.Tensor]]  # per prompt, per layer: the engine blocks it stored
 
 
 def storage_json(harness: Any, root: Path, **extra: Any) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def stored(harness: Any, tmp_path_factory: pytest.TempPathFactory) -> Stored:
         caches = harness.kv_caches(llm)
         kv = [
             {
-                name: harness.packed(t)[[table[j] for j in range(len(table))]].clone()
+                name: t[[table[j] for j in range(len(table))]].clone()
                 for name, t in caches.items()
             }
             for table in tables
@@ -102,7 +102,7 @@ def test_fresh_engine_loads_the_stored_kv_bytes_and_matches(
             i = index[spec.req_id]
             assert (spec.start, spec.num_tokens) == (0, LOADABLE)
             for name, cache in caches.items():
-                got = harness.packed(cache)[spec.block_ids]
+                got = cache[spec.block_ids]  # whole blocks: K and V, every head and token
                 want = stored.kv[i][name][: len(spec.block_ids)]
                 assert torch.equal(got, want), f"prompt {i}, layer {name}: loaded KV differs"
     assert harness.tokens(outputs) == baseline
