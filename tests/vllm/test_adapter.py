@@ -1,0 +1,232 @@
+"""The adapter's contract with vLLM outside a full generation: loading from `--kv-transfer-config`
+JSON, clear errors for bad configs and unsupported vLLM releases, the translation of vLLM's
+request objects, blocks and events, and the vLLM-CPU KV layout the byte checks rely on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import vllm
+from vllm.distributed import kv_events as vllm_events
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VllmKVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request as VllmRequest
+from vllm.v1.request import RequestStatus as VllmRequestStatus
+
+import kvx
+from kvx.adapters import vllm as adapter
+from kvx.adapters import vllm_payloads, vllm_types
+from kvx.adapters.vllm_config import check_vllm_version
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def chain(exc: BaseException) -> str:
+    """An exception and everything it was raised from, as one text."""
+    parts = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        parts.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    return "\n".join(parts)
+
+
+def test_cli_json_alone_selects_the_kvx_connector(harness: Any, tmp_path: Any) -> None:
+    """`vllm serve ... --kv-transfer-config '<json>'` goes through vLLM's own argument parser."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for kv_connector, extra in (
+        ("SharedStorageConnector", {}),
+        ("KvxConnector", {"kvx_connector": "SharedStorageConnector"}),
+        ("ExampleConnector", {}),  # a kvx alias works as a class name too
+    ):
+        text = json.dumps(
+            harness.adapter_json(
+                kv_connector, "kv_both", storage_url=f"file://{tmp_path}", **extra
+            )
+        )
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", str(harness.model), "--kv-transfer-config", text])
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
+        assert issubclass(cls, adapter.KvxConnector)
+        assert cls.__module__ == "kvx.adapters.vllm"
+        assert cls.kvx_connector_name == (None if extra else kv_connector)
+
+
+@pytest.mark.parametrize(
+    ("kv", "expected"),
+    [
+        (
+            {"kv_connector": "SharedStorageConnectr"},
+            [
+                "'SharedStorageConnectr' is neither 'KvxConnector' nor a registered kvx connector",
+                'did you mean "SharedStorageConnector"?',
+                '"ExamplePDConnector"',
+            ],
+        ),
+        (
+            {"kv_connector": "SharedStorageConnector", "storage_urll": "file:///tmp/kv"},
+            [
+                "kv_connector_extra_config.storage_urll: unknown key",
+                'did you mean "storage_url"?',
+            ],
+        ),
+        (
+            {"kv_connector": "KvxConnector"},
+            ['kv_connector_extra_config.kvx_connector: required when kv_connector is "KvxC'],
+        ),
+        (
+            {"kv_connector": "KvxConnector", "kvx_connector": "Nope"},
+            ['kv_connector_extra_config.kvx_connector: "Nope" is not a registered kvx connector'],
+        ),
+        (
+            {"kv_connector": "SharedStorageConnector", "kvx_connector": "ExamplePDConnector"},
+            ["kv_connector_extra_config.kvx_connector: not allowed"],
+        ),
+        (
+            {"kv_connector": "SharedStorageConnector", "verify_checksums": "yes"},
+            ["kv_connector_extra_config.verify_checksums", '"yes"'],
+        ),
+    ],
+    ids=["unknown-name", "unknown-key", "generic-unnamed", "generic-unknown", "both", "bad-type"],
+)
+def test_bad_config_is_refused_naming_field_value_and_choices(
+    harness: Any, kv: dict[str, Any], expected: list[str]
+) -> None:
+    extra = {k: v for k, v in kv.items() if k != "kv_connector"}
+    with pytest.raises(Exception) as info, harness.engine(
+        harness.adapter_json(kv["kv_connector"], "kv_both", **extra)
+    ):
+        pass
+    text = chain(info.value)
+    for fragment in expected:
+        assert fragment in text, text
+
+
+def test_unsupported_vllm_release_is_refused_by_name() -> None:
+    check_vllm_version(vllm.__version__)
+    check_vllm_version("0.32.1+cpu")
+    for version in ("0.33.0", "0.31.2", "1.0.0", "dev"):
+        with pytest.raises(RuntimeError) as info:
+            check_vllm_version(version)
+        message = str(info.value)
+        assert f"vLLM {version!r} is installed" in message
+        assert "vllm-cpu 0.32.0" in message
+
+
+def test_every_vllm_request_status_has_a_kvx_meaning() -> None:
+    for status in VllmRequestStatus:
+        mapped = vllm_types.request_status(status)
+        assert mapped.is_finished == VllmRequestStatus.is_finished(status), status
+    assert vllm_types.request_status(VllmRequestStatus.WAITING_FOR_REMOTE_KVS) is (
+        kvx.RequestStatus.WAITING_FOR_REMOTE_KVS
+    )
+
+
+def test_request_mirror_shares_kv_transfer_params_and_stays_current() -> None:
+    params = {"do_remote_prefill": True}
+    request = VllmRequest(
+        "r1",
+        [5, 6, 7],
+        vllm.SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}),
+        None,
+    )
+    mirror = vllm_types.RequestMirror()
+    seen = mirror.get(request)
+    assert (seen.request_id, seen.prompt_token_ids, seen.max_tokens) == ("r1", [5, 6, 7], 4)
+    assert seen.kv_transfer_params is request.kv_transfer_params
+    seen.kv_transfer_params["do_remote_prefill"] = False  # what P/D connectors do
+    assert request.kv_transfer_params == {"do_remote_prefill": False}
+    seen.kv_transfer_params = {"replaced": True}
+    mirror.write_back(request)
+    assert request.kv_transfer_params == {"replaced": True}
+    request.num_computed_tokens = 3
+    request.append_output_token_ids(9)
+    request.status = VllmRequestStatus.RUNNING
+    mirror.refresh_all()  # once per step: a connector that kept the object sees it change
+    assert (seen.num_computed_tokens, seen.output_token_ids, seen.status) == (
+        3,
+        [9],
+        kvx.RequestStatus.RUNNING,
+    )
+    assert mirror.get(request) is seen
+    mirror.forget("r1")
+    assert len(mirror) == 0
+
+
+def test_kv_cache_blocks_count_leading_prefix_hits() -> None:
+    hit = KVCacheBlock(4)
+    hit._block_hash = b"h"  # a prefix-cache hit carries its hash
+    blocks = VllmKVCacheBlocks(([hit, KVCacheBlock(7), KVCacheBlock(9)],))
+    mine = vllm_types.kv_cache_blocks(blocks)
+    assert mine.get_block_ids() == ([4, 7, 9],)
+    assert mine.get_unhashed_block_ids() == blocks.get_unhashed_block_ids() == [7, 9]
+
+
+def test_kv_events_become_vllm_events_vllm_can_encode() -> None:
+    events = vllm_payloads.cache_events(
+        [
+            kvx.BlockStored((b"a", b"b"), None, (1, 2, 3), 128, medium="DISK"),
+            kvx.BlockRemoved((b"a",), medium="DISK"),
+            kvx.AllBlocksCleared(),
+        ]
+    )
+    assert [type(e) for e in events] == [
+        vllm_events.BlockStored,
+        vllm_events.BlockRemoved,
+        vllm_events.AllBlocksCleared,
+    ]
+    batch = vllm_events.KVEventBatch(ts=0.0, events=events)
+    import msgspec
+
+    decoded = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(batch), type=vllm_events.KVEventBatch
+    )
+    assert decoded.events[0].block_hashes == [b"a", b"b"]
+    assert decoded.events[0].medium == "DISK"
+
+
+def test_stats_and_worker_events_merge_like_kvx() -> None:
+    a = vllm_payloads.Stats(kvx.KVConnectorStats({"loaded_tokens": 128, "ms": [1.0]}))
+    b = vllm_payloads.Stats(kvx.KVConnectorStats({"loaded_tokens": 256, "ms": [2.0]}))
+    merged = a.aggregate(b)
+    assert merged.to_dict() == {"loaded_tokens": 384, "ms": [1.0, 2.0]}
+    assert merged.reduce() == {"loaded_tokens": 384, "ms": 3.0}
+    rebuilt = adapter.connector_class("SharedStorageConnector").build_kv_connector_stats(
+        merged.to_dict()
+    )
+    assert rebuilt.reduce() == merged.reduce()
+    events = vllm_payloads.WorkerEvents(kvx.KVConnectorKVEvents([kvx.AllBlocksCleared()]))
+    events.add_events([kvx.AllBlocksCleared()])
+    events.increment_workers()
+    assert (len(events.get_all_events()), events.get_number_of_workers()) == (2, 2)
+
+
+def test_vllm_cpu_kv_layout_is_k_transposed_then_v_token_major() -> None:
+    """What `split_kv` in conftest assumes, checked against vLLM-CPU's own cache-write op: in
+    each (block, head) slab K is `[head_size, block_size]`, V `[block_size, head_size]`."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    blocks, heads, size, head = 2, 2, 128, 32
+    isa = _get_attn_isa(torch.float32, size, head)
+    assert isa == "vec", f"the tests' K/V view is measured for the 'vec' kernels, got {isa!r}"
+    kv = torch.zeros(blocks, heads, size, 2 * head)
+    key_cache, value_cache = kv.view(blocks, heads, 2 * size, head).chunk(2, dim=2)
+    key = torch.randn(size, heads, head)
+    value = torch.randn(size, heads, head)
+    slots = torch.arange(size, dtype=torch.long) + size  # block 1
+    ops.cpu_attn_reshape_and_cache(
+        key, value, key_cache, value_cache, slots, isa,
+        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+    )
+    slab = kv.view(blocks, heads, 2, size * head)[1]
+    assert torch.equal(slab[:, 0].view(heads, head, size), key.permute(1, 2, 0))
+    assert torch.equal(slab[:, 1].view(heads, size, head), value.permute(1, 0, 2))
+    assert not kv[0].any()  # block 0 untouched
