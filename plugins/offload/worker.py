@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import fsspec
 import torch
-from kvx.layouts import get_layout
+from kvx.layouts import copy_kv_blocks, get_layout
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 
 import kvx
@@ -29,7 +29,8 @@ class OffloadWorker:
         num_slots: int,
         disk_url: str | None = None,
     ) -> None:
-        self.dim = get_layout("MLA" if ctx.cache.use_mla else ctx.cache.layout).blocks_dim
+        self.layout = get_layout("MLA" if ctx.cache.use_mla else ctx.cache.layout)
+        self.dim = self.layout.blocks_dim
         self.per_chunk = blocks_per_chunk
         self.num_slots = num_slots
         self.gpu: dict[str, torch.Tensor] = {}
@@ -82,49 +83,45 @@ class OffloadWorker:
             self._stores.setdefault(store.req_id, []).append((future, store.keys))
         self._pending_stores = []
 
-    def _cpu_index(self, slots: list[int], offsets: list[int]) -> torch.Tensor:
-        return torch.tensor(
-            [s * self.per_chunk + o for s, o in zip(slots, offsets, strict=True)], dtype=torch.long
-        )
+    def _block_bytes(self) -> int:
+        """Bytes of one engine block over every layer."""
+        return sum(t.numel() // t.shape[self.dim] * t.element_size() for t in self.cpu.values())
 
     def _store(self, store: StoreSpec) -> None:
+        """One gather/scatter pass per layer (kvx.layouts' block copy) into the chunks' slots."""
         start = time.perf_counter()
-        slots = [s for s in store.slots for _ in range(self.per_chunk)]
-        offsets = list(range(self.per_chunk)) * len(store.slots)
-        cpu_index = self._cpu_index(slots, offsets)
-        nbytes = 0
-        for name, gpu in self.gpu.items():
-            blocks = gpu.index_select(self.dim, torch.tensor(store.gpu_blocks, device=gpu.device))
-            self.cpu[name].index_copy_(self.dim, cpu_index, blocks.to("cpu"))
-            nbytes += blocks.numel() * blocks.element_size()
+        per = self.per_chunk
+        cpu_blocks = [s * per + o for s in store.slots for o in range(per)]
+        copy_kv_blocks(self.gpu, self.cpu, store.gpu_blocks, cpu_blocks, "d2h", layout=self.layout)
+        nbytes = len(cpu_blocks) * self._block_bytes()
         self._count("store", nbytes, time.perf_counter() - start)
 
     def _load(self, load: LoadSpec) -> None:
         start = time.perf_counter()
         from_cpu = [i for i, slot in enumerate(load.slots) if slot >= 0]
-        nbytes = 0
         if from_cpu:
-            cpu_index = self._cpu_index(
-                [load.slots[i] for i in from_cpu], [load.offsets[i] for i in from_cpu]
+            copy_kv_blocks(
+                self.cpu,
+                self.gpu,
+                [load.slots[i] * self.per_chunk + load.offsets[i] for i in from_cpu],
+                [load.gpu_blocks[i] for i in from_cpu],
+                "h2d",
+                layout=self.layout,
             )
-            for name, gpu in self.gpu.items():
-                blocks = self.cpu[name].index_select(self.dim, cpu_index)
-                target = torch.tensor([load.gpu_blocks[i] for i in from_cpu], device=gpu.device)
-                gpu.index_copy_(self.dim, target, blocks.to(gpu.device))
-                nbytes += blocks.numel() * blocks.element_size()
         by_key: dict[str, list[int]] = {}
         for i, slot in enumerate(load.slots):
             if slot < 0:
                 by_key.setdefault(load.disk_keys[i], []).append(i)
         for key, positions in by_key.items():
-            chunk = self._read_chunk(key)
-            offsets = torch.tensor([load.offsets[i] for i in positions], dtype=torch.long)
-            for name, gpu in self.gpu.items():
-                blocks = chunk[name].index_select(self.dim, offsets)
-                target = torch.tensor([load.gpu_blocks[i] for i in positions], device=gpu.device)
-                gpu.index_copy_(self.dim, target, blocks.to(gpu.device))
-                nbytes += blocks.numel() * blocks.element_size()
-        self._count("load", nbytes, time.perf_counter() - start)
+            copy_kv_blocks(
+                self._read_chunk(key),
+                self.gpu,
+                [load.offsets[i] for i in positions],
+                [load.gpu_blocks[i] for i in positions],
+                "h2d",
+                layout=self.layout,
+            )
+        self._count("load", len(load.slots) * self._block_bytes(), time.perf_counter() - start)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}.{self.rank}.kv"
