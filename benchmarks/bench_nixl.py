@@ -1,0 +1,383 @@
+"""Throughput of NixlConnector against raw NIXL READs of the same descriptors, P -> D.
+
+A prefill process (P) and this process (D) each hold real KV caches (HND, bfloat16) and the
+connector's workers of their TP ranks. Each round P finishes a batch of requests (the
+connector's `request_finished`, leases and all) and D loads them: scheduler calls, the
+handshake (first round only, not timed), READs of every block, notifications to P, until
+every D worker reported every request received. In the same run the same bytes move through
+raw NIXL: one agent per rank on the same tensors, the same descriptor lists (prepared once,
+as the connector does) and one `make_prepped_xfer` READ per request and remote rank, polled
+until done. Bytes are checked after both. Rounds interleave; best of `--repeat`.
+
+    python benchmarks/bench_nixl.py              # 8 requests x 1024 tokens x 8 layers: 256 MiB
+    python benchmarks/bench_nixl.py --quick      # 8 MiB, for CI
+    python benchmarks/bench_nixl.py --plot out.png   # needs matplotlib (the `bench` extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from kvx.layouts import get_layout
+from kvx.plugins.nixl.agent import make_agent
+from kvx.plugins.nixl.handshake import Region
+from kvx.plugins.nixl.regions import block_descs, layer_regions
+from rich.console import Console
+from rich.table import Table
+
+from kvx import (
+    EngineContext,
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheSpec,
+    KVConnectorRole,
+    KVTransferConfig,
+    ParallelInfo,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+    create_connector,
+)
+from kvx.topology import KVGeometry, plan_reads
+
+TARGETS = {True: 0.9, False: 0.8}  # equal TP, heterogeneous TP
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    head_size: int
+    block_size: int
+    requests: int
+    tokens: int
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self.tokens // self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.requests * self.blocks_per_request + 8
+
+    @property
+    def nbytes(self) -> int:
+        per_block = 2 * self.heads * self.block_size * self.head_size * 2
+        return self.layers * self.requests * self.blocks_per_request * per_block
+
+
+def context(engine_id: str, shape: Shape, tp: int, rank: int) -> EngineContext:
+    cache = KVCacheSpec(
+        layer_names=tuple(f"layer.{i}" for i in range(shape.layers)),
+        num_kv_heads=shape.heads,
+        head_size=shape.head_size,
+        block_size=shape.block_size,
+        dtype="bfloat16",
+        layout="HND",
+        num_blocks=shape.num_blocks,
+    )
+    return EngineContext(engine_id, "bench", cache, ParallelInfo(tp_size=tp, tp_rank=rank))
+
+
+def caches(shape: Shape, tp: int, rank: int, seed: int | None) -> dict[str, torch.Tensor]:
+    heads = KVGeometry(tp, shape.heads, shape.block_size).heads_of(rank)
+    out = {}
+    for i in range(shape.layers):
+        t = get_layout("HND").allocate(
+            shape.num_blocks, shape.block_size, len(heads), shape.head_size, dtype=torch.bfloat16
+        )
+        if seed is None:
+            t.zero_()
+        else:  # every head's values depend on (layer, global head) only, whatever the TP
+            g = torch.Generator().manual_seed(seed + i)
+            full = torch.randn(
+                2, shape.num_blocks, shape.heads, shape.block_size, shape.head_size, generator=g
+            )
+            t.copy_(full[:, :, heads.start : heads.stop].to(torch.bfloat16).transpose(2, 3))
+        out[f"layer.{i}"] = t
+    return out
+
+
+def connector(role: KVConnectorRole, kv_role: str, engine_id: str, ctx: EngineContext) -> Any:
+    config = KVTransferConfig.from_dict(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role,
+            "engine_id": engine_id,
+            "kv_connector_extra_config": {"kv_lease_duration": 120},
+        }
+    )
+    return create_connector(config, role, ctx)
+
+
+# -- prefill process ---------------------------------------------------------------------------
+
+
+def prefill(shape: Shape, tp: int, conn: Connection) -> None:
+    engine_id = f"P-{uuid.uuid4().hex[:6]}"
+    workers, raw = [], []
+    for rank in range(tp):
+        ctx = context(engine_id, shape, tp, rank)
+        w = connector(KVConnectorRole.WORKER, "kv_producer", engine_id, ctx)
+        kv = caches(shape, tp, rank, seed=7)
+        w.register_kv_caches(kv)
+        workers.append(w)
+        agent = make_agent(f"raw-P{rank}-{uuid.uuid4().hex[:6]}", ["UCX"], 0)
+        layout = get_layout("HND")
+        regions = [r for name, t in kv.items() for r in layer_regions(name, layout, t)]
+        agent.register_memory([(t.data_ptr(), t.nbytes, 0, "") for t in kv.values()], "DRAM")
+        raw.append((agent, regions))
+    sched = connector(
+        KVConnectorRole.SCHEDULER, "kv_producer", engine_id, context(engine_id, shape, tp, 0)
+    )
+    sched.set_xfer_handshake_metadata_pp_aware(
+        {(0, r): w.get_handshake_metadata() for r, w in enumerate(workers)}
+    )
+    conn.send(
+        [
+            (a.get_agent_metadata(), [list(map(int, (r.base_addr, r.block_len))) for r in regions])
+            for a, regions in raw
+        ]
+    )
+    while True:
+        if conn.poll(0):
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            params = {}
+            for i, rid in enumerate(cmd):
+                blocks = list(
+                    range(i * shape.blocks_per_request, (i + 1) * shape.blocks_per_request)
+                )
+                req = Request(
+                    rid,
+                    [0] * shape.tokens,
+                    max_tokens=1,
+                    kv_transfer_params={"do_remote_decode": True},
+                    status=RequestStatus.FINISHED_LENGTH_CAPPED,
+                )
+                params[rid] = sched.request_finished(req, blocks)[1]
+            meta = sched.build_connector_meta(SchedulerOutput())
+            for w in workers:
+                w.bind_connector_metadata(meta)
+                w.start_load_kv(ForwardContext())
+                w.clear_connector_metadata()
+            conn.send(params)
+        for w in workers:
+            w.get_finished(set())
+        for agent, _ in raw:
+            agent.get_new_notifs()
+        time.sleep(0.0002)
+    for w in workers:
+        w.shutdown()
+    sched.shutdown()
+
+
+# -- decode side -------------------------------------------------------------------------------
+
+
+class Decode:
+    def __init__(self, shape: Shape, p_tp: int, d_tp: int, raw_md: list, engine: str) -> None:
+        self.shape, self.p_tp, self.d_tp = shape, p_tp, d_tp
+        self.engine_id = engine
+        self.kv = [caches(shape, d_tp, r, seed=None) for r in range(d_tp)]
+        self.workers = []
+        for rank in range(d_tp):
+            w = connector(
+                KVConnectorRole.WORKER, "kv_consumer", engine, context(engine, shape, d_tp, rank)
+            )
+            w.register_kv_caches(self.kv[rank])
+            self.workers.append(w)
+        self.sched = connector(
+            KVConnectorRole.SCHEDULER, "kv_consumer", engine, context(engine, shape, d_tp, 0)
+        )
+        self.raw = self._raw_setup(raw_md)
+
+    def _raw_setup(self, raw_md: list) -> list[dict[str, Any]]:
+        """Per D rank: an agent on the same tensors, the remote agents and the same
+        descriptor lists the connector prepares (per head slice), each prepared once."""
+        shape = self.shape
+        local = KVGeometry(self.d_tp, shape.heads, shape.block_size)
+        remote = KVGeometry(self.p_tp, shape.heads, shape.block_size)
+        out = []
+        for rank in range(self.d_tp):
+            agent = make_agent(f"raw-D{rank}-{uuid.uuid4().hex[:6]}", ["UCX"], 0)
+            kv = self.kv[rank]
+            layout = get_layout("HND")
+            regions = [r for name, t in kv.items() for r in layer_regions(name, layout, t)]
+            agent.register_memory([(t.data_ptr(), t.nbytes, 0, "") for t in kv.values()], "DRAM")
+            reads = []
+            for read in plan_reads(local, remote, rank).reads:
+                md, remote_regions = raw_md[read.remote_tp_rank]
+                name = agent.add_remote_agent(md)
+                rheads = len(remote.heads_of(read.remote_tp_rank))
+                lheads = len(local.heads_of(rank))
+                rr = [Region("", 0, base, blen, shape.num_blocks) for base, blen in remote_regions]
+                rd = agent.prep_xfer_dlist(
+                    name, block_descs(rr, read.remote_head_offset, read.num_heads, rheads), "DRAM"
+                )
+                ld = agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT",
+                    block_descs(regions, read.local_head_offset, read.num_heads, lheads),
+                    "DRAM",
+                )
+                reads.append((ld, rd, len(regions)))
+            out.append({"agent": agent, "reads": reads})
+        return out
+
+    def connector_round(self, params: dict[str, dict]) -> float:
+        bpr = self.shape.blocks_per_request
+        for i, (rid, p) in enumerate(params.items()):
+            req = Request(rid, [0] * self.shape.tokens, kv_transfer_params=dict(p))
+            count, _ = self.sched.get_num_new_matched_tokens(req, 0)
+            blocks = KVCacheBlocks((list(range(i * bpr, (i + 1) * bpr)),), (0,))
+            self.sched.update_state_after_alloc(req, blocks, count)
+        meta = self.sched.build_connector_meta(SchedulerOutput())
+        start = time.perf_counter()
+        for w in self.workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(ForwardContext())
+            w.clear_connector_metadata()
+        pending = [set(params) for _ in self.workers]
+        while any(pending):
+            for w, left in zip(self.workers, pending):
+                left -= w.get_finished(set())[1] or set()
+        elapsed = time.perf_counter() - start
+        errors = set().union(*(w.get_block_ids_with_load_errors() for w in self.workers))
+        assert not errors, f"load errors on blocks {sorted(errors)[:8]}"
+        return elapsed
+
+    def raw_round(self) -> float:
+        bpr, nb = self.shape.blocks_per_request, self.shape.num_blocks
+        start = time.perf_counter()
+        handles = []
+        for rank in self.raw:
+            agent = rank["agent"]
+            for ld, rd, nregions in rank["reads"]:
+                for i in range(self.shape.requests):
+                    ids = [
+                        r * nb + b for r in range(nregions) for b in range(i * bpr, (i + 1) * bpr)
+                    ]
+                    h = agent.make_prepped_xfer("READ", ld, ids, rd, ids)
+                    agent.transfer(h)
+                    handles.append((agent, h))
+        while handles:
+            left = []
+            for agent, h in handles:
+                state = agent.check_xfer_state(h)
+                assert state != "ERR", "raw READ failed"
+                if state == "DONE":
+                    agent.release_xfer_handle(h)
+                else:
+                    left.append((agent, h))
+            handles = left
+        return time.perf_counter() - start
+
+    def check_and_clear(self) -> None:
+        used = self.shape.requests * self.shape.blocks_per_request
+        for rank, kv in enumerate(self.kv):
+            want = caches(self.shape, self.d_tp, rank, seed=7)
+            for name, t in kv.items():
+                assert torch.equal(t[:, :used], want[name][:, :used]), f"{name} differs"
+                assert not t[:, used:].any(), f"{name}: blocks past the batch were written"
+                t.zero_()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.sched.shutdown()
+        self.raw.clear()
+
+
+def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, float]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill, args=(shape, p_tp, child), daemon=True)
+    proc.start()
+    try:
+        raw_md = parent.recv()
+        decode = Decode(shape, p_tp, d_tp, raw_md, f"D-{uuid.uuid4().hex[:6]}")
+        try:
+            best_conn, best_raw = float("inf"), float("inf")
+            for round_ in range(repeat + 1):  # round 0: handshake and warm-up
+                parent.send([f"r{round_}-{i}" for i in range(shape.requests)])
+                t = decode.connector_round(parent.recv())
+                decode.check_and_clear()
+                r = decode.raw_round()
+                decode.check_and_clear()
+                if round_:
+                    best_conn, best_raw = min(best_conn, t), min(best_raw, r)
+            return best_conn, best_raw
+        finally:
+            decode.close()
+            parent.send("stop")
+            proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 MiB, for CI")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept)")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser.add_argument(
+        "--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated"
+    )
+    args = parser.parse_args()
+    cases = [tuple(int(n) for n in case.split(":")) for case in args.cases.split(",")]
+    shape = Shape(8, 8, 128, 16, 8, 1024)
+    if args.quick:
+        shape = Shape(2, 8, 64, 16, 4, 256)
+    gib = shape.nbytes / (1 << 30)
+    table = Table(title=f"NixlConnector vs raw NIXL READ, {shape.nbytes >> 20} MiB per round")
+    for col in ("P:D TP", "connector ms", "GiB/s", "raw NIXL ms", "GiB/s", "ratio", "target"):
+        table.add_column(col, justify="right")
+    rows = []
+    for p_tp, d_tp in cases:
+        conn, raw = run_case(shape, p_tp, d_tp, args.repeat)
+        target = TARGETS[p_tp == d_tp]
+        ratio = raw / conn
+        rows.append((f"{p_tp}:{d_tp}", conn, raw))
+        table.add_row(
+            f"{p_tp}:{d_tp}",
+            f"{conn * 1e3:.1f}",
+            f"{gib / conn:.2f}",
+            f"{raw * 1e3:.1f}",
+            f"{gib / raw:.2f}",
+            f"{ratio:.2f}",
+            f">= {target} {'met' if ratio >= target else 'NOT met'}",
+        )
+    Console(width=120).print(table)
+    if args.plot:
+        plot(rows, gib, args.plot)
+
+
+def plot(rows: list[tuple[str, float, float]], gib: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [gib / c for _, c, _ in rows], 0.4, label="NixlConnector")
+    ax.bar([i + 0.2 for i in x], [gib / r for _, _, r in rows], 0.4, label="raw NIXL READ")
+    ax.set_xticks(list(x), [name for name, _, _ in rows])
+    ax.set_xlabel("P:D TP")
+    ax.set_ylabel("GiB/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
