@@ -16,12 +16,8 @@ from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
 from kvx.engine.hooks import LayerHooks, run_connector_step
 from kvx.engine.kv_cache import PagedKVCache
 from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
+from kvx.topology import pp_layer_range
 from kvx.types import ForwardContext, KVCacheSpec, ParallelInfo, SchedulerOutput
-
-
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Global layer indices of pipeline stage `pp_rank` (an even split, earlier stages first)."""
-    return range(pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size)
 
 
 @dataclass
@@ -52,7 +48,7 @@ class Worker:
         self.model = model
         self.parallel = parallel
         self.connector = connector
-        layers = stage_layers(len(spec.layer_names), parallel.pp_size, parallel.pp_rank)
+        layers = pp_layer_range(len(spec.layer_names), parallel.pp_rank, parallel.pp_size)
         self.layers = {spec.layer_names[i]: i for i in layers}
         self.cache = PagedKVCache(spec, parallel, list(self.layers))
         self.requests: dict[str, _ReqState] = {}

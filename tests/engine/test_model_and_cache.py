@@ -12,7 +12,7 @@ import torch
 
 from kvx.engine import Engine, EngineConfig, ToyModel, prefix_hashes
 from kvx.engine.kv_cache import rank_heads
-from kvx.engine.worker import stage_layers
+from kvx.topology import pp_layer_range
 
 PROMPTS = {
     "a": [(13 * i + 5) % 1000 for i in range(37)],
@@ -218,7 +218,8 @@ def test_prefix_hashes_chain_over_the_whole_prefix() -> None:
 def test_rank_heads_and_stage_layers() -> None:
     assert [rank_heads(4, 2, r) for r in range(2)] == [range(0, 2), range(2, 4)]
     assert [rank_heads(2, 8, r) for r in range(8)] == [range(h, h + 1) for h in [0] * 4 + [1] * 4]
-    assert [stage_layers(5, 2, r) for r in range(2)] == [range(0, 2), range(2, 5)]
+    # vLLM's get_pp_indices: the remainder goes to the stages before the last
+    assert [pp_layer_range(5, r, 2) for r in range(2)] == [range(0, 3), range(3, 5)]
 
 
 # -- configuration errors --------------------------------------------------------------------
