@@ -1,7 +1,9 @@
 """Throughput of kvx.layouts' transforms against memcpy and against straightforward versions.
 
 Every transform moves the same bytes: `--blocks` randomly chosen (unsorted, with gaps) blocks of
-each of `--layers` layers out of caches twice that size. Each is timed against
+each of `--layers` layers out of caches twice that size. Each kvx transform runs twice, on the
+native kernel (`kvx.layouts._native`) and on the PyTorch fallback (`KVX_LAYOUTS_NATIVE=0`), and
+is timed against
 
 - `copy_`: one plain `Tensor.copy_` of those bytes per layer (contiguous to contiguous), and
 - the straightforward torch code a port of vLLM would write (index_select, permute/reshape,
@@ -12,6 +14,7 @@ noise; the ratios are the result.
 
     python benchmarks/bench_layouts.py            # 32 layers x 128 blocks of 64 KiB: 256 MiB
     python benchmarks/bench_layouts.py --quick    # 4 layers x 32 blocks: 8 MiB
+    python benchmarks/bench_layouts.py --threads 1      # torch and the native kernel on 1 core
     python benchmarks/bench_layouts.py --plot out.png   # needs matplotlib (the `bench` extra)
 """
 
@@ -28,6 +31,7 @@ import torch
 from kvx.layouts import (
     HND,
     NHD,
+    _kernels,
     convert_blocks,
     copy_kv_blocks,
     kv_postprocess_blksize_and_layout_on_receive,
@@ -176,27 +180,40 @@ def build(layers: int, blocks: int, block_size: int, heads: int, head_size: int)
     ]
 
 
-def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, float]]:
-    timings: dict[str, dict[str, list[float]]] = {
-        c.name: {"kvx": [], "straight": []} for c in cases
-    }
+def on_torch_path(fn: Runner) -> Runner:
+    """`fn` with kvx.layouts' native kernel switched off (as `KVX_LAYOUTS_NATIVE=0` does)."""
+
+    def run() -> None:
+        kernel, _kernels.native = _kernels.native, None
+        try:
+            fn()
+        finally:
+            _kernels.native = kernel
+
+    return run
+
+
+def runners(case: Case) -> list[tuple[str, Runner]]:
+    if case.straightforward is None:
+        return [("kvx", case.kvx)]
+    out = [("torch", on_torch_path(case.kvx)), ("straight", case.straightforward)]
+    return ([("kvx", case.kvx)] if _kernels.native is not None else []) + out
+
+
+def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per round for each case and runner, the runners interleaved round by round."""
+    timings: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     for case in cases:  # warm up: allocator, page faults, index caches
-        case.kvx()
-        if case.straightforward:
-            case.straightforward()
+        for kind, fn in runners(case):
+            fn()
+            timings[case.name][kind] = []
     for _ in range(repeat):
         for case in cases:
-            for kind, fn in (("kvx", case.kvx), ("straight", case.straightforward)):
-                if fn is None:
-                    continue
+            for kind, fn in runners(case):
                 start = time.perf_counter()
                 fn()
                 timings[case.name][kind].append(time.perf_counter() - start)
-    return {
-        name: {kind: min(v) for kind, v in kinds.items() if v}
-        | {f"{kind}_median": statistics.median(v) for kind, v in kinds.items() if v}
-        for name, kinds in timings.items()
-    }
+    return timings
 
 
 def main() -> None:
@@ -207,33 +224,40 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (best is kept)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()
     layers = args.layers or (4 if args.quick else 32)
     blocks = args.blocks or (32 if args.quick else 128)
-    repeat = args.repeat or (20 if args.quick else 7)
+    repeat = args.repeat or (20 if args.quick else 9)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     console = Console()
     block_bytes = 2 * args.block_size * args.heads * args.head_size * 2
     moved = layers * blocks * block_bytes
+    native = "built" if _kernels.native is not None else "NOT BUILT (kvx column = PyTorch path)"
     console.print(
         f"{layers} layers x {blocks} blocks x {block_bytes // 1024} KiB (K+V, {args.block_size} "
         f"tokens, {args.heads} heads, head size {args.head_size}, bf16) = {moved / 2**20:.0f} MiB "
         f"moved per transform; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"best of {repeat}"
+        f"native kernel {native}, best of {repeat}"
     )
     cases = build(layers, blocks, args.block_size, args.heads, args.head_size)
-    results = measure(cases, repeat)
-    memcpy = results[cases[0].name]["kvx"]
+    timings = measure(cases, repeat)
+    best = {name: {kind: min(v) for kind, v in kinds.items()} for name, kinds in timings.items()}
+    memcpy = best[cases[0].name]["kvx"]
 
     table = Table(title="kvx.layouts transforms (ratios: higher is better)")
-    for col in ("transform", "ms", "GB/s", "x memcpy", "naive ms", "x naive"):
+    columns = ("transform", "kvx ms", "GB/s", "x memcpy", "torch-path ms", "x memcpy")
+    for col in (*columns, "naive ms", "kvx x naive"):
         table.add_column(col, justify="left" if col == "transform" else "right")
     rows = []
     for case in cases:
-        t = results[case.name]["kvx"]
-        straight = results[case.name].get("straight")
+        got = best[case.name]
+        t = got.get("kvx", got.get("torch", 0.0))
+        fallback, straight = got.get("torch"), got.get("straight")
         speedup = straight / t if straight else None
         rows.append((case.name, memcpy / t, speedup))
         table.add_row(
@@ -241,16 +265,24 @@ def main() -> None:
             f"{t * 1e3:.1f}",
             f"{moved / t / 1e9:.1f}",
             f"{memcpy / t:.2f}",
+            f"{fallback * 1e3:.1f}" if fallback else "",
+            f"{memcpy / fallback:.2f}" if fallback else "",
             f"{straight * 1e3:.1f}" if straight else "",
             f"{speedup:.2f}" if speedup else "",
         )
     console.print(table)
-    console.print("naive = the straightforward torch version in this file; cases:")
+    console.print(
+        "kvx = native kernel when built; torch-path = the same call with it off "
+        "(KVX_LAYOUTS_NATIVE=0); naive = the straightforward torch version in this file; cases:"
+    )
     for case in cases:
         console.print(f"  {case.name}: {case.note}")
     target = next(r for r in rows if r[0] == TARGET)
+    kind = "kvx" if "kvx" in timings[TARGET] else "torch"
+    per_round = [m / k for m, k in zip(timings[cases[0].name]["kvx"], timings[TARGET][kind])]
     console.print(
-        f"target ({TARGET}): {target[1]:.2f}x memcpy (want >= 0.7), "
+        f"target ({TARGET}): {target[1]:.2f}x memcpy best to best, "
+        f"{statistics.median(per_round):.2f}x median of rounds (want >= 0.7); "
         f"{target[2]:.2f}x straightforward (want >= 1.2)"
     )
     if args.plot:

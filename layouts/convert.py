@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from kvx.layouts import _kernels
 from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
 from kvx.layouts.builtin import get_layout
 from kvx.layouts.descriptor import BLOCKS, HEAD_SIZE, HEADS, TOKENS, Layout
@@ -76,7 +77,10 @@ def convert_blocks(
 
     w = min(_word(vs, ls), _word(vd, ld))
     vs, vd = as_words(vs, w), as_words(vd, w)
-    order = [d for d in ld.memory if d != BLOCKS]
+    # Both sides are walked in one side's memory order: PyTorch's gather wants the destination's
+    # (its scatter then writes contiguous rows), the native kernel the source's (it reads each
+    # block front to back, which the prefetcher streams, and permutes on the write).
+    order = [d for d in (ld if _kernels.native is None else ls).memory if d != BLOCKS]
     longest = max(ns, nd)
     whole = total // longest * longest
     if whole:
