@@ -15,6 +15,7 @@ noise; the ratios are the result.
     python benchmarks/bench_layouts.py            # 32 layers x 128 blocks of 64 KiB: 256 MiB
     python benchmarks/bench_layouts.py --quick    # 4 layers x 32 blocks: 8 MiB
     python benchmarks/bench_layouts.py --threads 1      # torch and the native kernel on 1 core
+    python benchmarks/bench_layouts.py --threads 1 --clock cpu  # CPU time: steadier when shared
     python benchmarks/bench_layouts.py --plot out.png   # needs matplotlib (the `bench` extra)
 """
 
@@ -200,7 +201,9 @@ def runners(case: Case) -> list[tuple[str, Runner]]:
     return ([("kvx", case.kvx)] if _kernels.native is not None else []) + out
 
 
-def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
+def measure(
+    cases: list[Case], repeat: int, clock: Callable[[], float]
+) -> dict[str, dict[str, list[float]]]:
     """Seconds per round for each case and runner, the runners interleaved round by round."""
     timings: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     for case in cases:  # warm up: allocator, page faults, index caches
@@ -210,9 +213,9 @@ def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]
     for _ in range(repeat):
         for case in cases:
             for kind, fn in runners(case):
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                timings[case.name][kind].append(time.perf_counter() - start)
+                timings[case.name][kind].append(clock() - start)
     return timings
 
 
@@ -225,6 +228,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this thread's CPU time, which time slices lost to other processes do not "
+        "inflate (needs --threads 1: other threads' time is not counted)",
+    )
     parser.add_argument("--repeat", type=int, default=None, help="timed rounds (best is kept)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args()
@@ -233,6 +243,9 @@ def main() -> None:
     repeat = args.repeat or (20 if args.quick else 9)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        parser.error("--clock cpu needs --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     console = Console()
     block_bytes = 2 * args.block_size * args.heads * args.head_size * 2
@@ -242,10 +255,10 @@ def main() -> None:
         f"{layers} layers x {blocks} blocks x {block_bytes // 1024} KiB (K+V, {args.block_size} "
         f"tokens, {args.heads} heads, head size {args.head_size}, bf16) = {moved / 2**20:.0f} MiB "
         f"moved per transform; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"native kernel {native}, best of {repeat}"
+        f"native kernel {native}, {args.clock} clock, best of {repeat}"
     )
     cases = build(layers, blocks, args.block_size, args.heads, args.head_size)
-    timings = measure(cases, repeat)
+    timings = measure(cases, repeat, clock)
     best = {name: {kind: min(v) for kind, v in kinds.items()} for name, kinds in timings.items()}
     memcpy = best[cases[0].name]["kvx"]
 
