@@ -40,6 +40,9 @@ NATIVE_MAX_DIMS = 16
 """Dims of one block the native kernel takes (it coalesces contiguous ones first)."""
 NATIVE_BYTES_PER_THREAD = 1 << 20
 """Bytes a call must move per thread before the native kernel splits it across threads."""
+NATIVE_DIRECT = True
+"""Let the native kernel copy source to destination directly when not in place (tests turn it
+off to cover the scratch path, which every other case takes)."""
 
 
 def load_native(mode: str | None) -> ModuleType | None:
@@ -201,4 +204,5 @@ def _native_gather_scatter(
         esz,
         max(1, threads),
         in_place,
+        NATIVE_DIRECT,
     )

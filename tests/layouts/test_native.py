@@ -81,7 +81,7 @@ def test_native_kernel_checks_its_arguments() -> None:
     transposed = torch.arange(16, dtype=torch.int32).view(4, 4).T.flatten()
     # one block of [4, 4] int32, rewritten in place transposed; the repeated id moves it once
     good = [buf.data_ptr(), (1, 4, 4), (16, 4, 1), ids.data_ptr(), 1]
-    good += [buf.data_ptr(), (1, 4, 4), (16, 1, 4), ids.data_ptr(), 1, 2, 4, 1, True]
+    good += [buf.data_ptr(), (1, 4, 4), (16, 1, 4), ids.data_ptr(), 1, 2, 4, 1, True, True]
     kernel.gather_scatter(*good)
     assert torch.equal(buf, transposed)
     other = torch.zeros(2, dtype=torch.long)

@@ -59,12 +59,15 @@ def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @contextlib.contextmanager
 def staging(data: st.DataObject) -> Iterator[None]:
-    """Drawn staging sizes: PyTorch's chunk bytes and the native kernel's bytes per thread."""
+    """Drawn staging: PyTorch's chunk bytes; the native kernel's bytes per thread and whether
+    it may copy directly (else through its scratch)."""
     chunk = data.draw(st.sampled_from(CHUNKS), "chunk bytes")
     per_thread = data.draw(st.sampled_from(THREAD_BYTES), "bytes per thread")
+    direct = data.draw(st.booleans(), "native direct copy")
     with (
         patch.object(_kernels, "CPU_CHUNK_BYTES", chunk),
         patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", per_thread),
+        patch.object(_kernels, "NATIVE_DIRECT", direct),
     ):
         yield
 
