@@ -104,11 +104,7 @@ def encode_block(key: str, shape: BlockShape, tensor: torch.Tensor) -> bytes:
     payload = tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
     fields = _fields(shape, len(payload))
     prefix = HEADER.pack(*fields, b"\0" * 16)[:-16]
-    out = bytearray(HEADER.size + len(payload))
-    out[: len(prefix)] = prefix
-    out[len(prefix) : HEADER.size] = _digest(key, prefix, payload)
-    out[HEADER.size :] = payload
-    return bytes(out)
+    return b"".join((prefix, _digest(key, prefix, payload), payload))  # one copy of the payload
 
 
 def decode_block(

@@ -1,8 +1,9 @@
 """Worker side: load stored blocks into the paged KV cache, and save computed ones.
 
-Loads are synchronous (all in `start_load_kv`, one backend round trip per layer). Saves copy the
-layer's blocks out in `save_kv_layer` (a gather into a CPU tensor) and a background writer
-encodes and writes them while the forward pass goes on; `wait_for_save` returns when the step's
+Loads are synchronous (all in `start_load_kv`, one backend round trip per layer): the IO threads
+read and check each layer's values a few layers ahead of the copies into the cache. Saves copy
+the layer's blocks out in `save_kv_layer` (a gather into a CPU tensor) and the IO threads encode
+and write them while the forward pass goes on; `wait_for_save` returns when the step's
 writes are durable. Since nothing reads engine blocks after `save_kv_layer` returns, preempted
 blocks are safe at once (`handle_preemptions` has nothing to wait for). Every conversion
 between the engine's layout / block size / TP shard and the stored form goes through
@@ -11,16 +12,23 @@ between the engine's layout / block size / TP shard and the stored form goes thr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from kvx.layouts import MLA, Layout, convert_blocks, get_layout
 from kvx.plugins.storage.backends.base import StorageBackend
-from kvx.plugins.storage.blockformat import BlockFormatError, BlockShape, decode_block, encode_block
+from kvx.plugins.storage.blockformat import (
+    HEADER,
+    BlockFormatError,
+    BlockShape,
+    decode_block,
+    encode_block,
+)
 from kvx.plugins.storage.keys import Geometry, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
@@ -55,6 +63,15 @@ class _Budget:
         with self.cond:
             self.used -= n
             self.cond.notify_all()
+
+
+@dataclass
+class _Fetched:
+    """One layer's values as read: a decoded block or the reason it is unusable, per value."""
+
+    wanted: list[tuple[_Load, int, range, str]]
+    blocks: list[torch.Tensor | BlockFormatError]
+    error: Exception | None = None  # the read itself failed
 
 
 @dataclass
@@ -96,7 +113,8 @@ class StorageWorker:
         self.writer = is_primary_holder(geometry.total_heads, par.tp_size, par.tp_rank)
         self.dtype = getattr(torch, geometry.dtype)
         self.caches: dict[str, torch.Tensor] = {}
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-writer")
+        self._io_threads = io_threads
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-io")
         self._budget = _Budget(max_inflight_bytes)
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
@@ -127,8 +145,7 @@ class StorageWorker:
             return
         if not self.caches:
             raise RuntimeError("start_load_kv with loads before register_kv_caches")
-        for layer, cache in self.caches.items():
-            self._load_layer(layer, cache, loads)
+        self._load_layers(loads)
         for load in loads:
             spec = load.spec
             if load.bad < len(spec.keys):
@@ -147,40 +164,76 @@ class StorageWorker:
         shape = (tokens, self.geo.kv_parts, len(self.heads), self.geo.head_size)
         return _Load(spec, parts, torch.empty(shape, dtype=self.dtype))
 
-    def _load_layer(self, layer: str, cache: torch.Tensor, loads: list[_Load]) -> None:
-        wanted: list[tuple[_Load, int, range, str]] = [
+    def _load_layers(self, loads: list[_Load]) -> None:
+        """Layers are read and checked (`_fetch`) on the IO threads, a few ahead, while this
+        thread copies the finished ones into the cache in layer order (`_apply`)."""
+        layers = list(self.caches)
+        window = self._io_threads + 1
+        fetches: deque[Future[_Fetched]] = deque()
+        try:
+            for i, layer in enumerate(layers):
+                while len(fetches) < window and i + len(fetches) < len(layers):
+                    ahead = layers[i + len(fetches)]
+                    fetches.append(
+                        self._pool.submit(self._fetch, ahead, self._wanted(ahead, loads))
+                    )
+                self._apply(self.caches[layer], loads, fetches.popleft().result())
+        finally:
+            for future in fetches:  # after an unexpected error: no read outlives the call
+                future.cancel()
+                with contextlib.suppress(Exception):
+                    future.result()
+
+    def _wanted(self, layer: str, loads: list[_Load]) -> list[tuple[_Load, int, range, str]]:
+        """(load, stored block, head shard, storage key) of every value `layer` needs."""
+        return [
             (load, j, heads, self.geo.value_key(key, layer, heads))
             for load in loads
             for j, key in enumerate(load.spec.keys[: load.bad])
             for heads in load.parts[j]
         ]
+
+    def _fetch(self, layer: str, wanted: list[tuple[_Load, int, range, str]]) -> _Fetched:
+        """Read and decode the values (an IO thread); a failed read is returned, not raised."""
         if not wanted:
-            return
+            return _Fetched(wanted, [])
         shapes = {heads: self._shape(heads) for _, _, heads, _ in wanted}
         limit = max(s.value_bytes for s in shapes.values())
         try:
             values = self.backend.get_many([name for *_, name in wanted], limit)
         except Exception as exc:  # an unreachable store fails these loads, not the engine step
+            return _Fetched(wanted, [], exc)
+        blocks: list[torch.Tensor | BlockFormatError] = []
+        for (_, _, heads, name), data in zip(wanted, values, strict=True):
+            try:
+                blocks.append(decode_block(name, data, shapes[heads], verify=self.verify))
+            except BlockFormatError as exc:
+                blocks.append(exc)
+        return _Fetched(wanted, blocks)
+
+    def _apply(self, cache: torch.Tensor, loads: list[_Load], fetched: _Fetched) -> None:
+        """Place one layer's good blocks up to each load's first bad one, then write them."""
+        if fetched.error is not None:
             logger.warning(
                 "kvx storage: reading KV blocks from %s failed: %s: %s",
                 self.backend.url,
-                type(exc).__name__,
-                exc,
+                type(fetched.error).__name__,
+                fetched.error,
             )
-            for load, *_ in wanted:
+            for load, *_ in fetched.wanted:
                 load.bad = 0  # later layers skip it; every block is reported as a load error
             return
-        for (load, j, heads, name), data in zip(wanted, values, strict=True):
+        for (load, j, heads, _), block in zip(fetched.wanted, fetched.blocks, strict=True):
             if j >= load.bad:
                 continue
-            try:
-                block = decode_block(name, data, shapes[heads], verify=self.verify)
-            except BlockFormatError as exc:
-                logger.warning("kvx storage: load of request %s failed: %s", load.spec.req_id, exc)
+            if isinstance(block, BlockFormatError):
+                logger.warning(
+                    "kvx storage: load of request %s failed: %s", load.spec.req_id, block
+                )
                 load.bad = j
                 continue
             self._place(load, j, heads, block)
-            self._count(loaded_bytes=shapes[heads].value_bytes)
+            self._count(loaded_bytes=HEADER.size + block.numel() * block.element_size())
         for load in loads:
             valid = self._valid_tokens(load)
             if valid:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from kvx.plugins.storage.backends import fsspec_backend
 from kvx.plugins.storage.backends.base import BackendOptions, open_backend
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 from kvx.plugins.storage.keys import block_keys, chain_seed, value_key
@@ -52,12 +53,16 @@ class SlowFile:
 
 
 @pytest.mark.timeout(30)
-def test_file_reader_never_sees_a_torn_value(tmp_path: Path) -> None:
+def test_file_reader_never_sees_a_torn_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
-    real_open = backend.fs.open
-    backend.fs.open = lambda path, mode="rb", **kw: (  # type: ignore[method-assign]
-        SlowFile(real_open(path, mode, **kw)) if "w" in mode else real_open(path, mode, **kw)
-    )
+
+    def slow_write_local(path: str, value: bytes) -> None:  # local files skip fs.open
+        with SlowFile(open(path, "xb")) as f:
+            f.write(value)
+
+    monkeypatch.setattr(fsspec_backend, "_write_local", slow_write_local)
     old, new = b"a" * (1 << 20), b"b" * (2 << 20)
     backend.put_many([("ns/k", old)])
     done = threading.Event()
@@ -158,7 +163,7 @@ def test_shutdown_leaves_no_threads(
 ) -> None:
     rig = make_rig(storage_url, tp=2)
     rig.prefill("p", list(range(50)))
-    assert any(t.name.startswith("kvx-storage-writer") for t in threading.enumerate())
+    assert any(t.name.startswith("kvx-storage-io") for t in threading.enumerate())
     rig.shutdown()
 
 
