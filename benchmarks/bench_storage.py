@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,8 @@ class Case:
     load: Runner
     baseline: str | None  # the case this one is compared with
     note: str
+    fresh: Runner = lambda: None  # untimed, before `save`: new data, the previous round's gone
+    plan_load: Runner = lambda: None  # untimed, between `save` and `load`
 
 
 @dataclass
@@ -83,7 +86,7 @@ class KV:
     layers: list[str]
     src: dict[str, torch.Tensor]
     dst: dict[str, torch.Tensor]
-    prompts: dict[str, list[int]]
+    tokens: int
     src_blocks: dict[str, list[int]]
     dst_blocks: dict[str, list[int]]
     block_size: int
@@ -116,6 +119,15 @@ class KV:
     def context(self) -> EngineContext:
         return EngineContext("bench", "bench-model", self.spec(), ParallelInfo(1, 0))
 
+    def prompts(self, round: int) -> dict[str, list[int]]:
+        """Round `round`'s prompts (fresh tokens, so fresh storage keys, every round), with one
+        token past the blocks: a load never covers a prompt's last token."""
+        gen = torch.Generator().manual_seed(1000 + round)
+        return {
+            req: torch.randint(0, 32000, (self.tokens + 1,), generator=gen).tolist()
+            for req in self.src_blocks
+        }
+
     def clear_dst(self) -> None:
         for t in self.dst.values():
             t.zero_()
@@ -145,24 +157,26 @@ def make_kv(layers: int, requests: int, tokens: int, heads: int, head_size: int)
     dst = {n: torch.zeros_like(src[n]) for n in names}
     order = torch.randperm(num_blocks, generator=gen).tolist()
     src_ids, dst_ids = order[:used], order[used:]
-    prompts, src_blocks, dst_blocks = {}, {}, {}
+    src_blocks, dst_blocks = {}, {}
     for r in range(requests):
         req = f"req-{r}"
-        # one token past the blocks: the load side never loads a prompt's last token
-        prompts[req] = torch.randint(0, 32000, (tokens + 1,), generator=gen).tolist()
         src_blocks[req] = src_ids[r * per_request : (r + 1) * per_request]
         dst_blocks[req] = dst_ids[r * per_request : (r + 1) * per_request]
-    return KV(names, src, dst, prompts, src_blocks, dst_blocks, block_size, heads, head_size)
+    return KV(names, src, dst, tokens, src_blocks, dst_blocks, block_size, heads, head_size)
 
 
 # -- SharedStorageConnector ---------------------------------------------------------------------
 
 
-def plan_steps(scheduler: kvx.KVConnectorBase_V1, kv: KV, blocks: dict[str, list[int]]) -> Any:
+def plan_step(
+    scheduler: kvx.KVConnectorBase_V1,
+    prompts: dict[str, list[int]],
+    blocks: dict[str, list[int]],
+) -> Any:
     """The scheduler side's metadata for one step that schedules every prompt from scratch:
     stores all its full blocks, or (when they are stored) loads them."""
     out = SchedulerOutput()
-    for req_id, prompt in kv.prompts.items():
+    for req_id, prompt in prompts.items():
         request = Request(req_id, prompt)
         scheduler.on_new_request(request)
         n_ext, _ = scheduler.get_num_new_matched_tokens(request, 0)
@@ -172,15 +186,16 @@ def plan_steps(scheduler: kvx.KVConnectorBase_V1, kv: KV, blocks: dict[str, list
         out.scheduled_new_reqs.append(NewRequestData(req_id, prompt, (extra,), n_ext))
         out.num_scheduled_tokens[req_id] = len(prompt) - n_ext
     meta = scheduler.build_connector_meta(out)
-    for req_id, prompt in kv.prompts.items():
+    for req_id, prompt in prompts.items():
         scheduler.request_finished(Request(req_id, prompt), blocks[req_id])
     return meta
 
 
 class StorageCase:
-    """A producer and a consumer worker-side connector on one storage URL."""
+    """A producer and a consumer worker-side connector on one storage URL; `drop` deletes
+    everything stored so far (between rounds, untimed)."""
 
-    def __init__(self, kv: KV, url: str) -> None:
+    def __init__(self, kv: KV, url: str, drop: Runner) -> None:
         config = KVTransferConfig.from_dict(
             {
                 "kv_connector": "SharedStorageConnector",
@@ -195,10 +210,17 @@ class StorageCase:
         self.consumer = kvx.create_connector(config, KVConnectorRole.WORKER, ctx)
         self.producer.register_kv_caches(kv.src)
         self.consumer.register_kv_caches(kv.dst)
-        self.save_meta = plan_steps(self.scheduler, kv, kv.src_blocks)
+        self.drop, self.round = drop, 0
+
+    def fresh(self) -> None:
+        self.drop()
+        self.round += 1
+        self.prompts = self.kv.prompts(self.round)
+        self.save_meta = plan_step(self.scheduler, self.prompts, self.kv.src_blocks)
         assert self.save_meta.stores and not self.save_meta.loads
-        self.save()
-        self.load_meta = plan_steps(self.scheduler, kv, kv.dst_blocks)
+
+    def plan_load(self) -> None:
+        self.load_meta = plan_step(self.scheduler, self.prompts, self.kv.dst_blocks)
         assert self.load_meta.loads and not self.load_meta.stores
 
     def save(self) -> None:
@@ -247,8 +269,15 @@ class RawFiles:
     def __init__(self, kv: KV, root: Path) -> None:
         self.data = payload(kv)
         self.back = {n: torch.empty_like(t) for n, t in self.data.items()}
+        self.root, self.round = root, 0
         root.mkdir()
-        self.paths = {n: root / f"{i}.bin" for i, n in enumerate(kv.layers)}
+        self.paths: dict[str, Path] = {}
+
+    def fresh(self) -> None:
+        for path in self.paths.values():
+            path.unlink()
+        self.round += 1
+        self.paths = {n: self.root / f"{self.round}-{i}.bin" for i, n in enumerate(self.data)}
 
     def save(self) -> None:
         for name, path in self.paths.items():
@@ -302,14 +331,21 @@ class SafetensorsPerLayer:
     def __init__(self, kv: KV, root: Path) -> None:
         from safetensors.torch import load_file, save_file
 
-        self.kv, self.root = kv, root
+        self.kv, self.root, self.round = kv, root, 0
         self.save_file, self.load_file = save_file, load_file
+        root.mkdir()
         self.src_slots = {r: self._slots(b) for r, b in kv.src_blocks.items()}
         self.dst_slots = {r: self._slots(b) for r, b in kv.dst_blocks.items()}
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         bs = self.kv.block_size
         return torch.tensor([b * bs + o for b in blocks for o in range(bs)])
+
+    def fresh(self) -> None:
+        for folder in self.root.iterdir():
+            shutil.rmtree(folder)
+        self.round += 1
+        self.prompts = self.kv.prompts(self.round)
 
     def _folder(self, prompt: list[int]) -> Path:
         digest = hashlib.md5(str(prompt[:-1]).encode(), usedforsecurity=False).hexdigest()
@@ -318,7 +354,7 @@ class SafetensorsPerLayer:
         return folder
 
     def save(self) -> None:
-        for req_id, prompt in self.kv.prompts.items():
+        for req_id, prompt in self.prompts.items():
             folder, slots = self._folder(prompt), self.src_slots[req_id]
             for name in self.kv.layers:
                 layer = self.kv.src[name]
@@ -326,7 +362,7 @@ class SafetensorsPerLayer:
                 self.save_file({"kv_cache": tokens}, str(folder / f"{name}.safetensors"))
 
     def load(self) -> None:
-        for req_id, prompt in self.kv.prompts.items():
+        for req_id, prompt in self.prompts.items():
             folder, slots = self._folder(prompt), self.dst_slots[req_id]
             for name in self.kv.layers:
                 tokens = self.load_file(str(folder / f"{name}.safetensors"))["kv_cache"]
@@ -455,20 +491,39 @@ def redis_server() -> Iterator[str]:
             proc.wait()
 
 
+def drop_files(root: Path) -> None:
+    """Delete every stored block directory (keys are never reused: prompts are fresh)."""
+    if root.exists():
+        for prefix in root.glob("*/*/*"):
+            shutil.rmtree(prefix)
+
+
+def drop_keys(url: str, pattern: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(pattern, count=10_000))
+        for i in range(0, len(keys), 10_000):
+            client.unlink(*keys[i : i + 10_000])
+    finally:
+        client.close()
+
+
 # -- measuring -----------------------------------------------------------------------------------
 
 
 def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, float]]:
+    """Best save and load time of each case; round 0 warms up (allocator, connections)."""
     times: dict[str, dict[str, list[float]]] = {c.name: {"save": [], "load": []} for c in cases}
-    for case in cases:  # warm up: allocator, page cache, connections
-        case.save()
-        case.load()
-    for _ in range(repeat):
+    for round in range(repeat + 1):
         for case in cases:
+            case.fresh()
             for kind, fn in (("save", case.save), ("load", case.load)):
                 start = time.perf_counter()
                 fn()
-                times[case.name][kind].append(time.perf_counter() - start)
+                if round:
+                    times[case.name][kind].append(time.perf_counter() - start)
+                if kind == "save":
+                    case.plan_load()
     return {name: {kind: min(v) for kind, v in kinds.items()} for name, kinds in times.items()}
 
 
@@ -495,24 +550,46 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
         redis_server() as url,
     ):
         root = Path(tmp)
-        on_file = StorageCase(kv, f"file://{root}/kvx")
-        on_redis = StorageCase(kv, url)
+        on_file = StorageCase(kv, f"file://{root}/kvx", partial(drop_files, root / "kvx"))
+        on_redis = StorageCase(kv, url, partial(drop_keys, url, "kvx/*"))
         raw_files, raw_redis = RawFiles(kv, root / "raw"), RawRedis(kv, url)
         example = SafetensorsPerLayer(kv, root / "safetensors")
         offload, memcpy = OffloadCase(kv), Memcpy(kv)
         cases = [
-            Case("raw file", raw_files.save, raw_files.load, None, "one file per layer"),
-            Case("kvx file://", on_file.save, on_file.load, "raw file", "SharedStorageConnector"),
+            Case(
+                "raw file",
+                raw_files.save,
+                raw_files.load,
+                None,
+                "one file per layer",
+                raw_files.fresh,
+            ),
+            Case(
+                "kvx file://",
+                on_file.save,
+                on_file.load,
+                "raw file",
+                "SharedStorageConnector",
+                on_file.fresh,
+                on_file.plan_load,
+            ),
             Case(
                 "safetensors per layer",
                 example.save,
                 example.load,
                 None,
                 "vLLM ExampleConnector scheme, file per layer per request",
+                example.fresh,
             ),
             Case("raw redis", raw_redis.save, raw_redis.load, None, "pipelined SET/GET per layer"),
             Case(
-                "kvx redis://", on_redis.save, on_redis.load, "raw redis", "SharedStorageConnector"
+                "kvx redis://",
+                on_redis.save,
+                on_redis.load,
+                "raw redis",
+                "SharedStorageConnector",
+                on_redis.fresh,
+                on_redis.plan_load,
             ),
             Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "one copy_ per layer"),
             Case(

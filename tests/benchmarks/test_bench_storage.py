@@ -1,0 +1,38 @@
+"""benchmarks/bench_storage.py runs end to end at a tiny size (so it cannot rot)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_storage.py"
+
+
+@pytest.mark.timeout(90)
+def test_bench_storage_tiny_run(tmp_path: Path) -> None:
+    args = ["--layers", "2", "--requests", "2", "--tokens", "32", "--heads", "2"]
+    args += ["--head-size", "16", "--repeat", "1", "--dir", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    for case in ("raw file", "safetensors per layer", "raw redis", "copy_ (memcpy)"):
+        assert case in out
+    targets = re.findall(r"^target (.+?) >= ([\d.]+)x (.+?): save [\d.]+x, load [\d.]+x", out, re.M)
+    assert [(t[0], t[2]) for t in targets] == [
+        ("kvx file://", "raw file"),
+        ("kvx file://", "safetensors per layer"),
+        ("kvx redis://", "raw redis"),
+        ("kvx offload CPU", "copy_ (memcpy)"),
+    ]
+    assert "every loaded byte matched the saved bytes" in out
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleaned up after itself
