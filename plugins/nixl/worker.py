@@ -189,9 +189,12 @@ class NixlWorker:
             state = SendState(now + lease)
             self._sending[req_id] = state
             early = self._early.pop(req_id, None)
-            if early is not None:
-                _, count, received = early
-                state.expected, state.received = count, received
+            if early is not None:  # D's reads finished before this step's metadata came
+                _, expected, received = early
+                state.expected, state.received = expected, received
+                if received >= expected:
+                    del self._sending[req_id]
+                    self._sent.add(req_id)
         for req_id in meta.reqs_not_processed:
             self._sending.pop(req_id, None)
         for spec in meta.reqs_to_recv:
