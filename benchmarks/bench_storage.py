@@ -290,6 +290,35 @@ class RawFiles:
                 f.readinto(self.back[name].view(torch.uint8).numpy().data)
 
 
+class RawBlockFiles:
+    """For reference, not a target: the same bytes as one plain file per block and layer (the
+    connector's granularity), created and written / read, no rename, header or checksum."""
+
+    def __init__(self, kv: KV, root: Path) -> None:
+        data = payload(kv)
+        self.values = [_bytes(data[n][:, i]) for n in kv.layers for i in range(len(kv.all_src))]
+        self.root, self.round = root, 0
+        root.mkdir()
+
+    def fresh(self) -> None:
+        for folder in self.root.iterdir():
+            shutil.rmtree(folder)
+        self.round += 1
+        self.folder = self.root / str(self.round)
+        for i in range(len(self.values) // 32 + 1):
+            (self.folder / str(i)).mkdir(parents=True)
+
+    def save(self) -> None:
+        for i, value in enumerate(self.values):
+            with open(self.folder / str(i // 32) / str(i), "wb") as f:
+                f.write(value)
+
+    def load(self) -> None:
+        for i in range(len(self.values)):
+            with open(self.folder / str(i // 32) / str(i), "rb") as f:
+                f.read()
+
+
 class RawRedis:
     def __init__(self, kv: KV, url: str) -> None:
         data = payload(kv)
@@ -553,6 +582,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
         on_file = StorageCase(kv, f"file://{root}/kvx", partial(drop_files, root / "kvx"))
         on_redis = StorageCase(kv, url, partial(drop_keys, url, "kvx/*"))
         raw_files, raw_redis = RawFiles(kv, root / "raw"), RawRedis(kv, url)
+        block_files = RawBlockFiles(kv, root / "raw-blocks")
         example = SafetensorsPerLayer(kv, root / "safetensors")
         offload, memcpy = OffloadCase(kv), Memcpy(kv)
         cases = [
@@ -563,6 +593,14 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
                 None,
                 "one file per layer",
                 raw_files.fresh,
+            ),
+            Case(
+                "raw file per block",
+                block_files.save,
+                block_files.load,
+                "raw file",
+                "reference: a plain file per block and layer",
+                block_files.fresh,
             ),
             Case(
                 "kvx file://",
