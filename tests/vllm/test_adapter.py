@@ -59,6 +59,31 @@ def test_cli_json_alone_selects_the_kvx_connector(harness: Any, tmp_path: Any) -
         assert cls.kvx_connector_name == (None if extra else kv_connector)
 
 
+def test_vllm_plugin_registers_kvx_names_in_vllms_factory(
+    harness: Any, baseline: list[list[int]], tmp_path: Any
+) -> None:
+    """With kvx installed, vLLM's plugin loading makes `kvx.<name>` a connector name of its own
+    factory: no module path in the JSON."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    kv = {
+        "kv_connector": "kvx.SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"storage_url": f"file://{tmp_path}"},
+    }
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["--model", str(harness.model), "--kv-transfer-config", json.dumps(kv)]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
+    assert (cls.__name__, cls.kvx_connector_name) == ("SharedStorageConnector",) * 2
+    with harness.engine(kv) as llm:
+        assert harness.tokens(harness.generate(llm)) == baseline
+    assert any(p.is_file() for p in tmp_path.rglob("*"))  # it stored
+
+
 @pytest.mark.parametrize(
     ("kv", "expected"),
     [
