@@ -75,6 +75,9 @@ class NixlConnector(KVConnectorBase_V1):
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def on_new_request(self, request: kvx.Request) -> None:
+        self._sched().on_new_request(request)
+
     def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> NixlMetadata:
         return self._sched().build_connector_meta()
 

@@ -26,10 +26,23 @@ class RemoteRead:
 
 
 @dataclass
+class Heartbeat:
+    """D: requests of one remote engine still queued on D; P should keep their blocks."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    remote_pp_size: int
+    remote_request_ids: list[str]
+
+
+@dataclass
 class NixlMetadata(KVConnectorMetadata):
-    """`reqs_to_recv` (D), `reqs_to_send` (P: request id -> lease seconds) and
-    `reqs_not_processed` (P: aborted requests workers must stop tracking)."""
+    """`reqs_to_recv` and `heartbeats` (D), `reqs_to_send` (P: request id -> lease seconds)
+    and `reqs_not_processed` (P: aborted requests workers must stop tracking)."""
 
     reqs_to_recv: list[RemoteRead] = field(default_factory=list)
     reqs_to_send: dict[str, float] = field(default_factory=dict)
     reqs_not_processed: list[str] = field(default_factory=list)
+    heartbeats: list[Heartbeat] = field(default_factory=list)

@@ -48,7 +48,11 @@ def heads_outermost_in_block(layout: Layout) -> bool:
 
 
 def block_descs(
-    regions: Sequence[Region], head_offset: int = 0, num_heads: int = 0, heads: int = 1
+    regions: Sequence[Region],
+    head_offset: int = 0,
+    num_heads: int = 0,
+    heads: int = 1,
+    device: int = 0,
 ) -> list[tuple[int, int, int]]:
     """(address, length, device) of every block of every region, region-major; with
     `num_heads`, only heads `head_offset...+num_heads` of the `heads` each block holds."""

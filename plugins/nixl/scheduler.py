@@ -9,6 +9,7 @@ once. Matches vLLM's `NixlConnectorScheduler` (sections 4.2-4.4, 5.5.1 of the re
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvx.plugins.nixl.config import NixlConfig
@@ -16,7 +17,7 @@ from kvx.plugins.nixl.handshake import (
     compatibility_factors,
     compatibility_hash,
 )
-from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.metadata import Heartbeat, NixlMetadata, RemoteRead
 from kvx.plugins.nixl.side_channel import SideChannelServer
 
 import kvx
@@ -63,6 +64,8 @@ class NixlScheduler:
         self._recv: list[RemoteRead] = []
         self._send: dict[str, float] = {}
         self._not_processed: list[str] = []
+        self._queued: dict[str, RemoteRead] = {}  # D: waiting for blocks, not yet reading
+        self._next_heartbeat = 0.0
 
     # -- side channel ---------------------------------------------------------------------
 
@@ -87,6 +90,12 @@ class NixlScheduler:
 
     # -- D side ---------------------------------------------------------------------------
 
+    def on_new_request(self, request: kvx.Request) -> None:
+        """Remember a remote-prefill request so P's lease is extended while it waits here."""
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and malformed_params(params) is None:
+            self._queued[request.request_id] = self._read(request, params, [])
+
     def get_num_new_matched_tokens(
         self, request: kvx.Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -107,6 +116,7 @@ class NixlScheduler:
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # read once, even if called again
+        self._queued.pop(request.request_id, None)
         if malformed_params(params) is not None:
             return
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
@@ -129,14 +139,35 @@ class NixlScheduler:
     # -- both -----------------------------------------------------------------------------
 
     def build_connector_meta(self) -> NixlMetadata:
-        meta = NixlMetadata(self._recv, self._send, self._not_processed)
+        meta = NixlMetadata(self._recv, self._send, self._not_processed, self._heartbeats())
         self._recv, self._send, self._not_processed = [], {}, []
         return meta
+
+    def _heartbeats(self) -> list[Heartbeat]:
+        """Every lease/6 seconds, the queued requests grouped by remote engine (vLLM's
+        heartbeats, which keep P's lease alive while D has no room to read yet)."""
+        now = time.monotonic()
+        if not self._queued or now < self._next_heartbeat:
+            return []
+        self._next_heartbeat = now + self.options.kv_lease_duration / 6
+        beats: dict[tuple[str, str, int, int, int], Heartbeat] = {}
+        for r in self._queued.values():
+            key = (
+                r.remote_engine_id,
+                r.remote_host,
+                r.remote_port,
+                r.remote_tp_size,
+                r.remote_pp_size,
+            )
+            beat = beats.setdefault(key, Heartbeat(*key, []))
+            beat.remote_request_ids.append(r.remote_request_id)
+        return list(beats.values())
 
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
+        self._queued.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
             # D aborted before the read was queued: tell P to free (vLLM 4.4) without reading.
             params["do_remote_prefill"] = False

@@ -200,6 +200,17 @@ class NixlWorker:
         for spec in meta.reqs_to_recv:
             self._enqueue(spec)
         self._progress_handshakes()
+        for beat in meta.heartbeats:
+            key = (
+                beat.remote_engine_id,
+                beat.remote_host,
+                beat.remote_port,
+                beat.remote_tp_size,
+                beat.remote_pp_size,
+            )
+            remote = self._remotes.get(key)
+            if remote is not None:  # before the first handshake there is nobody to tell
+                self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         self._progress_handshakes()
@@ -296,7 +307,7 @@ class NixlWorker:
     def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
         key = (head_offset, num_heads)
         if key not in self._local_dlists:
-            descs = block_descs(self._regions, head_offset, num_heads, self.heads)
+            descs = block_descs(self._regions, head_offset, num_heads, self.heads, self._device)
             self._local_dlists[key] = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
         return self._local_dlists[key]
 
@@ -308,7 +319,7 @@ class NixlWorker:
                 meta.tp_size, meta.num_kv_heads, meta.block_size, meta.layout, meta.is_mla
             ).heads_of(meta.tp_rank)
         )
-        descs = block_descs(meta.regions, head_offset, num_heads, heads)
+        descs = block_descs(meta.regions, head_offset, num_heads, heads, meta.device_id)
         return self.agent.prep_xfer_dlist(agent, descs, meta.mem_type)
 
     def _post(
@@ -375,6 +386,7 @@ class NixlWorker:
             )
         layout = get_layout(remote.geometry.layout)
         dtype = self.ctx.cache.torch_dtype
+        device = next(iter(self._caches.values())).device
         tensors: dict[tuple[RankKey, str], torch.Tensor] = {}
         plans = []
         for p in remote.plan.remote_ranks:
@@ -388,21 +400,30 @@ class NixlWorker:
                         continue
                     if (key, region.layer) not in tensors:
                         t = layout.allocate(
-                            len(remote_ids), rb, heads, self.ctx.cache.head_size, dtype=dtype
+                            len(remote_ids),
+                            rb,
+                            heads,
+                            self.ctx.cache.head_size,
+                            dtype=dtype,
+                            device=device,
                         )
                         tensors[(key, region.layer)] = t
                         regions += layer_regions(region.layer, layout, t)
                     rids += [ri * region.num_blocks + b for b in remote_ids]
                 plans.append((key, regions, rids))
         registration = self.agent.register_memory(
-            [(t.data_ptr(), t.numel() * t.element_size(), 0, "") for t in tensors.values()],
-            "DRAM",
+            [
+                (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
+                for t in tensors.values()
+            ],
+            self._mem_type,
         )
         job.staging = Staging(tensors, registration, [], first * rb)
         for key, regions, rids in plans:
             if not rids:
                 continue
-            dlist = self.agent.prep_xfer_dlist(LOCAL, block_descs(regions), "DRAM")
+            descs = block_descs(regions, device=self._device)
+            dlist = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
             job.staging.dlists.append(dlist)
             remote_dlist = remote.remote_dlist(key, 0, 0, self._make_remote_dlist)
             nbytes = sum(r.block_len * r.num_blocks for r in regions)
@@ -465,7 +486,12 @@ class NixlWorker:
             stage = remote.stage_of_layer[name]
             if skip:
                 target = self.layout.allocate(
-                    -(-count // bd), bd, self.heads, self.ctx.cache.head_size, dtype=cache.dtype
+                    -(-count // bd),
+                    bd,
+                    self.heads,
+                    self.ctx.cache.head_size,
+                    dtype=cache.dtype,
+                    device=cache.device,
                 )
                 dst_ids = list(range(-(-count // bd)))
             else:
@@ -489,7 +515,7 @@ class NixlWorker:
                 )
             if skip:
                 dim = self.layout.blocks_dim
-                index = torch.tensor(job.local_block_ids, dtype=torch.long)
+                index = torch.tensor(job.local_block_ids, dtype=torch.long, device=cache.device)
                 picked = target.narrow(dim, skip, len(job.local_block_ids))
                 cache.index_copy_(dim, index, picked)
 

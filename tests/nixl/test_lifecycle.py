@@ -1,0 +1,106 @@
+"""Lifecycle details beyond the conformance suite, in one process (real NIXL, real engines):
+D's heartbeats keep P's lease while D has no room yet, D's prefix hit ending inside one of P's
+larger blocks, and no thread or socket left after shutdown."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvx.engine.disagg import DisaggregatedPair, baseline_tokens, pd_configs
+from kvx.engine.engine import EngineConfig
+from kvx.engine.server import LocalEngine
+
+BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16, block_size=16, num_blocks=128)
+
+
+def kv(**extra: Any) -> dict[str, Any]:
+    options = {"kv_lease_duration": 5, "handshake_timeout_s": 2, "transfer_timeout_s": 5}
+    return {"kv_connector": "NixlConnector", "kv_connector_extra_config": {**options, **extra}}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(BASE.vocab_size) for _ in range(n)]
+
+
+def connector_stats(engine: Any) -> dict[str, int]:
+    assert isinstance(engine, LocalEngine)
+    totals: dict[str, int] = {}
+    for stats in engine.engine.kv_stats:
+        for key, value in stats.to_dict().items():
+            totals[key] = totals.get(key, 0) + (len(value) if isinstance(value, list) else value)
+    return totals
+
+
+def fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_heartbeats_keep_the_lease_while_decode_is_full() -> None:
+    """D is full with a long local request; the remote request waits there for several
+    leases. D's scheduler heartbeats keep P's blocks: no lease expires, output exact."""
+    lease = 0.6
+    p, d = pd_configs(BASE, kv(kv_lease_duration=lease))
+    d = d.__class__(**{**d.__dict__, "num_blocks": 14})
+    local, remote = prompt(180, 1), prompt(40, 2)
+    expected = baseline_tokens(BASE, {"l": local, "r": remote}, 12)
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        pair.run({"warm": prompt(20, 3)}, 2)  # D shakes hands with P first
+        pair.submit_local("local", local, 12, expected["l"])
+        pair.step()
+        pair.submit("remote", remote, 12, expected["r"])
+        start = time.monotonic()
+        while not pair.finished():
+            assert time.monotonic() - start < 60
+            pair.step()
+            time.sleep(0.05)  # steps slow enough that the wait spans several leases
+        waited = time.monotonic() - start
+        assert waited > 3 * lease, f"the request only waited {waited:.2f}s"
+        assert pair.results["remote"].tokens == expected["r"]
+        assert pair.results["local"].tokens == expected["l"]
+        assert not pair.kv_mismatches
+        stats = connector_stats(pair.prefill)
+        assert stats.get("num_kv_expired_reqs", 0) == 0
+        assert stats.get("num_notifications_after_expiry", 0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_decode_prefix_hit_inside_a_larger_prefill_block() -> None:
+    """P has 32-token blocks, D 16: D's 48-token prefix hit ends halfway through P's second
+    block, so D stages P's blocks from token 32 and keeps only what it lacks."""
+    shared = prompt(48, 4)
+    first, second = [*shared, 7], [*shared, *prompt(37, 5)]
+    expected = baseline_tokens(BASE, {"f": first, "s": second}, 3)
+    p, d = pd_configs(BASE, kv(), block_sizes=(32, 16))
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        pair.submit_local("first", first, 3, expected["f"])
+        pair.run_until_finished(timeout_s=30)
+        report = pair.run({"second": second}, 3)
+        assert report.decode_stats["prefix_hit_tokens"] >= 48
+        assert report.results["second"].tokens == expected["s"]
+        assert not report.kv_mismatches
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_leaves_no_thread_or_socket() -> None:
+    threads, files = {t.ident for t in threading.enumerate()}, fds()
+    p, d = pd_configs(BASE, kv(), tp=(2, 1), block_sizes=(16, 32))
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        report = pair.run({"a": prompt(50, 6), "b": prompt(9, 7)}, 3)
+        assert report.all_identical
+    deadline = time.monotonic() + 5
+    while True:
+        leaked = [t.name for t in threading.enumerate() if t.ident not in threads]
+        opened = fds() - files
+        if (not leaked and not opened) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not leaked
+    assert not opened, [os.readlink(f"/proc/self/fd/{fd}") for fd in opened if fd != "x"]
