@@ -91,6 +91,26 @@ def test_prefill_killed_with_policy_fail_ends_in_error() -> None:
         assert pd.results["victim"].status == "finished_error"
 
 
+@pytest.mark.timeout(120)
+def test_decode_killed_prefill_frees_at_lease_expiry() -> None:
+    """D dies after P returned params and before reading: P frees the blocks once the (short,
+    configured) lease expires, not before, and keeps serving."""
+    lease = 3.0
+    with pair(processes=True, kv_lease_duration=lease) as pd:
+        pd.submit("orphan", prompt(70, 4), 5)
+        step_until(pd, "P returned params", lambda: pd.results["orphan"].status == "decoding")
+        pd.kill("decode")
+        killed = time.monotonic()
+        held = True
+        while held:
+            assert time.monotonic() - killed < lease + 20, "P never freed the blocks"
+            _, held = pd.prefill.step()
+            held = held or pd.prefill.last_stats["held_blocks"] > 0
+            time.sleep(0.02)
+        assert time.monotonic() - killed > lease / 2, "P freed before the lease could expire"
+        assert pd.prefill.last_stats["free_blocks"] == BASE.num_blocks
+
+
 def connector_stats(engine: LocalEngine) -> dict[str, Any]:
     totals: dict[str, Any] = {}
     for stats in engine.engine.kv_stats:
