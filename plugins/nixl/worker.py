@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from kvx.plugins.nixl.handshake import (
     Region,
     compatibility_factors,
 )
+from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.plugins.nixl.remote import (
@@ -45,17 +45,7 @@ from kvx.topology import KVGeometry
 from kvx.wire import WireError, decode, encode
 
 logger = logging.getLogger(__name__)
-EXPIRED_MEMORY = 4096
 LOCAL = "NIXL_INIT_AGENT"
-
-
-@dataclass
-class SendState:
-    """P: a finished prompt whose blocks wait for D's reads."""
-
-    deadline: float
-    received: int = 0
-    expected: int | None = None
 
 
 @dataclass
@@ -113,11 +103,7 @@ class NixlWorker:
         self._errors: set[int] = set()
         self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
         self._next_heartbeat = 0.0
-        # P side
-        self._sending: dict[str, SendState] = {}
-        self._early: dict[str, tuple[float, int, int]] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()
-        self._sent: set[str] = set()
+        self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
 
     # -- registration ---------------------------------------------------------------------
 
@@ -186,17 +172,9 @@ class NixlWorker:
     def start_load_kv(self, meta: NixlMetadata) -> None:
         now = time.monotonic()
         for req_id, lease in meta.reqs_to_send.items():
-            state = SendState(now + lease)
-            self._sending[req_id] = state
-            early = self._early.pop(req_id, None)
-            if early is not None:  # D's reads finished before this step's metadata came
-                _, expected, received = early
-                state.expected, state.received = expected, received
-                if received >= expected:
-                    del self._sending[req_id]
-                    self._sent.add(req_id)
+            self._leases.hold(req_id, lease, now)
         for req_id in meta.reqs_not_processed:
-            self._sending.pop(req_id, None)
+            self._leases.drop(req_id)
         for spec in meta.reqs_to_recv:
             self._enqueue(spec)
         self._progress_handshakes()
@@ -217,10 +195,8 @@ class NixlWorker:
         self._poll_reads()
         self._heartbeat()
         self._poll_notifications()
-        self._expire_leases()
-        sent, self._sent = self._sent, set()
         recved, self._recved = self._recved, set()
-        return sent, recved
+        return self._leases.take_finished(), recved
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -570,7 +546,7 @@ class NixlWorker:
         for remote, ids in by_remote.values():
             self._notify(remote, Notification("heartbeat", ids))
 
-    # -- P: notifications and leases ------------------------------------------------------
+    # -- P: notifications -------------------------------------------------------------------
 
     def _poll_notifications(self) -> None:
         now = time.monotonic()
@@ -581,51 +557,8 @@ class NixlWorker:
                 except WireError as exc:
                     logger.warning("ignoring a notification from %s: %s", sender, exc)
                     continue
-                for req_id in note.request_ids:
-                    self._on_notification(note, req_id, now)
-        for req_id, (seen, _, _) in list(self._early.items()):
-            if now - seen > self.options.kv_lease_duration:
-                del self._early[req_id]
-                self._late(req_id)
-
-    def _on_notification(self, note: Notification, req_id: str, now: float) -> None:
-        state = self._sending.get(req_id)
-        if note.kind == "heartbeat":
-            if state is not None:
-                state.deadline = max(state.deadline, now + self.options.kv_lease_duration)
-            return
-        if state is None:
-            if req_id in self._expired:
-                self._late(req_id)
-            else:  # may precede this step's metadata; kept for one lease
-                seen, _, received = self._early.get(req_id, (now, note.count, 0))
-                self._early[req_id] = (seen, note.count, received + 1)
-            return
-        state.expected = note.count
-        state.received += 1
-        if state.received >= state.expected:
-            del self._sending[req_id]
-            self._sent.add(req_id)
-
-    def _late(self, req_id: str) -> None:
-        logger.error(
-            "request %s: a read finished after P's lease expired; its KV blocks may have "
-            "been reused (raise kv_lease_duration)",
-            req_id,
-        )
-        self.stats.count("num_notifications_after_expiry")
-
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for req_id, state in list(self._sending.items()):
-            if now > state.deadline:
-                logger.warning("request %s: lease expired before D read it; freeing", req_id)
-                del self._sending[req_id]
-                self._sent.add(req_id)
-                self.stats.count("num_kv_expired_reqs")
-                self._expired[req_id] = None
-                while len(self._expired) > EXPIRED_MEMORY:
-                    self._expired.popitem(last=False)
+                self._leases.on_notification(note, now)
+        self._leases.expire(now)
 
     # -- shutdown -------------------------------------------------------------------------
 

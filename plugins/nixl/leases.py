@@ -1,0 +1,96 @@
+"""P's side of a hand-off: each finished prompt's blocks are held under a lease until D's
+`done` notifications arrive (as many as D ranks read this rank) or the lease expires; D's
+heartbeats extend it (matches vLLM's NIXL producer worker, reference 4.2 and 5.5.4)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvx.plugins.nixl.handshake import Notification
+from kvx.plugins.nixl.stats import NixlKVConnectorStats
+
+logger = logging.getLogger(__name__)
+EXPIRED_MEMORY = 4096
+"""How many expired request ids are remembered to recognise late notifications."""
+
+
+@dataclass
+class SendState:
+    deadline: float
+    received: int = 0
+    expected: int | None = None
+
+
+class Leases:
+    """Tracks the requests one P worker holds; `take_finished()` gives those to free."""
+
+    def __init__(self, lease_s: float, stats: NixlKVConnectorStats) -> None:
+        self.lease_s = lease_s
+        self.stats = stats
+        self._sending: dict[str, SendState] = {}
+        self._early: dict[str, tuple[float, int, int]] = {}  # id -> (first seen, count, got)
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._finished: set[str] = set()
+
+    def hold(self, req_id: str, lease_s: float, now: float) -> None:
+        """Start the lease of a request P's scheduler finished."""
+        state = SendState(now + lease_s)
+        self._sending[req_id] = state
+        early = self._early.pop(req_id, None)
+        if early is not None:  # D's reads finished before this step's metadata came
+            _, state.expected, state.received = early
+            self._check_done(req_id, state)
+
+    def drop(self, req_id: str) -> None:
+        """P aborted the request: stop tracking it."""
+        self._sending.pop(req_id, None)
+
+    def on_notification(self, note: Notification, now: float) -> None:
+        for req_id in note.request_ids:
+            state = self._sending.get(req_id)
+            if note.kind == "heartbeat":
+                if state is not None:
+                    state.deadline = max(state.deadline, now + self.lease_s)
+            elif state is not None:
+                state.expected = note.count
+                state.received += 1
+                self._check_done(req_id, state)
+            elif req_id in self._expired:
+                self._late(req_id)
+            else:  # may precede this step's metadata: kept for one lease
+                seen, _, received = self._early.get(req_id, (now, note.count, 0))
+                self._early[req_id] = (seen, note.count, received + 1)
+
+    def expire(self, now: float) -> None:
+        for req_id, state in list(self._sending.items()):
+            if now > state.deadline:
+                logger.warning("request %s: lease expired before D read it; freeing", req_id)
+                del self._sending[req_id]
+                self._finished.add(req_id)
+                self.stats.count("num_kv_expired_reqs")
+                self._expired[req_id] = None
+                while len(self._expired) > EXPIRED_MEMORY:
+                    self._expired.popitem(last=False)
+        for req_id, (seen, _, _) in list(self._early.items()):
+            if now - seen > self.lease_s:
+                del self._early[req_id]
+                self._late(req_id)
+
+    def take_finished(self) -> set[str]:
+        finished, self._finished = self._finished, set()
+        return finished
+
+    def _check_done(self, req_id: str, state: SendState) -> None:
+        if state.expected is not None and state.received >= state.expected:
+            del self._sending[req_id]
+            self._finished.add(req_id)
+
+    def _late(self, req_id: str) -> None:
+        logger.error(
+            "request %s: a read finished after P's lease expired; its KV blocks may have "
+            "been reused (raise kv_lease_duration)",
+            req_id,
+        )
+        self.stats.count("num_notifications_after_expiry")
