@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvx.layouts import convert_blocks, get_layout
+from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import NixlConfig
 from kvx.plugins.nixl.handshake import (
@@ -38,6 +38,7 @@ from kvx.plugins.nixl.remote import (
     build_remote,
     fetch_remote,
 )
+from kvx.plugins.nixl.staging import Staging, convert_staged, plan_staging
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 
 import kvx
@@ -46,16 +47,6 @@ from kvx.wire import WireError, decode, encode
 
 logger = logging.getLogger(__name__)
 LOCAL = "NIXL_INIT_AGENT"
-
-
-@dataclass
-class Staging:
-    """D: a registered buffer in the remote geometry that READs land in before conversion."""
-
-    tensors: dict[tuple[RankKey, str], torch.Tensor]
-    registration: Any
-    dlists: list[Any]
-    first_token: int
 
 
 @dataclass
@@ -351,59 +342,34 @@ class NixlWorker:
                     self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
 
     def _post_staged(self, job: ReadJob) -> None:
-        """READ whole remote blocks into a staging buffer in the remote geometry."""
-        remote, spec = job.remote, job.spec
-        rb = remote.geometry.block_size
-        first, last = job.start_token // rb, -(-spec.remote_num_tokens // rb)
-        remote_ids = spec.remote_block_ids[first:last]
-        if len(remote_ids) != last - first:
-            raise ValueError(
-                f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
-            )
-        layout = get_layout(remote.geometry.layout)
-        dtype = self.ctx.cache.torch_dtype
-        device = next(iter(self._caches.values())).device
-        tensors: dict[tuple[RankKey, str], torch.Tensor] = {}
-        plans = []
-        for p in remote.plan.remote_ranks:
-            heads = len(remote.geometry.heads_of(p))
-            for stage in sorted(set(remote.stage_of_layer.values())):
-                key = (stage, p)
-                meta = remote.metas[key]
-                regions, rids = [], []
-                for ri, region in enumerate(meta.regions):
-                    if region.layer not in self._caches:
-                        continue
-                    if (key, region.layer) not in tensors:
-                        t = layout.allocate(
-                            len(remote_ids),
-                            rb,
-                            heads,
-                            self.ctx.cache.head_size,
-                            dtype=dtype,
-                            device=device,
-                        )
-                        tensors[(key, region.layer)] = t
-                        regions += layer_regions(region.layer, layout, t)
-                    rids += [ri * region.num_blocks + b for b in remote_ids]
-                plans.append((key, regions, rids))
-        registration = self.agent.register_memory(
+        """READ whole remote blocks into registered staging buffers (see `staging.py`)."""
+        cache = next(iter(self._caches.values()))
+        staging = plan_staging(
+            job.remote,
+            job.spec.remote_block_ids,
+            job.spec.remote_num_tokens,
+            job.start_token,
+            list(self._caches),
+            self.ctx.cache.head_size,
+            cache.dtype,
+            cache.device,
+        )
+        staging.registration = self.agent.register_memory(
             [
                 (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
-                for t in tensors.values()
+                for t in staging.tensors.values()
             ],
             self._mem_type,
         )
-        job.staging = Staging(tensors, registration, [], first * rb)
-        for key, regions, rids in plans:
-            if not rids:
-                continue
-            descs = block_descs(regions, device=self._device)
+        job.staging = staging
+        for read in staging.reads:
+            descs = block_descs(read.regions, device=self._device)
             dlist = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
-            job.staging.dlists.append(dlist)
-            remote_dlist = remote.remote_dlist(key, 0, 0, self._make_remote_dlist)
-            nbytes = sum(r.block_len * r.num_blocks for r in regions)
-            self._post(job, dlist, list(range(len(rids))), key, remote_dlist, rids, nbytes)
+            staging.dlists.append(dlist)
+            remote_dlist = job.remote.remote_dlist(read.key, 0, 0, self._make_remote_dlist)
+            nbytes = sum(r.block_len * r.num_blocks for r in read.regions)
+            local_ids = list(range(len(read.remote_ids)))
+            self._post(job, dlist, local_ids, read.key, remote_dlist, read.remote_ids, nbytes)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -431,7 +397,15 @@ class NixlWorker:
         done = time.monotonic()
         try:
             if job.staging is not None:
-                self._convert(job)
+                convert_staged(
+                    job.staging,
+                    job.remote,
+                    self._caches,
+                    self.layout,
+                    job.local_block_ids,
+                    job.spec.remote_num_tokens,
+                    job.start_token,
+                )
         except Exception as exc:
             logger.error(
                 "request %s: converting the received blocks failed: %s", job.spec.request_id, exc
@@ -447,53 +421,6 @@ class NixlWorker:
             )
         self._notify(job.remote, Notification("done", [job.spec.remote_request_id]))
         self._recved.add(job.spec.request_id)
-
-    def _convert(self, job: ReadJob) -> None:
-        """Staged remote blocks -> local blocks: layout, block size and head slices."""
-        assert job.staging is not None
-        remote, spec = job.remote, job.spec
-        staging = job.staging
-        bd = self.geometry.block_size
-        src_layout = get_layout(remote.geometry.layout)
-        mla = self.geometry.is_mla
-        count = spec.remote_num_tokens - staging.first_token
-        skip = (job.start_token - staging.first_token) // bd
-        for name, cache in self._caches.items():
-            stage = remote.stage_of_layer[name]
-            if skip:
-                target = self.layout.allocate(
-                    -(-count // bd),
-                    bd,
-                    self.heads,
-                    self.ctx.cache.head_size,
-                    dtype=cache.dtype,
-                    device=cache.device,
-                )
-                dst_ids = list(range(-(-count // bd)))
-            else:
-                target, dst_ids = cache, job.local_block_ids
-            for read in remote.plan.reads:
-                src = staging.tensors[((stage, read.remote_tp_rank), name)]
-                convert_blocks(
-                    src,
-                    target,
-                    list(range(src_layout.num_blocks_of(src))),
-                    dst_ids,
-                    src_layout=src_layout,
-                    dst_layout=self.layout,
-                    num_tokens=count,
-                    src_heads=None
-                    if mla
-                    else range(read.remote_head_offset, read.remote_head_offset + read.num_heads),
-                    dst_heads=None
-                    if mla
-                    else range(read.local_head_offset, read.local_head_offset + read.num_heads),
-                )
-            if skip:
-                dim = self.layout.blocks_dim
-                index = torch.tensor(job.local_block_ids, dtype=torch.long, device=cache.device)
-                picked = target.narrow(dim, skip, len(job.local_block_ids))
-                cache.index_copy_(dim, index, picked)
 
     def _fail(self, req_id: str, local_block_ids: list[int]) -> None:
         self._errors.update(local_block_ids)
