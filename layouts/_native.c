@@ -1,14 +1,18 @@
 /* One-pass CPU kernel for kvx.layouts' block gather/scatter (module kvx.layouts._native).
  *
- * gather_scatter moves "units": `per_src` source blocks, read in order through their strides
- * into a small contiguous scratch buffer (their elements in logical order), then written out
- * as `per_dst` destination blocks through the destination's strides. Each byte is read from
- * memory once and written once, like memcpy; the permutation happens between the cache-resident
- * scratch and the strided side. Reading a whole unit before writing it makes the in-place
- * transforms safe (source and destination blocks may be the same memory, as long as no two
- * units share a block). Elements are opaque 1/2/4/8/16-byte words: nothing is computed.
+ * gather_scatter moves "units": `per_src` source blocks that hold, in their logical element
+ * order, the same elements as `per_dst` destination blocks. Each byte is read from memory once
+ * and written once, like memcpy, in one of two ways:
  *
- * The caller (kvx/layouts/_kernels.py) hands over raw addresses, shapes and strides from torch
+ * - in place (vLLM's receive-side post-processes: the same block is source and destination),
+ *   a block is read front to back into a small cache-resident scratch, then written back
+ *   through the destination's strides: the permuted writes hit lines just read;
+ * - otherwise, when the two block shapes nest, the source is copied straight into the
+ *   destination in one joint walk (the scratch detour costs ~25% when destination lines are not
+ *   in cache); when they do not nest, through the scratch as above.
+ *
+ * Elements are opaque 1/2/4/8/16-byte words: nothing is computed, every bit pattern survives.
+ * The caller (kvx/layouts/_kernels.py) hands over raw addresses, shapes and strides of torch
  * tensors; this module trusts them but checks every block id against the block count.
  */
 #define PY_SSIZE_T_CLEAN
@@ -21,158 +25,112 @@
 #include <unistd.h>
 
 #define MAX_DIMS 16
+#define MAX_JOINT (2 * MAX_DIMS)
 #define MAX_THREADS 64
 
+/* One side of a call: blocks selected by id, each a strided grid of elements. */
 typedef struct {
     char *base;            /* address of block 0's first element */
     int64_t block_stride;  /* bytes between consecutive blocks */
     const int64_t *idx;    /* block ids, `per * units` of them */
     int64_t per;           /* blocks per unit */
-    int ndim;              /* dims of one block after coalescing (>= 1) */
-    int64_t shape[MAX_DIMS];
-    int64_t stride[MAX_DIMS]; /* bytes */
-    int raw_ndim;          /* dims of one block as given */
-    int64_t raw_shape[MAX_DIMS], raw_stride[MAX_DIMS];
+    int ndim;              /* dims of one block */
+    int64_t shape[MAX_DIMS], stride[MAX_DIMS]; /* strides in bytes */
 } side_t;
 
-#define MAX_JOINT (2 * MAX_DIMS)
-
-/* Not in place, source and destination are walked together, without the scratch: a detour
- * through it costs ~25% when the destination lines are not in cache (measured). A unit is
- * `pieces` pieces, each one whole block of the side with more blocks per unit and one slice
- * (along its first dim) of the other side's block. */
+/* A walk over two grids of the same shape, `from` and `to`, each with its own byte strides
+ * (outermost dim first). */
 typedef struct {
     int ndim;
-    int64_t shape[MAX_JOINT], src_stride[MAX_JOINT], dst_stride[MAX_JOINT]; /* bytes */
+    int64_t shape[MAX_JOINT], from_stride[MAX_JOINT], to_stride[MAX_JOINT];
+} walk_t;
+
+/* The direct copy: a unit is `pieces` pieces, each one whole block of the side with more blocks
+ * per unit and one slice (along its first dim) of the other side's single block. */
+typedef struct {
+    walk_t walk;
     int64_t pieces;
-    int split_dst;         /* pieces slice the destination block (else the source block) */
+    int split_dst;         /* the pieces slice the destination block (else the source block) */
     int64_t piece_offset;  /* bytes between consecutive slices of the sliced block */
 } direct_t;
 
 typedef struct {
     const side_t *src, *dst;
-    const direct_t *direct; /* NULL: through the scratch */
-    int64_t first, last;   /* units [first, last) */
-    size_t elem;
-    size_t unit_bytes;
+    const direct_t *direct;       /* or else, through the scratch: */
+    const walk_t *gather, *scatter; /* a source block -> scratch, scratch -> a destination block */
+    int64_t first, last;          /* units [first, last) */
+    size_t elem, src_block_bytes, dst_block_bytes;
     int failed;
 } job_t;
 
-/* Drop size-1 dims and merge dims that are contiguous with the next, so the innermost dim is
- * as long as the memory allows (a 16-word head_size row plus more when tokens/heads follow). */
-static void coalesce(side_t *s, const int64_t *shape, const int64_t *stride, int ndim) {
-    int n = 0;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] == 1)
-            continue;
-        if (n > 0 && s->stride[n - 1] == shape[i] * stride[i]) {
-            s->shape[n - 1] *= shape[i];
-            s->stride[n - 1] = stride[i];
-        } else {
-            s->shape[n] = shape[i];
-            s->stride[n] = stride[i];
-            n++;
-        }
-    }
-    if (n == 0) { /* a one-element block */
-        s->shape[0] = 1;
-        s->stride[0] = 0;
-        n = 1;
-    }
-    s->ndim = n;
-}
-
-/* Copy `count` elements spaced `stride` bytes apart to/from a contiguous run. */
-#define STRIDED_LOOP(T)                                                        \
-    do {                                                                       \
-        if (to_scratch)                                                        \
-            for (int64_t i = 0; i < count; i++)                                \
-                memcpy(run + i * sizeof(T), mem + i * stride, sizeof(T));      \
-        else                                                                   \
-            for (int64_t i = 0; i < count; i++)                                \
-                memcpy(mem + i * stride, run + i * sizeof(T), sizeof(T));      \
-    } while (0)
-
-static inline void move_row(char *mem, char *run, int64_t count, int64_t stride, size_t elem,
-                            int to_scratch) {
-    if ((size_t)stride == elem) {
-        if (to_scratch)
-            memcpy(run, mem, (size_t)count * elem);
-        else
-            memcpy(mem, run, (size_t)count * elem);
+/* Append dim (size, from, to) to `w` (outermost first), merged into the previous dim when it is
+ * contiguous with it on both sides; size-1 dims are dropped. */
+static void add_dim(walk_t *w, int64_t size, int64_t from, int64_t to) {
+    int n = w->ndim;
+    if (size == 1)
+        return;
+    if (n > 0 && w->from_stride[n - 1] == size * from && w->to_stride[n - 1] == size * to) {
+        w->shape[n - 1] *= size;
+        w->from_stride[n - 1] = from;
+        w->to_stride[n - 1] = to;
         return;
     }
-    switch (elem) {
-    case 1: STRIDED_LOOP(uint8_t); break;
-    case 2: STRIDED_LOOP(uint16_t); break;
-    case 4: STRIDED_LOOP(uint32_t); break;
-    case 8: STRIDED_LOOP(uint64_t); break;
-    default: {
-        typedef struct { uint64_t w[2]; } word16;
-        STRIDED_LOOP(word16);
-    }
+    w->shape[n] = size;
+    w->from_stride[n] = from;
+    w->to_stride[n] = to;
+    w->ndim = n + 1;
+}
+
+static void finish_walk(walk_t *w, size_t elem) {
+    if (w->ndim == 0) { /* a one-element grid */
+        w->shape[0] = 1;
+        w->from_stride[0] = w->to_stride[0] = (int64_t)elem;
+        w->ndim = 1;
     }
 }
 
-/* Move one block between memory (strided) and `scratch` (contiguous, logical order). Returns
- * the scratch position after it. */
-static char *move_block(const side_t *s, char *block, char *scratch, size_t elem,
-                        int to_scratch) {
-    const int nd = s->ndim;
-    const int64_t rows = nd >= 2 ? s->shape[nd - 2] : 1;
-    const int64_t row_stride = nd >= 2 ? s->stride[nd - 2] : 0;
-    const int64_t cols = s->shape[nd - 1], col_stride = s->stride[nd - 1];
-    const size_t row_bytes = (size_t)cols * elem;
-    int64_t counter[MAX_DIMS] = {0};
-    const int outer = nd - 2; /* dims [0, outer) are walked with counters */
-    char *base = block;
-    for (;;) {
-        char *mem = base;
-        for (int64_t r = 0; r < rows; r++, mem += row_stride, scratch += row_bytes)
-            move_row(mem, scratch, cols, col_stride, elem, to_scratch);
-        int d = outer - 1;
-        for (; d >= 0; d--) {
-            base += s->stride[d];
-            if (++counter[d] < s->shape[d])
-                break;
-            base -= s->stride[d] * s->shape[d];
-            counter[d] = 0;
-        }
-        if (d < 0)
-            return scratch;
+/* A block of `s` to (to_scratch) or from a contiguous scratch in its logical order. */
+static void plan_scratch(const side_t *s, size_t elem, int to_scratch, walk_t *w) {
+    int64_t run[MAX_DIMS], bytes = (int64_t)elem;
+    for (int i = s->ndim - 1; i >= 0; i--) {
+        run[i] = bytes;
+        bytes *= s->shape[i];
     }
+    w->ndim = 0;
+    for (int i = 0; i < s->ndim; i++)
+        add_dim(w, s->shape[i], to_scratch ? s->stride[i] : run[i],
+                to_scratch ? run[i] : s->stride[i]);
+    finish_walk(w, elem);
 }
 
-/* Plan a joint walk: split both piece shapes (innermost first) into dims that are whole dims
- * of each side, then merge dims contiguous on both sides. Returns 0 when the shapes do not
- * nest (the scratch path handles any pair). */
-static int plan_direct(const side_t *src, const side_t *dst, direct_t *p) {
+/* The direct copy: split both piece shapes (innermost first) into dims that are whole parts
+ * of a dim on each side. Returns 0 when the shapes do not nest. */
+static int plan_direct(const side_t *src, const side_t *dst, size_t elem, direct_t *p) {
     if (src->per > 1 && dst->per > 1)
         return 0;
     p->split_dst = src->per >= dst->per;
     p->pieces = p->split_dst ? src->per : dst->per;
     const side_t *sliced = p->split_dst ? dst : src;
     int64_t cut[MAX_DIMS];
-    memcpy(cut, sliced->raw_shape, (size_t)sliced->raw_ndim * sizeof(int64_t));
+    memcpy(cut, sliced->shape, (size_t)sliced->ndim * sizeof(int64_t));
     p->piece_offset = 0;
     if (p->pieces > 1) {
-        if (sliced->raw_ndim == 0 || cut[0] % p->pieces)
+        if (sliced->ndim == 0 || cut[0] % p->pieces)
             return 0;
         cut[0] /= p->pieces;
-        p->piece_offset = cut[0] * sliced->raw_stride[0];
+        p->piece_offset = cut[0] * sliced->stride[0];
     }
-    const int64_t *as = src->raw_stride, *bs = dst->raw_stride;
-    const int64_t *a = p->split_dst ? src->raw_shape : cut, *b = p->split_dst ? cut : dst->raw_shape;
-    int i = src->raw_ndim - 1, j = dst->raw_ndim - 1, k = 0;
-    int64_t ra = 1, rb = 1, sa = 0, sb = 0, shape[MAX_JOINT], sst[MAX_JOINT], dstr[MAX_JOINT];
+    const int64_t *a = p->split_dst ? src->shape : cut, *b = p->split_dst ? cut : dst->shape;
+    int i = src->ndim - 1, j = dst->ndim - 1, k = 0;
+    int64_t ra = 1, rb = 1, sa = 0, sb = 0, shape[MAX_JOINT], from[MAX_JOINT], to[MAX_JOINT];
     for (;;) {
         while (ra == 1 && i >= 0) {
             ra = a[i];
-            sa = as[i--];
+            sa = src->stride[i--];
         }
         while (rb == 1 && j >= 0) {
             rb = b[j];
-            sb = bs[j--];
+            sb = dst->stride[j--];
         }
         if (ra == 1 || rb == 1)
             break;
@@ -180,8 +138,8 @@ static int plan_direct(const side_t *src, const side_t *dst, direct_t *p) {
         if (ra % m || rb % m || k == MAX_JOINT)
             return 0;
         shape[k] = m;
-        sst[k] = sa;
-        dstr[k++] = sb;
+        from[k] = sa;
+        to[k++] = sb;
         ra /= m;
         sa *= m;
         rb /= m;
@@ -189,41 +147,26 @@ static int plan_direct(const side_t *src, const side_t *dst, direct_t *p) {
     }
     if (ra != 1 || rb != 1)
         return 0;
-    p->ndim = 0; /* outermost first, merged where contiguous on both sides */
-    for (int d = k - 1; d >= 0; d--) {
-        int n = p->ndim;
-        if (n > 0 && p->src_stride[n - 1] == shape[d] * sst[d] &&
-            p->dst_stride[n - 1] == shape[d] * dstr[d]) {
-            p->shape[n - 1] *= shape[d];
-            p->src_stride[n - 1] = sst[d];
-            p->dst_stride[n - 1] = dstr[d];
-        } else {
-            p->shape[n] = shape[d];
-            p->src_stride[n] = sst[d];
-            p->dst_stride[n] = dstr[d];
-            p->ndim++;
-        }
-    }
-    if (p->ndim == 0) { /* one element */
-        p->shape[0] = 1;
-        p->src_stride[0] = p->dst_stride[0] = 0;
-        p->ndim = 1;
-    }
+    p->walk.ndim = 0;
+    while (k-- > 0)
+        add_dim(&p->walk, shape[k], from[k], to[k]);
+    finish_walk(&p->walk, elem);
     return 1;
 }
 
 #define PAIR_LOOP(T)                                                                   \
     for (int64_t e = 0; e < count; e++)                                                \
-        memcpy(to + e * to_stride, from + e * from_stride, sizeof(T))
+        memcpy(to + e * to_step, from + e * from_step, sizeof(T))
 
-static void copy_piece(const direct_t *p, const char *from_block, char *to_block, size_t elem) {
-    const int nd = p->ndim;
-    const int64_t rows = nd >= 2 ? p->shape[nd - 2] : 1;
-    const int64_t from_row = nd >= 2 ? p->src_stride[nd - 2] : 0;
-    const int64_t to_row = nd >= 2 ? p->dst_stride[nd - 2] : 0;
-    const int64_t count = p->shape[nd - 1];
-    const int64_t from_stride = p->src_stride[nd - 1], to_stride = p->dst_stride[nd - 1];
-    const int contiguous = (size_t)from_stride == elem && (size_t)to_stride == elem;
+/* Copy the grid at `from_block` to the grid at `to_block` along `w`. */
+static void walk_copy(const walk_t *w, const char *from_block, char *to_block, size_t elem) {
+    const int nd = w->ndim;
+    const int64_t rows = nd >= 2 ? w->shape[nd - 2] : 1;
+    const int64_t from_row = nd >= 2 ? w->from_stride[nd - 2] : 0;
+    const int64_t to_row = nd >= 2 ? w->to_stride[nd - 2] : 0;
+    const int64_t count = w->shape[nd - 1];
+    const int64_t from_step = w->from_stride[nd - 1], to_step = w->to_stride[nd - 1];
+    const int contiguous = (size_t)from_step == elem && (size_t)to_step == elem;
     int64_t counter[MAX_JOINT] = {0};
     for (;;) {
         const char *from = from_block;
@@ -244,14 +187,14 @@ static void copy_piece(const direct_t *p, const char *from_block, char *to_block
             }
             }
         }
-        int d = nd - 3;
+        int d = nd - 3; /* the dims outside the rows, walked like an odometer */
         for (; d >= 0; d--) {
-            from_block += p->src_stride[d];
-            to_block += p->dst_stride[d];
-            if (++counter[d] < p->shape[d])
+            from_block += w->from_stride[d];
+            to_block += w->to_stride[d];
+            if (++counter[d] < w->shape[d])
                 break;
-            from_block -= p->src_stride[d] * p->shape[d];
-            to_block -= p->dst_stride[d] * p->shape[d];
+            from_block -= w->from_stride[d] * w->shape[d];
+            to_block -= w->to_stride[d] * w->shape[d];
             counter[d] = 0;
         }
         if (d < 0)
@@ -259,21 +202,19 @@ static void copy_piece(const direct_t *p, const char *from_block, char *to_block
     }
 }
 
-static void run_direct(job_t *job) {
-    const side_t *src = job->src, *dst = job->dst;
+static inline char *block_at(const side_t *s, int64_t unit, int64_t k) {
+    return s->base + s->idx[unit * s->per + k] * s->block_stride;
+}
+
+static void run_direct(const job_t *job) {
     const direct_t *p = job->direct;
     for (int64_t u = job->first; u < job->last; u++) {
         for (int64_t k = 0; k < p->pieces; k++) {
-            const char *from;
-            char *to;
-            if (p->split_dst) {
-                from = src->base + src->idx[u * src->per + k] * src->block_stride;
-                to = dst->base + dst->idx[u] * dst->block_stride + k * p->piece_offset;
-            } else {
-                from = src->base + src->idx[u] * src->block_stride + k * p->piece_offset;
-                to = dst->base + dst->idx[u * dst->per + k] * dst->block_stride;
-            }
-            copy_piece(p, from, to, job->elem);
+            const char *from = p->split_dst ? block_at(job->src, u, k)
+                                            : block_at(job->src, u, 0) + k * p->piece_offset;
+            char *to = p->split_dst ? block_at(job->dst, u, 0) + k * p->piece_offset
+                                    : block_at(job->dst, u, k);
+            walk_copy(&p->walk, from, to, job->elem);
         }
     }
 }
@@ -285,23 +226,19 @@ static void run_job(job_t *job) {
     }
     /* cache-line aligned: with malloc's 16-byte alignment every row of the scratch straddles
      * one more line than it needs (measured ~1.5x slower overall) */
-    char *scratch = aligned_alloc(64, (job->unit_bytes + 63) / 64 * 64);
+    size_t unit_bytes = (size_t)job->src->per * job->src_block_bytes;
+    char *scratch = aligned_alloc(64, (unit_bytes + 63) / 64 * 64);
     if (!scratch) {
         job->failed = 1;
         return;
     }
-    const side_t *src = job->src, *dst = job->dst;
     for (int64_t u = job->first; u < job->last; u++) {
-        char *pos = scratch;
-        for (int64_t i = 0; i < src->per; i++) {
-            char *block = src->base + src->idx[u * src->per + i] * src->block_stride;
-            pos = move_block(src, block, pos, job->elem, 1);
-        }
-        pos = scratch;
-        for (int64_t i = 0; i < dst->per; i++) {
-            char *block = dst->base + dst->idx[u * dst->per + i] * dst->block_stride;
-            pos = move_block(dst, block, pos, job->elem, 0);
-        }
+        for (int64_t k = 0; k < job->src->per; k++)
+            walk_copy(job->gather, block_at(job->src, u, k), scratch + k * job->src_block_bytes,
+                      job->elem);
+        for (int64_t k = 0; k < job->dst->per; k++)
+            walk_copy(job->scatter, scratch + k * job->dst_block_bytes, block_at(job->dst, u, k),
+                      job->elem);
     }
     free(scratch);
 }
@@ -443,9 +380,9 @@ static int parse_side(side_t *s, unsigned long long addr, PyObject *shape_obj,
     s->block_stride = stride[0];
     s->idx = (const int64_t *)(uintptr_t)idx_addr;
     s->per = per;
-    s->raw_ndim = (int)n - 1;
-    memcpy(s->raw_shape, shape + 1, (size_t)(n - 1) * sizeof(int64_t));
-    memcpy(s->raw_stride, stride + 1, (size_t)(n - 1) * sizeof(int64_t));
+    s->ndim = (int)n - 1;
+    memcpy(s->shape, shape + 1, (size_t)s->ndim * sizeof(int64_t));
+    memcpy(s->stride, stride + 1, (size_t)s->ndim * sizeof(int64_t));
     for (int64_t i = 0; i < per * units; i++) {
         if (s->idx[i] < 0 || s->idx[i] >= shape[0]) {
             PyErr_Format(PyExc_IndexError, "%s: block id %lld is out of range for %lld blocks",
@@ -453,7 +390,6 @@ static int parse_side(side_t *s, unsigned long long addr, PyObject *shape_obj,
             return -1;
         }
     }
-    coalesce(s, shape + 1, stride + 1, (int)n - 1);
     return 0;
 }
 
@@ -527,15 +463,28 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
     if (threads > units)
         threads = units;
     direct_t direct;
+    walk_t gather, scatter;
     const direct_t *plan =
-        allow_direct && !in_place && plan_direct(&src, &dst, &direct) ? &direct : NULL;
+        allow_direct && !in_place && plan_direct(&src, &dst, (size_t)elem, &direct) ? &direct
+                                                                                   : NULL;
+    plan_scratch(&src, (size_t)elem, 1, &gather);
+    plan_scratch(&dst, (size_t)elem, 0, &scatter);
 
     job_t jobs[MAX_THREADS];
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     for (long long t = 0; t < threads; t++) {
-        jobs[t] = (job_t){&src, &dst, plan, units * t / threads, units * (t + 1) / threads,
-                          (size_t)elem, (size_t)(src_elems * src_per * elem), 0};
+        jobs[t] = (job_t){&src,
+                          &dst,
+                          plan,
+                          &gather,
+                          &scatter,
+                          units * t / threads,
+                          units * (t + 1) / threads,
+                          (size_t)elem,
+                          (size_t)(src_elems * elem),
+                          (size_t)(dst_elems * elem),
+                          0};
     }
     run_jobs(jobs, (int)threads);
     for (long long t = 0; t < threads; t++)
