@@ -118,8 +118,20 @@ def test_vllm_plugin_registers_kvx_names_in_vllms_factory(
             {"kv_connector": "SharedStorageConnector", "verify_checksums": "yes"},
             ["kv_connector_extra_config.verify_checksums", '"yes"'],
         ),
+        (
+            {"kv_connector": "NixlConnector"},  # its default required_layout is HND
+            ["requires the 'HND' KV cache layout, but vLLM-CPU only allocates 'CPU_PACKED'"],
+        ),
     ],
-    ids=["unknown-name", "unknown-key", "generic-unnamed", "generic-unknown", "both", "bad-type"],
+    ids=[
+        "unknown-name",
+        "unknown-key",
+        "generic-unnamed",
+        "generic-unknown",
+        "both",
+        "bad-type",
+        "layout",
+    ],
 )
 def test_bad_config_is_refused_naming_field_value_and_choices(
     harness: Any, kv: dict[str, Any], expected: list[str]
