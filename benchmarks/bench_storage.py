@@ -15,10 +15,13 @@ layers) are saved and loaded, at the connector level (the worker side: `register
 - OffloadingConnector's CPU tier (store and load of every block) against one plain
   `Tensor.copy_` of the same bytes per layer ("memcpy").
 
-Every variant runs in each round, interleaved; the best of `--repeat` rounds is kept. Loaded
-bytes are checked against the source after the timed rounds (into zeroed caches). Files are
-written without fsync and read back from the page cache, for the connector and the baselines
-alike. On a shared machine absolute times are noise; the ratios are the result.
+Every variant runs in each round, interleaved; the best of `--repeat` rounds is kept (memcpy
+and the CPU tier, which take milliseconds, run 5 times a round). Each round saves fresh prompts
+(new keys and files; the previous round's are deleted untimed), as a store mostly writes new
+blocks. Loaded bytes are checked against the source after the timed rounds (into zeroed caches).
+Files are written without fsync and read back from the page cache, for the connector and the
+baselines alike; `--dir` picks where (a tmpfs such as /dev/shm takes the disk out of the
+picture). On a shared machine absolute times are noise; the ratios are the result.
 
     python benchmarks/bench_storage.py            # 32 layers x 8 x 256 tokens: 256 MiB
     python benchmarks/bench_storage.py --quick    # 4 layers x 2 x 256 tokens: 8 MiB
@@ -77,6 +80,7 @@ class Case:
     note: str
     fresh: Runner = lambda: None  # untimed, before `save`: new data, the previous round's gone
     plan_load: Runner = lambda: None  # untimed, between `save` and `load`
+    inner: int = 1  # timed calls per round (for cases that may simply run again)
 
 
 @dataclass
@@ -547,10 +551,11 @@ def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, float]]:
         for case in cases:
             case.fresh()
             for kind, fn in (("save", case.save), ("load", case.load)):
-                start = time.perf_counter()
-                fn()
-                if round:
-                    times[case.name][kind].append(time.perf_counter() - start)
+                for _ in range(case.inner):
+                    start = time.perf_counter()
+                    fn()
+                    if round:
+                        times[case.name][kind].append(time.perf_counter() - start)
                 if kind == "save":
                     case.plan_load()
     return {name: {kind: min(v) for kind, v in kinds.items()} for name, kinds in times.items()}
@@ -629,13 +634,14 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
                 on_redis.fresh,
                 on_redis.plan_load,
             ),
-            Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "one copy_ per layer"),
+            Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "one copy_ per layer", inner=5),
             Case(
                 "kvx offload CPU",
                 offload.save,
                 offload.load,
                 "copy_ (memcpy)",
-                "OffloadingConnector",
+                "OffloadingConnector, scattered blocks <-> CPU slots",
+                inner=5,
             ),
         ]
         try:
