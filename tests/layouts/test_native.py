@@ -5,12 +5,15 @@ A broken C build must fail here (CI), not quietly fall back to the slower PyTorc
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing
 import os
 import subprocess
 import sys
 import sysconfig
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 from kvx.layouts import NHD, _kernels, kv_postprocess_blksize_and_layout_on_receive
@@ -99,3 +102,39 @@ def test_native_kernel_checks_its_arguments() -> None:
         with pytest.raises(error, match=message):
             kernel.gather_scatter(*bad)
     assert torch.equal(buf, transposed)
+
+
+def _fork_case() -> torch.Tensor:
+    # numpy, not torch.arange: PyTorch's OpenMP pool hangs in a child forked after it ran
+    return torch.from_numpy(np.arange(64 * 16 * 8 * 128, dtype=np.int32).reshape(64, 16, 8, 128))
+
+
+def _native_transform_digest() -> str:
+    """sha256 of the case after the native transform, run on the worker pool."""
+    cache = _fork_case()
+    with patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", 1):
+        kv_postprocess_blksize_and_layout_on_receive(cache, list(range(0, 64, 3)), 4)
+    return hashlib.sha256(cache.numpy().tobytes()).hexdigest()
+
+
+def _check_in_child(expected: str) -> None:
+    raise SystemExit(0 if _native_transform_digest() == expected else 1)
+
+
+@pytest.mark.timeout(60)
+def test_worker_pool_survives_fork() -> None:
+    # The parent's pool threads do not exist in a forked child; the child builds its own.
+    expected = _fork_case()
+    with patch.object(_kernels, "native", None):
+        kv_postprocess_blksize_and_layout_on_receive(expected, list(range(0, 64, 3)), 4)
+    digest = hashlib.sha256(expected.numpy().tobytes()).hexdigest()
+    assert _native_transform_digest() == digest
+    child = multiprocessing.get_context("fork").Process(target=_check_in_child, args=(digest,))
+    child.start()
+    try:
+        child.join(timeout=45)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
