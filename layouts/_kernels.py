@@ -19,6 +19,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -181,14 +182,8 @@ def _native_gather_scatter(
     """`gather_scatter` on CPU in the native kernel (raw addresses: the tensors stay alive here)."""
     esz = src.element_size()
     assert dst.element_size() == esz, "src and dst words differ in size"
-    if src_idx.dtype != torch.long or not src_idx.is_contiguous():
-        src_idx = src_idx.to(torch.long).contiguous()
-    if in_place:
-        dst_idx = src_idx
-    elif dst_idx.dtype != torch.long or not dst_idx.is_contiguous():
-        dst_idx = dst_idx.to(torch.long).contiguous()
-    bytes_moved = src_idx.numel() * math.prod(src.shape[1:]) * esz
-    threads = min(torch.get_num_threads(), units, bytes_moved // NATIVE_BYTES_PER_THREAD, 64)
+    src_idx = _long_ids(src_idx)
+    dst_idx = src_idx if in_place else _long_ids(dst_idx)
     kernel.gather_scatter(  # checks every id against the block count before touching memory
         src.data_ptr(),
         src.shape,
@@ -202,7 +197,72 @@ def _native_gather_scatter(
         dst_idx.numel() // units,
         units,
         esz,
-        max(1, threads),
+        _threads(units, src_idx.numel() * math.prod(src.shape[1:]) * esz),
         in_place,
         NATIVE_DIRECT,
     )
+
+
+class InPlacePlan(NamedTuple):
+    """The geometry of an in-place native `gather_scatter(src, ids, dst, ids)` where `src` and
+    `dst` are views of one tensor starting at its first element: reusable for every tensor of
+    the same shape, strides, offset and dtype (the per-call view building is most of a small
+    call's cost)."""
+
+    src_shape: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    dst_shape: tuple[int, ...]
+    dst_stride: tuple[int, ...]
+    word: int
+    block_bytes: int
+
+
+def in_place_plan(src: torch.Tensor, dst: torch.Tensor) -> InPlacePlan:
+    """The plan of `gather_scatter(src, ids, dst, ids, in_place=True)`."""
+    assert src.data_ptr() == dst.data_ptr() and src.element_size() == dst.element_size()
+    word = src.element_size()
+    return InPlacePlan(
+        tuple(src.shape),
+        src.stride(),
+        tuple(dst.shape),
+        dst.stride(),
+        word,
+        math.prod(src.shape[1:]) * word,
+    )
+
+
+def run_in_place(
+    kernel: ModuleType, plan: InPlacePlan, tensor: torch.Tensor, idx: torch.Tensor
+) -> None:
+    """Run `plan` on `tensor` (a CPU tensor of the plan's geometry) for block ids `idx`."""
+    idx = _long_ids(idx)
+    units = idx.numel()
+    addr = tensor.data_ptr()
+    kernel.gather_scatter(
+        addr,
+        plan.src_shape,
+        plan.src_stride,
+        idx.data_ptr(),
+        1,
+        addr,
+        plan.dst_shape,
+        plan.dst_stride,
+        idx.data_ptr(),
+        1,
+        units,
+        plan.word,
+        _threads(units, units * plan.block_bytes),
+        True,
+        NATIVE_DIRECT,
+    )
+
+
+def _long_ids(idx: torch.Tensor) -> torch.Tensor:
+    if idx.dtype != torch.long or not idx.is_contiguous():
+        idx = idx.to(torch.long).contiguous()
+    return idx
+
+
+def _threads(units: int, bytes_moved: int) -> int:
+    """Threads for a native call: torch's setting, but at least 1 MiB (by default) each."""
+    return max(1, min(torch.get_num_threads(), units, bytes_moved // NATIVE_BYTES_PER_THREAD, 64))

@@ -76,7 +76,7 @@ def _regroup(
         )
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"{fn}: block_size_ratio must be an int >= 1, got {ratio!r}")
-    num_blocks, block_size, heads, _ = cache.shape
+    num_blocks, block_size, _, _ = cache.shape
     if block_size % ratio:
         raise ValueError(
             f"{fn}: block_size_ratio {ratio} does not divide the cache's block size {block_size}"
@@ -84,20 +84,40 @@ def _regroup(
     idx = block_index(indices, num_blocks, cache.device, f"{fn}: indices")
     if idx.numel() == 0:
         return
+    kernel = _kernels.native
+    if kernel is not None and cache.device.type == "cpu":
+        key = (cache.shape, cache.stride(), cache.storage_offset(), cache.dtype, ratio, heads_major)
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            plan = _PLANS[key] = _kernels.in_place_plan(*_views(cache, ratio, heads_major, True))
+        _kernels.run_in_place(kernel, plan, cache, idx)
+    else:
+        src, dst = _views(cache, ratio, heads_major, False)
+        gather_scatter(src, idx, dst, idx, in_place=True)
+
+
+_PLANS: dict[tuple[object, ...], _kernels.InPlacePlan] = {}
+"""Native plans by cache geometry: an engine calls with the same few caches every step."""
+_MAX_PLANS = 1024
+
+
+def _views(
+    cache: torch.Tensor, ratio: int, heads_major: bool, native: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and destination block views (bit views) of `cache` for `_regroup`."""
+    num_blocks, block_size, heads, _ = cache.shape
     x = cache.permute(0, 2, 1, 3) if heads_major else cache
     x = as_words(x, word_bytes(x))
     n, d = block_size // ratio, x.shape[-1]
     # Received sub-blocks `[r, H, n, D]`, reordered to X's order with tokens split as (r, n).
     order = (0, 2, 1, 3, 4) if heads_major else (0, 1, 3, 2, 4)
-    tokens_dim = 2 if heads_major else 1
-    dst = x.unflatten(tokens_dim, (ratio, n))
-    if x[0].is_contiguous() and _kernels.native is None:
+    dst = x.unflatten(2 if heads_major else 1, (ratio, n))
+    if x[0].is_contiguous() and not native:
         # PyTorch: the permutation goes into the gather's view, the scatter stays contiguous
-        gather_scatter(
-            x.view(num_blocks, ratio, heads, n, d).permute(order), idx, dst, idx, in_place=True
-        )
-    else:
-        # into the scatter's view: X[b], read in its logical order, is the received
-        # [r, H, n, D]. The native kernel prefers this: the block is read front to back (the
-        # prefetcher streams it), and the permuted writes land in lines it just read.
-        gather_scatter(x, idx, dst.permute(order), idx, in_place=True)
+        return x.view(num_blocks, ratio, heads, n, d).permute(order), dst
+    # Into the scatter's view: X[b], read in its logical order, is the received [r, H, n, D].
+    # The native kernel prefers this: the block is read front to back (the prefetcher streams
+    # it), and the permuted writes land in lines it just read.
+    return x, dst.permute(order)
