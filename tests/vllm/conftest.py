@@ -121,8 +121,11 @@ def adapter_json(connector: str, role: str, **extra: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def engine(model: Path, kv_transfer: dict[str, Any] | None = None) -> Iterator[Any]:
-    """An in-process vLLM-CPU engine, shut down (and its worker connector with it) on exit."""
+def engine(
+    model: Path, kv_transfer: dict[str, Any] | None = None, **options: Any
+) -> Iterator[Any]:
+    """An in-process vLLM-CPU engine (`options` go to `vllm.LLM`), shut down (and its worker
+    connector with it) on exit."""
     config = VllmKVTransferConfig(**kv_transfer) if kv_transfer is not None else None
     try:
         llm = vllm.LLM(
@@ -134,6 +137,7 @@ def engine(model: Path, kv_transfer: dict[str, Any] | None = None) -> Iterator[A
             seed=0,
             distributed_executor_backend="uni",
             kv_transfer_config=config,
+            **options,
         )
     except BaseException:
         kv_transfer_state.ensure_kv_transfer_shutdown()
@@ -257,16 +261,17 @@ class Harness:
         self.model = model
         self.prompts = prompts
 
-    def engine(self, kv_transfer: dict[str, Any] | None = None) -> Any:
-        return engine(self.model, kv_transfer)
+    def engine(self, kv_transfer: dict[str, Any] | None = None, **options: Any) -> Any:
+        return engine(self.model, kv_transfer, **options)
 
     def generate(
         self,
         llm: Any,
         params: list[dict[str, Any] | None] | None = None,
         max_tokens: int = MAX_TOKENS,
+        prompts: list[list[int]] | None = None,
     ) -> list[Any]:
-        return generate(llm, self.prompts, max_tokens, params)
+        return generate(llm, prompts or self.prompts, max_tokens, params)
 
 
 @pytest.fixture(scope="session")
