@@ -151,6 +151,11 @@ class NixlConnector(KVConnectorBase_V1):
         return config.extra_config_as(NixlConfig).required_layout
 
     @classmethod
+    def supports_sleep_mode(cls, config: KVTransferConfig) -> bool:
+        """No: P's peers hold the registered addresses of the KV memory sleep would free."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:

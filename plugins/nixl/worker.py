@@ -23,7 +23,6 @@ from kvx.plugins.nixl.config import NixlConfig
 from kvx.plugins.nixl.handshake import (
     MAX_NOTIF_BYTES,
     AgentMetadata,
-    HandshakeError,
     Notification,
     Region,
     compatibility_factors,
@@ -83,6 +82,8 @@ class NixlWorker:
         self._caches: dict[str, torch.Tensor] = {}
         self._regions: list[Region] = []
         self._registration: Any = None
+        self._mem_type = "DRAM"
+        self._device = 0
         self._local_dlists: dict[tuple[int, int], Any] = {}
         self._view: LocalView | None = None
         # D side
@@ -237,7 +238,7 @@ class NixlWorker:
                     self.agent.add_remote_agent,
                     self.agent.remove_remote_agent,
                 )
-            except (HandshakeError, OSError, ValueError) as exc:
+            except Exception as exc:  # an untrusted peer: whatever went wrong, fail its reads
                 logger.error("handshake with engine %s failed: %s", key[0], exc)
                 self.stats.count("num_failed_handshakes")
                 for spec in specs:
@@ -259,6 +260,7 @@ class NixlWorker:
             self._complete(job)
             return
         try:
+            _check_block_ids(spec, remote)
             if remote.direct:
                 self._post_direct(job)
             else:
@@ -306,7 +308,7 @@ class NixlWorker:
         job.nbytes += nbytes
         job.ndescs += len(local_ids)
         if self.agent.transfer(handle) == "ERR":
-            raise HandshakeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
+            raise RuntimeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
 
     def _post_direct(self, job: ReadJob) -> None:
         """READ each remote (head slice of a) block straight into the local block."""
@@ -518,3 +520,11 @@ class NixlWorker:
             self._registration = None
         self._caches.clear()
         self.agent = None
+
+
+def _check_block_ids(spec: RemoteRead, remote: RemoteEngine) -> None:
+    """P's block ids come through the proxy: refuse ids outside P's registered blocks."""
+    limit = min(r.num_blocks for meta in remote.metas.values() for r in meta.regions)
+    bad = [b for b in spec.remote_block_ids if not 0 <= b < limit]
+    if bad:
+        raise ValueError(f"remote_block_ids {bad[:4]} are outside P's {limit} blocks")

@@ -104,3 +104,37 @@ def test_shutdown_leaves_no_thread_or_socket() -> None:
         time.sleep(0.05)
     assert not leaked
     assert not opened, [os.readlink(f"/proc/self/fd/{fd}") for fd in opened if fd != "x"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("tamper", "loaded"),
+    [
+        ({"remote_block_ids": [9999, 1]}, True),  # reaches D's worker: load errors, recompute
+        ({"remote_port": "x"}, False),  # malformed: D does not load, computes the prompt
+    ],
+)
+def test_tampered_params_are_load_errors_or_ignored(tamper: dict[str, Any], loaded: bool) -> None:
+    text = prompt(30, 8)
+    expected = baseline_tokens(BASE, {"t": text}, 3)["t"]
+    p, d = pd_configs(BASE, {**kv(kv_lease_duration=1), "kv_load_failure_policy": "recompute"})
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        pair.prefill.add_request("t", text, 1, {"do_remote_decode": True})
+        outputs: list[Any] = []
+        while not outputs:
+            outputs = [o for o in pair.prefill.step()[0] if o.finished]
+        params = {**outputs[0].kv_transfer_params, **tamper}
+        pair.decode.add_request("t", text, 3, params)
+        tokens: list[int] = []
+        deadline = time.monotonic() + 30
+        pending = True
+        while pending:
+            assert time.monotonic() < deadline
+            outs, pending = pair.decode.step()
+            tokens = next((o.output_token_ids for o in outs if o.finished), tokens)
+            pending = pair.prefill.step()[1] or pending
+        stats = pair.decode.last_stats
+        assert stats["held_blocks"] == 0 and pair.prefill.last_stats["held_blocks"] == 0
+        assert (stats["load_errors"] > 0) is loaded, stats
+        assert not pair.decode.check_kv()
+    assert tokens == expected
