@@ -1,7 +1,8 @@
 """The built-in layouts (vLLM's attention backends and vLLM-CPU) and lookup by name.
 
 Shapes and stride orders match vLLM's `get_kv_cache_shape` / `get_kv_cache_stride_order` for the
-FlashAttention, FlashInfer and MLA backends, and the tensor vLLM-CPU hands a connector.
+FlashAttention, FlashInfer and MLA backends, and the tensor vLLM-CPU hands a connector (with
+the K/V orders its "vec" attention kernels write: matches vLLM-CPU's `cpu_attn_reshape_and_cache`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ CPU_PACKED = Layout(
     "CPU_PACKED",
     shape=("blocks", "heads", "tokens", "kv*head_size"),
     memory=("blocks", "heads", "kv", "tokens", "head_size"),
+    k_memory=("blocks", "heads", "kv", "head_size", "tokens"),
     summary="vLLM-CPU [blocks, heads, block_size, 2*head_size]; each (block, head) slab is "
-    "all K tokens then all V tokens",
+    "K transposed [head_size, block_size], then V [block_size, head_size]",
 )
 
 _X_FA = ("layers", *_FA)

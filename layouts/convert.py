@@ -32,7 +32,8 @@ def convert_blocks(
     `num_tokens` and every other block of `dst` stay untouched. `src_heads` / `dst_heads` select
     a contiguous head range on either side for heterogeneous TP (both must select as many heads).
     Block sizes are read from the tensors. Unlike vLLM (remote block <= local block only), any
-    divisible pair of block sizes works in both directions.
+    divisible pair of block sizes works in both directions. A layout storing K and V in
+    different orders (`Layout.split_order`, vLLM-CPU) is converted one K/V half at a time.
     """
     ls, ld = get_layout(src_layout), get_layout(dst_layout)
     if ls.dims != ld.dims:
@@ -46,9 +47,9 @@ def convert_blocks(
     for dim in sorted(ls.dims - {BLOCKS, TOKENS, HEADS}):
         if ss[dim] != sd[dim]:
             raise ValueError(f"src has {dim}={ss[dim]} but dst has {dim}={sd[dim]}")
-    vs, vd = ls.semantic_view(src), ld.semantic_view(dst)
+    parts = list(zip(_parts(ls, src, ld.split_order), _parts(ld, dst, ls.split_order)))
     if HEADS in ls.dims:
-        vs, vd = _select_heads(vs, ls, src_heads, vd, ld, dst_heads)
+        parts = [_select_heads(s, src_heads, d, dst_heads) for s, d in parts]
     elif src_heads is not None or dst_heads is not None:
         raise ValueError(f"src_heads / dst_heads: layout {ls.name} has no heads dim")
     ns, nd = ss[TOKENS], sd[TOKENS]
@@ -75,57 +76,79 @@ def convert_blocks(
     ):
         raise ValueError("src and dst share memory and src_block_ids overlap dst_block_ids")
 
-    w = min(_word(vs, ls), _word(vd, ld))
+    for (vs, ms), (vd, md) in parts:
+        _convert(vs, ms, src_idx, vd, md, dst_idx, ns, nd, total)
+
+
+_Part = tuple[torch.Tensor, tuple[str, ...]]
+"""A semantic view and its dims in memory order."""
+
+
+def _parts(layout: Layout, tensor: torch.Tensor, halves: bool) -> list[_Part]:
+    """`tensor`'s semantic view, or one view per K/V half when either side needs halves."""
+    if halves or layout.split_order:
+        views = layout.half_views(tensor)
+        return [(views[kv], layout.half_memory(kv)) for kv in (0, 1)]
+    return [(layout.semantic_view(tensor), layout.memory)]
+
+
+def _convert(
+    vs: torch.Tensor,
+    ms: tuple[str, ...],
+    src_idx: torch.Tensor,
+    vd: torch.Tensor,
+    md: tuple[str, ...],
+    dst_idx: torch.Tensor,
+    ns: int,
+    nd: int,
+    total: int,
+) -> None:
+    """Copy `total` tokens between two semantic views (memory orders `ms`, `md`)."""
+    w = min(_word(vs, ms), _word(vd, md))
     vs, vd = as_words(vs, w), as_words(vd, w)
     # Both sides are walked in one side's memory order: PyTorch's gather wants the destination's
     # (its scatter then writes contiguous rows), the native kernel the source's (it reads each
     # block front to back, which the prefetcher streams, and permutes on the write).
-    order = [d for d in (ld if _kernels.native is None else ls).memory if d != BLOCKS]
+    order = [d for d in (md if _kernels.native is None else ms) if d != BLOCKS]
     longest = max(ns, nd)
     whole = total // longest * longest
     if whole:
         g = min(ns, nd)
-        src_main = _blocks_major(vs, ls.memory, order, ns // g)
-        dst_main = _blocks_major(vd, ld.memory, order, nd // g)
+        src_main = _blocks_major(vs, ms, order, ns // g)
+        dst_main = _blocks_major(vd, md, order, nd // g)
         gather_scatter(src_main, src_idx[: whole // ns], dst_main, dst_idx[: whole // nd])
     if total > whole:
-        _copy_tail(vs, ls, src_idx[whole // ns :], vd, ld, dst_idx[whole // nd :], total - whole)
+        _copy_tail(vs, ms, src_idx[whole // ns :], vd, md, dst_idx[whole // nd :], total - whole)
 
 
 def _select_heads(
-    vs: torch.Tensor,
-    ls: Layout,
-    src_heads: range | None,
-    vd: torch.Tensor,
-    ld: Layout,
-    dst_heads: range | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    src: _Part, src_heads: range | None, dst: _Part, dst_heads: range | None
+) -> tuple[_Part, _Part]:
     """Narrow both views to the selected head ranges (same count on both sides)."""
     picked = []
-    for arg, view, layout, heads in (
-        ("src_heads", vs, ls, src_heads),
-        ("dst_heads", vd, ld, dst_heads),
-    ):
-        dim = layout.memory.index(HEADS)
+    sides = (("src_heads", src, src_heads), ("dst_heads", dst, dst_heads))
+    for arg, (view, memory), heads in sides:
+        dim = memory.index(HEADS)
         have = view.shape[dim]
         heads = range(have) if heads is None else heads
         if not (isinstance(heads, range) and heads.step == 1 and 0 <= heads.start < heads.stop):
             raise ValueError(f"{arg} must be a non-empty range(start, stop), got {heads!r}")
         if heads.stop > have:
             raise ValueError(f"{arg} {heads!r} exceeds the {have} heads of the tensor")
-        picked.append(view.narrow(dim, heads.start, len(heads)))
-    if picked[0].shape[ls.memory.index(HEADS)] != picked[1].shape[ld.memory.index(HEADS)]:
+        picked.append((view.narrow(dim, heads.start, len(heads)), memory))
+    (vs, ms), (vd, md) = picked
+    if vs.shape[ms.index(HEADS)] != vd.shape[md.index(HEADS)]:
         raise ValueError(
-            f"src selects {picked[0].shape[ls.memory.index(HEADS)]} heads but dst "
-            f"{picked[1].shape[ld.memory.index(HEADS)]}; pass src_heads / dst_heads to pick "
+            f"src selects {vs.shape[ms.index(HEADS)]} heads but dst "
+            f"{vd.shape[md.index(HEADS)]}; pass src_heads / dst_heads to pick "
             "matching head ranges (heterogeneous TP)"
         )
     return picked[0], picked[1]
 
 
-def _word(view: torch.Tensor, layout: Layout) -> int:
+def _word(view: torch.Tensor, memory: tuple[str, ...]) -> int:
     """Widest word for `view`: only head_size, the innermost dim of every transform, may widen."""
-    return word_bytes(view) if layout.memory[-1] == HEAD_SIZE else view.element_size()
+    return word_bytes(view) if memory[-1] == HEAD_SIZE else view.element_size()
 
 
 def _blocks_major(
@@ -140,17 +163,17 @@ def _blocks_major(
 
 def _copy_tail(
     vs: torch.Tensor,
-    ls: Layout,
+    ms: tuple[str, ...],
     src_idx: torch.Tensor,
     vd: torch.Tensor,
-    ld: Layout,
+    md: tuple[str, ...],
     dst_idx: torch.Tensor,
     count: int,
 ) -> None:
     """Copy the first `count` tokens of `src_idx`'s blocks into `dst_idx`'s, token by index."""
-    rest = [d for d in ld.memory if d not in (BLOCKS, TOKENS)]
-    src_tok = vs.permute([ls.memory.index(d) for d in (BLOCKS, TOKENS, *rest)])
-    dst_tok = vd.permute([ld.memory.index(d) for d in (BLOCKS, TOKENS, *rest)])
+    rest = [d for d in md if d not in (BLOCKS, TOKENS)]
+    src_tok = vs.permute([ms.index(d) for d in (BLOCKS, TOKENS, *rest)])
+    dst_tok = vd.permute([md.index(d) for d in (BLOCKS, TOKENS, *rest)])
     ns, nd = src_tok.shape[1], dst_tok.shape[1]
     pos = torch.arange(count, device=vs.device)
     tokens = src_tok[src_idx[pos // ns], pos % ns].to(vd.device)

@@ -63,25 +63,28 @@ def copy_kv_blocks(
             )
         if src.dtype != dst.dtype:
             raise ValueError(f"layer {name!r}: src dtype {src.dtype} != dst dtype {dst.dtype}")
-        vs, vd = (
-            _blocks_first(spec.semantic_view(src), spec),
-            _blocks_first(spec.semantic_view(dst), spec),
-        )
-        if vs.shape[1:] != vd.shape[1:]:
-            raise ValueError(
-                f"layer {name!r}: src blocks {tuple(vs.shape[1:])} and dst blocks "
-                f"{tuple(vd.shape[1:])} differ in shape ({spec.name} semantic dims)"
+        for (vs, memory), (vd, _) in zip(_views(spec, src), _views(spec, dst)):
+            if vs.shape[1:] != vd.shape[1:]:
+                raise ValueError(
+                    f"layer {name!r}: src blocks {tuple(vs.shape[1:])} and dst blocks "
+                    f"{tuple(vd.shape[1:])} differ in shape ({spec.name} semantic dims)"
+                )
+            wide = memory[-1] == HEAD_SIZE  # only head_size may widen into words
+            w = min(word_bytes(vs), word_bytes(vd)) if wide else vs.element_size()
+            gather_scatter(
+                as_words(vs, w),
+                index("src_block_ids", src_block_ids, src, vs.shape[0]),
+                as_words(vd, w),
+                index("dst_block_ids", dst_block_ids, dst, vd.shape[0]),
             )
-        wide = spec.memory[-1] == HEAD_SIZE  # only head_size may widen into words
-        w = min(word_bytes(vs), word_bytes(vd)) if wide else vs.element_size()
-        gather_scatter(
-            as_words(vs, w),
-            index("src_block_ids", src_block_ids, src, vs.shape[0]),
-            as_words(vd, w),
-            index("dst_block_ids", dst_block_ids, dst, vd.shape[0]),
-        )
 
 
-def _blocks_first(view: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """A semantic view with the blocks dim moved first (other dims keep memory order)."""
-    return view.movedim(layout.memory.index(BLOCKS), 0)
+def _views(layout: Layout, tensor: torch.Tensor) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+    """Blocks-first semantic views of `tensor` with their memory orders: one, or one per K/V
+    half for a layout storing K and V in different orders."""
+    if layout.split_order:
+        halves = layout.half_views(tensor)
+        parts = [(halves[kv], layout.half_memory(kv)) for kv in (0, 1)]
+    else:
+        parts = [(layout.semantic_view(tensor), layout.memory)]
+    return [(view.movedim(memory.index(BLOCKS), 0), memory) for view, memory in parts]

@@ -11,6 +11,11 @@ three facts:
   memory-ordered logical dims are reshaped into it, so a packed dim may hide a different
   factor order (vLLM-CPU's `[blocks, heads, tokens, 2*head_size]` is K-then-V per slab).
 
+A layout may store K and V in different memory orders (vLLM-CPU keeps K transposed,
+`[head_size, tokens]`, and V token-major): `k_memory` then gives the K half's order and
+`memory` the V half's; both agree up to and including `kv`. No single strided view holds such
+a tensor, so `semantic_view` refuses it and `half_views` gives one view per half.
+
 Semantic dims: `layers`, `blocks`, `kv` (always 2: K then V), `tokens` (the block size),
 `heads` (KV heads on this rank) and `head_size` (MLA: the latent width).
 """
@@ -40,7 +45,9 @@ class Layout:
     """One KV cache layout (see the module docstring for the three fields that define it).
 
     `tp_dim` is the dim tensor parallelism shards (`"heads"`, or None when every rank holds the
-    whole tensor, as for MLA). Construction validates the description.
+    whole tensor, as for MLA). `k_memory` is the K half's memory order when it differs from
+    `memory` (then V's): `memory` with some of `tokens`, `heads`, `head_size` after `kv`
+    reordered; empty when K and V share `memory`. Construction validates the description.
     """
 
     name: str
@@ -49,6 +56,7 @@ class Layout:
     stride_order: tuple[int, ...] = ()
     tp_dim: str | None = HEADS
     summary: str = ""
+    k_memory: tuple[str, ...] = ()
     _factors: tuple[tuple[str, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +91,28 @@ class Layout:
                 )
         if self.tp_dim is not None and self.tp_dim not in self.memory:
             raise ValueError(f"{where}: tp_dim {self.tp_dim!r} is not one of {self.memory}")
+        if self.k_memory:
+            self._check_k_memory(where)
+
+    def _check_k_memory(self, where: str) -> None:
+        if KV not in self.memory:
+            raise ValueError(f"{where}: k_memory {self.k_memory} needs a 'kv' dim in memory")
+        cut = self.memory.index(KV) + 1
+        movable = (TOKENS, HEADS, HEAD_SIZE)
+        if (
+            sorted(self.k_memory) != sorted(self.memory)
+            or self.k_memory[:cut] != self.memory[:cut]
+            or any(
+                (a in movable) != (b in movable) or (a not in movable and a != b)
+                for a, b in zip(self.k_memory, self.memory)
+            )
+        ):
+            raise ValueError(
+                f"{where}: k_memory {self.k_memory} must be memory {self.memory} with only "
+                f"{list(movable)} after 'kv' reordered"
+            )
+        if self.k_memory == self.memory:
+            raise ValueError(f"{where}: k_memory equals memory; leave k_memory empty")
 
     # -- facts ---------------------------------------------------------------------------------
 
@@ -111,6 +141,18 @@ class Layout:
     def kv_split(self) -> bool:
         """True if K and V of a block are separate regions (`kv` outside `blocks` in memory)."""
         return KV in self.memory and self.memory.index(KV) < self.memory.index(BLOCKS)
+
+    @property
+    def split_order(self) -> bool:
+        """True if K and V are stored in different memory orders (see `k_memory`)."""
+        return bool(self.k_memory)
+
+    def half_memory(self, kv: int) -> tuple[str, ...]:
+        """The memory order of the K (`kv=0`) or V (`kv=1`) half, without the `kv` dim."""
+        if KV not in self.memory or kv not in (0, 1):
+            raise ValueError(f"layout {self.name!r} has no K/V half {kv!r} (dims {self.memory})")
+        order = self.k_memory if kv == 0 and self.k_memory else self.memory
+        return tuple(d for d in order if d != KV)
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -176,7 +218,38 @@ class Layout:
         return self.sizes_of(tensor)[BLOCKS]
 
     def semantic_view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A view of `tensor` with one dim per entry of `memory`, in that order."""
+        """A view of `tensor` with one dim per entry of `memory`, in that order.
+
+        Refused for a layout whose K and V orders differ (`split_order`): use `half_views`."""
+        if self.k_memory:
+            raise ValueError(
+                f"layout {self.name!r} stores K as {list(self.half_memory(0))} and V as "
+                f"{list(self.half_memory(1))}: no single view holds both; use "
+                "Layout.half_views (one view per K/V half)"
+            )
+        return self._memory_view(tensor)
+
+    def half_views(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of `tensor`'s K and V halves, each with one dim per entry of
+        `half_memory(kv)`, in that order (any layout with a `kv` dim)."""
+        at = self.memory.index(KV) if KV in self.memory else -1
+        if at < 0:
+            raise ValueError(f"layout {self.name!r} has no kv dim (dims {self.memory})")
+        whole = self._memory_view(tensor)
+        sizes = self.sizes_of(tensor)
+        k, v = whole.select(at, 0), whole.select(at, 1)
+        if self.k_memory:
+            try:
+                k = k.view([sizes[d] for d in self.half_memory(0)])
+            except RuntimeError:
+                raise ValueError(
+                    f"layout {self.name!r}: the K half of a tensor of shape "
+                    f"{tuple(tensor.shape)} and strides {tensor.stride()} is not laid out in "
+                    f"memory as {list(self.half_memory(0))}"
+                ) from None
+        return k, v
+
+    def _memory_view(self, tensor: torch.Tensor) -> torch.Tensor:
         sizes = self.sizes_of(tensor)
         try:
             return tensor.permute(self.stride_order).view([sizes[d] for d in self.memory])

@@ -4,7 +4,9 @@ The tensors handed to a connector (`tensors`) have the layout's shape and memory
 layout is any one registered through the `kvx_layouts` hook (`kvx list`). The engine itself
 reads and writes through a *token view* of each tensor, a strided view shaped
 `[blocks, block_size, kv_parts, heads, head_size]` over the same memory, so the model code is
-the same for every layout.
+the same for every layout. A layout storing K and V in different memory orders (vLLM-CPU's
+transposed K) has no such single view; its token view is a `KVHalvesView` over one strided view
+per half, which reads by copying and writes through.
 """
 
 from __future__ import annotations
@@ -23,16 +25,69 @@ from kvx.types import KVCacheSpec, ParallelInfo
 TOKEN_DIMS = ("blocks", "tokens", "kv", "heads", "head_size")
 
 
-def token_view(layout: Any, tensor: torch.Tensor) -> torch.Tensor:
+def token_view(layout: Any, tensor: torch.Tensor) -> torch.Tensor | KVHalvesView:
     """`[blocks, block_size, kv_parts, heads, head_size]` view of a tensor in a registered
     layout (MLA: one part, one head), sharing its memory."""
+    if getattr(layout, "split_order", False):
+        halves = layout.half_views(tensor)
+        return KVHalvesView(
+            tuple(_ordered(h, layout.half_memory(kv), _HALF_DIMS) for kv, h in enumerate(halves))
+        )
     view = layout.semantic_view(tensor)
     memory = list(layout.memory)
     for dim in ("kv", "heads"):
         if dim not in memory:  # MLA: a single latent vector per token
             view = view.unsqueeze(-1)
             memory.append(dim)
-    return view.permute([memory.index(d) for d in TOKEN_DIMS])
+    return _ordered(view, memory, TOKEN_DIMS)
+
+
+_HALF_DIMS = ("blocks", "tokens", "heads", "head_size")
+
+
+def _ordered(view: torch.Tensor, memory: Sequence[str], dims: Sequence[str]) -> torch.Tensor:
+    return view.permute([list(memory).index(d) for d in dims])
+
+
+class KVHalvesView:
+    """The token view of a layout whose K and V orders differ: indexed like the
+    `[blocks, block_size, 2, heads, head_size]` view it stands for (integers and slices after
+    the first two dims). Reading returns a copy; assigning writes into both halves."""
+
+    def __init__(self, halves: tuple[torch.Tensor, ...]):
+        self.halves = halves  # each [blocks, block_size, heads, head_size]
+        blocks, tokens, heads, size = halves[0].shape
+        self.shape = torch.Size((blocks, tokens, len(halves), heads, size))
+        self.dtype = halves[0].dtype
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        outer, kv, inner = _split_key(key)
+        stacked = torch.stack([h[outer] for h in self.halves], dim=-3)
+        return stacked[(..., kv, *inner)]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        outer, kv, inner = _split_key(key)
+        target = self[key].shape
+        value = torch.as_tensor(value, dtype=self.dtype).expand(target)
+        picks = range(len(self.halves))[kv]
+        if isinstance(picks, int):
+            self.halves[picks][(*outer, *inner)] = value
+            return
+        axis = len(target) - 1 - sum(not isinstance(k, int) for k in inner)
+        for j, part in enumerate(picks):
+            self.halves[part][(*outer, *inner)] = value.select(axis, j)
+
+
+def _split_key(key: Any) -> tuple[tuple[Any, ...], Any, tuple[Any, ...]]:
+    """`key` as (blocks and tokens, kv, heads and head_size) indices."""
+    key = key if isinstance(key, tuple) else (key,)
+    key = key + (slice(None),) * (5 - len(key))
+    if len(key) > 5 or not all(isinstance(k, int | slice) for k in key[2:]):
+        raise IndexError(
+            f"a K/V halves token view takes at most 5 indices, integers or slices after the "
+            f"first two; got {key!r}"
+        )
+    return key[:2], key[2], key[3:]
 
 
 class PagedKVCache:
@@ -64,7 +119,7 @@ class PagedKVCache:
         self.primary = is_primary_holder(*heads, is_mla=spec.use_mla)
         n, h, d = spec.block_size, len(self.heads), spec.head_size
         self.tensors: dict[str, torch.Tensor] = {}
-        self._views: dict[str, torch.Tensor] = {}
+        self._views: dict[str, torch.Tensor | KVHalvesView] = {}
         for name in layer_names:
             tensor = layout.allocate(spec.num_blocks, n, h, d, dtype=self.dtype).zero_()
             self.tensors[name] = tensor
@@ -86,6 +141,7 @@ class PagedKVCache:
         blocks, offsets = self.slots(block_ids, 0, end)
         return self._views[layer][blocks, offsets]
 
-    def token_view(self, layer: str) -> torch.Tensor:
-        """`[blocks, block_size, kv_parts, heads, head_size]` view of a layer's tensor."""
+    def token_view(self, layer: str) -> torch.Tensor | KVHalvesView:
+        """`[blocks, block_size, kv_parts, heads, head_size]` view of a layer's tensor (see
+        `KVHalvesView` for a layout storing K and V in different orders)."""
         return self._views[layer]

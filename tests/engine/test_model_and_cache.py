@@ -114,6 +114,25 @@ def test_cache_tensors_have_the_layout_shape() -> None:
     assert mla.layout == "MLA"
 
 
+def test_cpu_packed_cache_stores_k_transposed_like_vllm_cpu() -> None:
+    # vLLM-CPU's "vec" kernels: each (block, head) slab is K as [head_size, block_size], then V
+    # as [block_size, head_size]; the engine's token writes must land there.
+    cache = Engine(replace(BASE, layout="CPU_PACKED")).workers[0].cache
+    layer, ids = "model.layers.0.self_attn", [5, 2]
+    t = cache.tensors[layer]
+    blocks, heads, n, twice = t.shape
+    d = twice // 2
+    kv = torch.randn(n + 3, 2, heads, d, dtype=t.dtype)
+    cache.write(layer, ids, 0, kv)
+    slabs = t.reshape(blocks, heads, 2, n * d)
+    for pos in range(n + 3):
+        b, o = ids[pos // n], pos % n
+        assert torch.equal(slabs[b, :, 0].view(heads, d, n)[:, :, o], kv[pos, 0])
+        assert torch.equal(slabs[b, :, 1].view(heads, n, d)[:, o], kv[pos, 1])
+    assert torch.equal(cache.read(layer, ids, n + 3), kv)
+    assert t[[i for i in range(blocks) if i not in ids]].count_nonzero() == 0
+
+
 # -- exact KV checks and sensitivity ---------------------------------------------------------
 
 
@@ -131,9 +150,11 @@ def corrupt(engine: Engine, worker: int, layer: str, req_id: str, pos: int, inde
     """Move one KV element of `req_id` at token `pos` (`index` into [kv, head, dim]) one ulp."""
     cache = engine.workers[worker].cache
     block = engine.scheduler.blocks_of(req_id)[pos // cache.block_size]
-    token = cache.token_view(layer)[block, pos % cache.block_size]  # a view: writes go through
+    view, slot = cache.token_view(layer), (block, pos % cache.block_size)
+    token = view[slot]  # a copy for CPU_PACKED (K and V orders differ): written back below
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), token.shape))
     token[idx] = torch.nextafter(token[idx], torch.tensor(float("inf"), dtype=token.dtype))
+    view[slot] = token
 
 
 LAYER1 = "model.layers.1.self_attn"

@@ -65,17 +65,39 @@ def test_builtin_shape_and_strides_match_vllm(name: str) -> None:
     sizes = layout.sizes_of(t)
     assert layout.block_size_of(t) == N and layout.num_blocks_of(t) == B
     assert sizes.get("heads", H) == H and sizes["head_size"] == D
-    assert layout.semantic_view(t).is_contiguous()
+    if layout.split_order:
+        for half in layout.half_views(t):  # dense inside each half of a slab
+            assert list(half.stride()) == sorted(half.stride(), reverse=True)
+            assert half.stride()[-1] == 1
+    else:
+        assert layout.semantic_view(t).is_contiguous()
 
 
-def test_cpu_packed_slab_is_all_k_then_all_v() -> None:
-    # The vLLM-CPU recipe: kv.view(nb, H, 2, bs, hd)[:, :, 0] is K.
+def test_cpu_packed_slab_is_k_transposed_then_v_token_major() -> None:
+    # What vLLM-CPU's "vec" kernels write (tests/vllm checks it against vLLM's cache-write op):
+    # each (block, head) slab of 2 * N * D elements is K as [D, N], then V as [N, D].
     t = CPU_PACKED.allocate(B, N, H, D, dtype=torch.float32)
     t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape))
-    view = CPU_PACKED.semantic_view(t)
-    assert CPU_PACKED.memory == ("blocks", "heads", "kv", "tokens", "head_size")
-    assert torch.equal(view[:, :, 0], t.view(B, H, 2, N, D)[:, :, 0])
-    assert view.data_ptr() == t.data_ptr()
+    k, v = CPU_PACKED.half_views(t)
+    assert CPU_PACKED.half_memory(0) == ("blocks", "heads", "head_size", "tokens")
+    assert CPU_PACKED.half_memory(1) == ("blocks", "heads", "tokens", "head_size")
+    slab = 2 * N * D
+    for b, h, tok, d in ((0, 0, 0, 1), (1, 2, 3, 0), (B - 1, H - 1, N - 1, D - 1)):
+        base = (b * H + h) * slab
+        assert k[b, h, d, tok] == base + d * N + tok
+        assert v[b, h, tok, d] == base + N * D + tok * D + d
+    assert k.data_ptr() == t.data_ptr()
+    with pytest.raises(ValueError, match=r"'CPU_PACKED' stores K as .* use Layout\.half_views"):
+        CPU_PACKED.semantic_view(t)
+
+
+def test_half_views_of_a_layout_with_one_order_select_kv() -> None:
+    t = NHD.allocate(B, N, H, D, dtype=torch.float32)
+    k, v = NHD.half_views(t)
+    assert NHD.half_memory(1) == ("blocks", "tokens", "heads", "head_size") and not NHD.split_order
+    assert k.data_ptr() == t[0].data_ptr() and v.data_ptr() == t[1].data_ptr()
+    with pytest.raises(ValueError, match="'MLA' has no kv dim"):
+        BUILTIN_LAYOUTS["MLA"].half_views(torch.empty(B, N, D))
 
 
 def test_properties() -> None:
@@ -86,6 +108,9 @@ def test_properties() -> None:
     assert BUILTIN_LAYOUTS["CROSS_HND"].blocks_first
     assert NHD.tp_dim == "heads" and BUILTIN_LAYOUTS["MLA"].tp_dim is None
     assert BUILTIN_LAYOUTS["MLA"].dims == frozenset({"blocks", "tokens", "head_size"})
+
+
+_KV = dict(shape=("kv", "blocks", "tokens", "heads"), memory=("kv", "blocks", "tokens", "heads"))
 
 
 @pytest.mark.parametrize(
@@ -107,6 +132,18 @@ def test_properties() -> None:
             dict(shape=("blocks", "tokens"), memory=("blocks", "tokens"), tp_dim="heads"),
             "tp_dim",
         ),
+        (
+            dict(
+                shape=("blocks", "tokens", "head_size"),
+                memory=("blocks", "tokens", "head_size"),
+                k_memory=("blocks", "head_size", "tokens"),
+                tp_dim=None,
+            ),
+            "needs a 'kv' dim",
+        ),
+        (dict(**_KV, k_memory=("kv", "heads", "blocks", "tokens")), r"only \['tokens'"),
+        (dict(**_KV, k_memory=("blocks", "kv", "tokens", "heads")), r"only \['tokens'"),
+        (dict(**_KV, k_memory=("kv", "blocks", "tokens", "heads")), "leave k_memory empty"),
     ],
 )
 def test_invalid_layouts_are_refused(kwargs: dict, message: str) -> None:
@@ -122,7 +159,7 @@ def test_tensor_that_does_not_fit_is_refused_with_its_shape() -> None:
     with pytest.raises(ValueError, match=r"dim 'kv\*head_size' has size 5"):
         CPU_PACKED.sizes_of(torch.empty(B, H, N, 5))
     with pytest.raises(ValueError, match="not laid out in memory"):
-        CPU_PACKED.semantic_view(torch.empty(B, H, 2 * D, N).transpose(2, 3))
+        CPU_PACKED.half_views(torch.empty(B, H, 2 * D, N).transpose(2, 3))
     with pytest.raises(ValueError, match="tokens must be >= 1"):
         NHD.logical_shape(B, 0)
 

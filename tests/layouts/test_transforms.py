@@ -80,8 +80,8 @@ def pos(name: str, layer: int, b: int, kv: int, t: int, h: int, d: int, n: int, 
         return (b, kv, t, h, d)
     if name == "MLA":
         return (b, t, d)
-    if name == "CPU_PACKED":  # slab of (block, head): all K tokens, then all V tokens
-        flat = (kv * n + t) * hd + d
+    if name == "CPU_PACKED":  # slab of (block, head): K as [hd, n], then V as [n, hd]
+        flat = d * n + t if kv == 0 else n * hd + t * hd + d
         return (b, h, flat // (2 * hd), flat % (2 * hd))
     if name in ("CROSS_NHD", "CROSS_HND"):
         return (layer, kv, b, t, h, d)

@@ -35,6 +35,7 @@ from kvx import (
     Request,
     SchedulerOutput,
 )
+from kvx.engine.kv_cache import KVHalvesView, token_view
 
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 SENTINEL = -1000.0  # what every cache slot holds until something writes it
@@ -218,13 +219,9 @@ class Rig:
     def kv_parts(self) -> int:
         return 1 if self.mla else 2
 
-    def token_view(self, tensor: torch.Tensor) -> torch.Tensor:
+    def token_view(self, tensor: torch.Tensor) -> torch.Tensor | KVHalvesView:
         """`[blocks, block_size, kv_parts, heads, head_size]` view of a layer's cache."""
-        view = self.layout.semantic_view(tensor)
-        if self.mla:
-            return view[:, :, None, None, :]
-        order = ("blocks", "tokens", "kv", "heads", "head_size")
-        return view.permute([self.layout.memory.index(d) for d in order])
+        return token_view(self.layout, tensor)
 
     def allocate(self, num_tokens: int) -> list[int]:
         return [self.free.pop() for _ in range(math.ceil(num_tokens / self.block_size))]

@@ -4,6 +4,7 @@ in every built-in per-layer layout."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -18,10 +19,10 @@ LAYOUTS = ("HND", "NHD", "FLASHINFER_HND", "FLASHINFER_NHD", "CPU_PACKED", "MLA"
 def _regions(layout_name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensor's memory regions (dims outside blocks), each `[blocks, bytes per block]`."""
     layout = get_layout(layout_name)
-    view = layout.semantic_view(tensor)
-    outer = layout.memory.index("blocks")
-    flat = view.reshape(*view.shape[: outer + 1], -1)
-    return [flat[i] for i in range(flat.shape[0])] if outer else [flat]
+    sizes, outer = layout.sizes_of(tensor), layout.memory.index("blocks")
+    regions = math.prod(sizes[d] for d in layout.memory[:outer])
+    flat = tensor.permute(layout.stride_order).reshape(regions, sizes["blocks"], -1)
+    return list(flat)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
