@@ -42,9 +42,14 @@ def layer_regions(layer: str, layout: Layout, tensor: torch.Tensor) -> list[Regi
 
 
 def heads_outermost_in_block(layout: Layout) -> bool:
-    """True if a contiguous head range of one region's block is one contiguous byte range."""
-    inner = [d for d in layout.memory if d != BLOCKS and not (d == KV and layout.kv_split)]
-    return bool(inner) and inner[0] == HEADS
+    """True if a contiguous head range of one region's block is one contiguous byte range
+    (in both the K and the V order when they differ, as in vLLM-CPU's layout)."""
+    orders = (layout.memory, layout.k_memory) if layout.split_order else (layout.memory,)
+    for memory in orders:
+        inner = [d for d in memory if d != BLOCKS and not (d == KV and layout.kv_split)]
+        if not inner or inner[0] != HEADS:
+            return False
+    return True
 
 
 def block_descs(
