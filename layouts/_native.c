@@ -54,13 +54,16 @@ typedef struct {
     int64_t piece_offset;  /* bytes between consecutive slices of the sliced block */
 } direct_t;
 
+/* One call's work, shared by the calling thread and the pool's workers: each takes the next
+ * `chunk` units until none are left, so a worker the OS runs late just does less. */
 typedef struct {
     const side_t *src, *dst;
-    const direct_t *direct;       /* or else, through the scratch: */
+    const direct_t *direct;         /* or else, through the scratch: */
     const walk_t *gather, *scatter; /* a source block -> scratch, scratch -> a destination block */
-    int64_t first, last;          /* units [first, last) */
+    int64_t units, chunk;
     size_t elem, src_block_bytes, dst_block_bytes;
-    int failed;
+    atomic_llong next;              /* first unit not yet taken */
+    atomic_int failed;              /* a scratch could not be allocated */
 } job_t;
 
 /* Append dim (size, from, to) to `w` (outermost first), merged into the previous dim when it is
@@ -206,9 +209,10 @@ static inline char *block_at(const side_t *s, int64_t unit, int64_t k) {
     return s->base + s->idx[unit * s->per + k] * s->block_stride;
 }
 
-static void run_direct(const job_t *job) {
+/* Units [first, last) straight from source to destination. */
+static void run_direct(job_t *job, int64_t first, int64_t last) {
     const direct_t *p = job->direct;
-    for (int64_t u = job->first; u < job->last; u++) {
+    for (int64_t u = first; u < last; u++) {
         for (int64_t k = 0; k < p->pieces; k++) {
             const char *from = p->split_dst ? block_at(job->src, u, k)
                                             : block_at(job->src, u, 0) + k * p->piece_offset;
@@ -219,20 +223,9 @@ static void run_direct(const job_t *job) {
     }
 }
 
-static void run_job(job_t *job) {
-    if (job->direct) {
-        run_direct(job);
-        return;
-    }
-    /* cache-line aligned: with malloc's 16-byte alignment every row of the scratch straddles
-     * one more line than it needs (measured ~1.5x slower overall) */
-    size_t unit_bytes = (size_t)job->src->per * job->src_block_bytes;
-    char *scratch = aligned_alloc(64, (unit_bytes + 63) / 64 * 64);
-    if (!scratch) {
-        job->failed = 1;
-        return;
-    }
-    for (int64_t u = job->first; u < job->last; u++) {
+/* Units [first, last) through `scratch`, one unit at a time. */
+static void run_scratch(job_t *job, char *scratch, int64_t first, int64_t last) {
+    for (int64_t u = first; u < last; u++) {
         for (int64_t k = 0; k < job->src->per; k++)
             walk_copy(job->gather, block_at(job->src, u, k), scratch + k * job->src_block_bytes,
                       job->elem);
@@ -240,23 +233,51 @@ static void run_job(job_t *job) {
             walk_copy(job->scatter, scratch + k * job->dst_block_bytes, block_at(job->dst, u, k),
                       job->elem);
     }
+}
+
+/* Take chunks of units until none are left. */
+static void run_job(job_t *job) {
+    char *scratch = NULL;
+    if (!job->direct) {
+        /* cache-line aligned: with malloc's 16-byte alignment every row of the scratch
+         * straddles one more line than it needs (measured ~1.5x slower overall) */
+        size_t unit_bytes = (size_t)job->src->per * job->src_block_bytes;
+        scratch = aligned_alloc(64, (unit_bytes + 63) / 64 * 64);
+        if (!scratch) {
+            atomic_store(&job->failed, 1);
+            return;
+        }
+    }
+    for (;;) {
+        int64_t first = atomic_fetch_add(&job->next, job->chunk);
+        if (first >= job->units)
+            break;
+        int64_t last = first + job->chunk < job->units ? first + job->chunk : job->units;
+        if (job->direct)
+            run_direct(job, first, last);
+        else
+            run_scratch(job, scratch, first, last);
+    }
     free(scratch);
 }
 
-/* A small persistent pool runs jobs[1..n-1] while the calling thread runs jobs[0]: creating
- * threads per call costs as much as moving a few MiB. Idle workers spin briefly (back-to-back
- * per-layer calls find them awake, as PyTorch's own pool does) and then sleep on a condition
- * variable. One call uses the pool at a time; a concurrent call runs its jobs inline. */
+/* A small persistent pool helps the calling thread: creating threads per call costs as much as
+ * moving a few MiB. A call opens one slot per helper it wants (tagged with its generation); a
+ * worker that wakes in time claims its slot and takes chunks. When the caller runs out of
+ * work it closes the slots still open, so it never waits for a worker the OS has not run yet,
+ * only for those that joined to finish their chunk. Idle workers spin briefly (back-to-back
+ * per-layer calls find them awake, as PyTorch's own pool does), then sleep on a condition
+ * variable. One call uses the pool at a time; a concurrent call works alone. */
 #define SPINS 4000
 
 static struct {
     pthread_mutex_t call, mu;
     pthread_cond_t wake, done;
     atomic_long generation;
-    atomic_int pending;
-    job_t *jobs;
-    int njobs, workers;
-    long start_gen[MAX_THREADS];
+    atomic_long slot[MAX_THREADS]; /* the generation worker i may join, or 0 */
+    atomic_int finished;           /* joined workers done with this call's job */
+    job_t *job;
+    int workers;
     pid_t pid;
 } pool = {.call = PTHREAD_MUTEX_INITIALIZER,
           .mu = PTHREAD_MUTEX_INITIALIZER,
@@ -273,7 +294,7 @@ static inline void cpu_relax(void) {
 
 static void *worker(void *arg) {
     const int me = (int)(intptr_t)arg;
-    long seen = pool.start_gen[me];
+    long seen = 0;
     for (;;) {
         long gen = atomic_load(&pool.generation);
         for (int i = 0; gen == seen && i < SPINS; i++) {
@@ -287,13 +308,14 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         seen = gen;
-        if (me < pool.njobs)
-            run_job(&pool.jobs[me]);
-        if (atomic_fetch_sub(&pool.pending, 1) == 1) {
-            pthread_mutex_lock(&pool.mu);
-            pthread_cond_signal(&pool.done);
-            pthread_mutex_unlock(&pool.mu);
-        }
+        long open = gen;
+        if (!atomic_compare_exchange_strong(&pool.slot[me], &open, 0))
+            continue; /* not wanted, or the caller already finished without us */
+        run_job(pool.job);
+        atomic_fetch_add(&pool.finished, 1);
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.mu);
     }
     return NULL;
 }
@@ -309,7 +331,7 @@ static void grow_pool(int n) {
     }
     while (pool.workers < n) {
         pthread_t tid;
-        pool.start_gen[pool.workers] = atomic_load(&pool.generation);
+        atomic_store(&pool.slot[pool.workers], 0);
         if (pthread_create(&tid, NULL, worker, (void *)(intptr_t)pool.workers) != 0)
             return;
         pthread_detach(tid);
@@ -317,31 +339,35 @@ static void grow_pool(int n) {
     }
 }
 
-static void run_jobs(job_t *jobs, int n) {
-    if (n > 1 && pthread_mutex_trylock(&pool.call) == 0) {
-        grow_pool(n);
-        int helped = pool.workers < n ? pool.workers : n; /* jobs the pool takes: [1, helped) */
-        pool.jobs = jobs;
-        pool.njobs = helped;
-        atomic_store(&pool.pending, pool.workers - 1);
-        pthread_mutex_lock(&pool.mu);
-        atomic_fetch_add(&pool.generation, 1);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.mu);
-        run_job(&jobs[0]);
-        for (int t = helped; t < n; t++) /* workers that could not be started */
-            run_job(&jobs[t]);
-        for (int i = 0; atomic_load(&pool.pending) > 0 && i < SPINS; i++)
-            cpu_relax();
-        pthread_mutex_lock(&pool.mu);
-        while (atomic_load(&pool.pending) > 0)
-            pthread_cond_wait(&pool.done, &pool.mu);
-        pthread_mutex_unlock(&pool.mu);
-        pthread_mutex_unlock(&pool.call);
+static void run_pooled(job_t *job, int threads) {
+    if (threads < 2 || pthread_mutex_trylock(&pool.call) != 0) {
+        run_job(job);
         return;
     }
-    for (int t = 0; t < n; t++)
-        run_job(&jobs[t]);
+    grow_pool(threads);
+    int helpers = (pool.workers < threads ? pool.workers : threads) - 1;
+    long gen = atomic_load(&pool.generation) + 1;
+    pool.job = job;
+    atomic_store(&pool.finished, 0);
+    for (int i = 1; i <= helpers; i++)
+        atomic_store(&pool.slot[i], gen);
+    pthread_mutex_lock(&pool.mu);
+    atomic_store(&pool.generation, gen);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    run_job(job);
+    int joined = 0;
+    for (int i = 1; i <= helpers; i++) {
+        long open = gen;
+        joined += !atomic_compare_exchange_strong(&pool.slot[i], &open, 0);
+    }
+    for (int i = 0; atomic_load(&pool.finished) < joined && i < SPINS; i++)
+        cpu_relax();
+    pthread_mutex_lock(&pool.mu);
+    while (atomic_load(&pool.finished) < joined)
+        pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.call);
 }
 
 /* Parse one side: address of its first element, shape and strides (in elements) of the whole
@@ -470,26 +496,23 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
     plan_scratch(&src, (size_t)elem, 1, &gather);
     plan_scratch(&dst, (size_t)elem, 0, &scatter);
 
-    job_t jobs[MAX_THREADS];
-    int failed = 0;
+    int64_t chunk = units / (8 * threads);
+    job_t job = {.src = &src,
+                 .dst = &dst,
+                 .direct = plan,
+                 .gather = &gather,
+                 .scatter = &scatter,
+                 .units = units,
+                 .chunk = chunk < 1 ? 1 : chunk > 16 ? 16 : chunk,
+                 .elem = (size_t)elem,
+                 .src_block_bytes = (size_t)(src_elems * elem),
+                 .dst_block_bytes = (size_t)(dst_elems * elem)};
+    atomic_init(&job.next, 0);
+    atomic_init(&job.failed, 0);
     Py_BEGIN_ALLOW_THREADS
-    for (long long t = 0; t < threads; t++) {
-        jobs[t] = (job_t){&src,
-                          &dst,
-                          plan,
-                          &gather,
-                          &scatter,
-                          units * t / threads,
-                          units * (t + 1) / threads,
-                          (size_t)elem,
-                          (size_t)(src_elems * elem),
-                          (size_t)(dst_elems * elem),
-                          0};
-    }
-    run_jobs(jobs, (int)threads);
-    for (long long t = 0; t < threads; t++)
-        failed |= jobs[t].failed;
+    run_pooled(&job, (int)threads);
     Py_END_ALLOW_THREADS
+    int failed = atomic_load(&job.failed);
     free(ids);
     if (failed)
         return PyErr_NoMemory();
