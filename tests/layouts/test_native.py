@@ -63,16 +63,16 @@ def test_missing_build_warns_once_or_fails_when_required() -> None:
 
 
 def test_transforms_call_the_native_kernel() -> None:
-    assert _kernels.native is not None, "kvx.layouts chose the PyTorch path in this venv"
+    kernel = _kernels.load_native("1")
     cache = NHD.allocate(8, 16, 2, 8, dtype=torch.bfloat16)[0]
     calls = []
-    real = _kernels.native.gather_scatter
+    real = kernel.gather_scatter
 
     def counting(*args: object) -> None:
         calls.append(args)
         real(*args)
 
-    with patch.object(_kernels.native, "gather_scatter", counting):
+    with patch.object(_kernels, "native", kernel), patch.object(kernel, "gather_scatter", counting):
         kv_postprocess_blksize_and_layout_on_receive(cache, [5, 1, 2], 2)
     assert len(calls) == 1
 
@@ -112,7 +112,10 @@ def _fork_case() -> torch.Tensor:
 def _native_transform_digest() -> str:
     """sha256 of the case after the native transform, run on the worker pool."""
     cache = _fork_case()
-    with patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", 1):
+    with (
+        patch.object(_kernels, "native", _kernels.load_native("1")),
+        patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", 1),
+    ):
         kv_postprocess_blksize_and_layout_on_receive(cache, list(range(0, 64, 3)), 4)
     return hashlib.sha256(cache.numpy().tobytes()).hexdigest()
 
