@@ -38,7 +38,7 @@ BlockIdsLike = Sequence[int] | torch.Tensor
 
 NATIVE_ENV = "KVX_LAYOUTS_NATIVE"
 NATIVE_MAX_DIMS = 16
-"""Dims of one block the native kernel takes (it coalesces contiguous ones first)."""
+"""Dims of one block the native kernel accepts (views with more take the PyTorch path)."""
 NATIVE_BYTES_PER_THREAD = 1 << 20
 """Bytes a call must move per thread before the native kernel splits it across threads."""
 NATIVE_DIRECT = True
