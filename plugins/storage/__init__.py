@@ -58,8 +58,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 self._scheduler = StorageScheduler(
                     geometry,
                     backend,
-                    ctx.cache.layer_names,
                     preferred_shards=min(tp, geometry.total_heads),
+                    preferred_pp=ctx.parallel.pp_size,
                     store=config.is_kv_producer,
                 )
             else:

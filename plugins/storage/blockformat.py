@@ -1,46 +1,53 @@
-"""The stored value of one (block, layer, head shard): a fixed header, then the payload.
+"""The stored value of one (block, PP stage, head shard): a fixed header, then the payload.
 
-Engine-neutral: the payload is `[block_size, kv_parts, heads, head_size]` in token-major order
-(kv_parts is 2, K then V, or 1 for an MLA latent), raw little-endian elements of `dtype`. The
-header (little-endian, `HEADER.size` bytes) says what the payload is:
+One value holds every layer of a stage for one block and head shard. Engine-neutral: the
+payload is `[layers, block_size, kv_parts, heads, head_size]`, each layer token-major (kv_parts
+is 2, K then V, or 1 for an MLA latent), raw little-endian elements of `dtype`. The header
+(little-endian, `HEADER.size` = 64 bytes, so the payload is aligned for every dtype) says
+what the payload is:
 
 | field | type | meaning |
 |---|---|---|
 | magic | 4 bytes | `KVXB` |
-| version | u16 | `FORMAT_VERSION` |
+| version | u16 | `FORMAT_VERSION` (2; version 1 values, one per layer, are refused) |
 | header_len | u16 | bytes before the payload |
 | dtype | u8 | `DTYPE_CODES` |
 | kv_parts | u8 | 2 (K, V) or 1 (MLA) |
-| layout | u8 | payload order; 1 = token-major `[tokens, kv, heads, head_size]` |
+| layout | u8 | payload order; 1 = token-major `[tokens, kv, heads, head_size]` per layer |
 | flags | u8 | bit 0: MLA |
 | block_size | u32 | tokens |
 | total_heads | u32 | the model's KV heads |
 | head_start, head_end | u32, u32 | global heads of this shard |
 | head_size | u32 | elements per head |
+| layer_start, layer_end | u32, u32 | global layer indices of this stage |
+| total_layers | u32 | the model's layers |
+| layer_set | 8 bytes | hash of the stage's layer names (`keys.layer_set_hash`) |
 | payload_len | u64 | bytes |
-| checksum | 16 bytes | blake2b of (storage key, header before the checksum, payload) |
+| checksum | u32 | CRC-32 of (storage key, header before the checksum, payload) |
 
-The checksum binds a value to its key, so a value under the wrong name is refused too. Data read
-back is untrusted: every field is checked against what the reader expects before the payload is
+The checksum detects corruption (it is not a MAC against a writer who means harm) and binds a
+value to its key, so a value under the wrong name is refused too. Data read back is
+untrusted: every field is checked against what the reader expects before the payload is
 touched; nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import sys
 import warnings
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 MAGIC = b"KVXB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 LAYOUT_TOKEN_MAJOR = 1
 FLAG_MLA = 1
-HEADER = struct.Struct("<4sHHBBBBIIIIIQ16s")
-MAX_VALUE_BYTES = 512 << 20  # a Redis value's limit; one shard of one block is far smaller
+HEADER = struct.Struct("<4sHHBBBBIIIIIIII8sQI")
+CHECKSUM = struct.Struct("<I")
+MAX_VALUE_BYTES = 512 << 20  # a Redis value's limit
 DTYPE_CODES: dict[str, int] = {
     "float32": 1,
     "float16": 2,
@@ -51,7 +58,25 @@ DTYPE_CODES: dict[str, int] = {
     "float8_e4m3fn": 7,
     "float8_e5m2": 8,
 }
-_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
+_NAMES = (
+    "magic",
+    "version",
+    "header_len",
+    "dtype",
+    "kv_parts",
+    "layout",
+    "flags",
+    "block_size",
+    "total_heads",
+    "head_start",
+    "head_end",
+    "head_size",
+    "layer_start",
+    "layer_end",
+    "total_layers",
+    "layer_set",
+    "payload_len",
+)
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("the kvx storage block format needs a little-endian machine")
@@ -72,26 +97,66 @@ class BlockShape:
     heads: range
     head_size: int
     mla: bool = False
+    layers: range = range(0, 1)
+    total_layers: int = 1
+    layer_set: bytes = bytes(8)
+
+    @property
+    def itemsize(self) -> int:
+        return int(getattr(torch, self.dtype).itemsize)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.block_size * self.kv_parts * len(self.heads) * self.head_size * self.itemsize
 
     @property
     def payload_bytes(self) -> int:
-        item = getattr(torch, self.dtype).itemsize
-        return self.block_size * self.kv_parts * len(self.heads) * self.head_size * item
+        return len(self.layers) * self.layer_bytes
 
     @property
     def value_bytes(self) -> int:
         return HEADER.size + self.payload_bytes
 
     @property
-    def tensor_shape(self) -> tuple[int, int, int, int]:
-        return (self.block_size, self.kv_parts, len(self.heads), self.head_size)
+    def tensor_shape(self) -> tuple[int, int, int, int, int]:
+        return (len(self.layers), self.block_size, self.kv_parts, len(self.heads), self.head_size)
 
 
-def _digest(key: str, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(key.encode(), digest_size=16)
-    h.update(header)
-    h.update(payload)
-    return h.digest()
+def seal(key: str, shape: BlockShape, value: memoryview) -> None:
+    """Write the header and checksum into `value[:HEADER.size]`; the payload must be in place
+    after it (`value` is exactly `shape.value_bytes` long)."""
+    if len(value) != shape.value_bytes:
+        raise ValueError(f"{key}: value buffer is {len(value)} bytes, expected {shape.value_bytes}")
+    prefix = HEADER.pack(*_fields(shape), 0)[: -CHECKSUM.size]
+    value[: len(prefix)] = prefix
+    crc = zlib.crc32(value[HEADER.size :], zlib.crc32(prefix, zlib.crc32(key.encode())))
+    CHECKSUM.pack_into(value, len(prefix), crc)
+
+
+def check_value(
+    key: str, data: bytes | bytearray | memoryview | None, expect: BlockShape, *, verify: bool
+) -> memoryview:
+    """The payload of a value (a view into `data`); raise `BlockFormatError` if it is absent,
+    torn, corrupt or of another shape, dtype, head range or layer set."""
+    if data is None:
+        raise BlockFormatError(f"{key}: not stored")
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER.size:
+        raise BlockFormatError(f"{key}: {len(view)} bytes is shorter than the header")
+    *fields, checksum = HEADER.unpack_from(view)
+    for name, got, wanted in zip(_NAMES, fields, _fields(expect), strict=True):
+        if got != wanted:
+            raise BlockFormatError(f"{key}: header {name} is {got!r}, expected {wanted!r}")
+    if len(view) != expect.value_bytes:
+        raise BlockFormatError(
+            f"{key}: value is {len(view)} bytes, expected {expect.value_bytes} (torn or padded)"
+        )
+    payload = view[HEADER.size :]
+    if verify:
+        prefix = view[: HEADER.size - CHECKSUM.size]
+        if zlib.crc32(payload, zlib.crc32(prefix, zlib.crc32(key.encode()))) != checksum:
+            raise BlockFormatError(f"{key}: checksum mismatch (corrupt value)")
+    return payload
 
 
 def encode_block(key: str, shape: BlockShape, tensor: torch.Tensor) -> bytes:
@@ -102,61 +167,33 @@ def encode_block(key: str, shape: BlockShape, tensor: torch.Tensor) -> bytes:
             f"{shape.tensor_shape} {shape.dtype}"
         )
     payload = tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
-    fields = _fields(shape, len(payload))
-    prefix = HEADER.pack(*fields, b"\0" * 16)[:-16]
-    return b"".join((prefix, _digest(key, prefix, payload), payload))  # one copy of the payload
+    value = bytearray(HEADER.size + len(payload))
+    value[HEADER.size :] = payload
+    seal(key, shape, memoryview(value))
+    return bytes(value)
 
 
 def decode_block(
     key: str, data: bytes | bytearray | memoryview | None, expect: BlockShape, *, verify: bool
 ) -> torch.Tensor:
-    """The payload of a value as a read-only tensor of `expect.tensor_shape`; raise
-    `BlockFormatError` if it is absent, torn, corrupt or of another shape, dtype or head range."""
-    if data is None:
-        raise BlockFormatError(f"{key}: not stored")
-    view = memoryview(data).cast("B")
-    if len(view) < HEADER.size:
-        raise BlockFormatError(f"{key}: {len(view)} bytes is shorter than the header")
-    *fields, digest = HEADER.unpack_from(view)
-    want = _fields(expect, expect.payload_bytes)
-    names = (
-        "magic",
-        "version",
-        "header_len",
-        "dtype",
-        "kv_parts",
-        "layout",
-        "flags",
-        "block_size",
-        "total_heads",
-        "head_start",
-        "head_end",
-        "head_size",
-        "payload_len",
-    )
-    for name, got, wanted in zip(names, fields, want, strict=True):
-        if got != wanted:
-            raise BlockFormatError(f"{key}: header {name} is {got!r}, expected {wanted!r}")
-    if len(view) != expect.value_bytes:
-        raise BlockFormatError(
-            f"{key}: value is {len(view)} bytes, expected {expect.value_bytes} (torn or padded)"
-        )
-    payload = view[HEADER.size :]
-    if verify and _digest(key, view[: HEADER.size - 16], payload) != digest:
-        raise BlockFormatError(f"{key}: checksum mismatch (corrupt value)")
-    with warnings.catch_warnings():  # read-only buffer: the tensor is only ever read
+    """The payload of a value as a tensor of `expect.tensor_shape` (a view of `data`; read it
+    only); raise `BlockFormatError` as `check_value` does."""
+    payload = check_value(key, data, expect, verify=verify)
+    with warnings.catch_warnings():  # a read-only buffer: the tensor is only ever read
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=getattr(torch, expect.dtype))
     return flat.view(expect.tensor_shape)
 
 
-def _fields(shape: BlockShape, payload_len: int) -> tuple[object, ...]:
+def _fields(shape: BlockShape) -> tuple[object, ...]:
     if shape.dtype not in DTYPE_CODES:
         raise ValueError(
             f"dtype {shape.dtype!r} cannot be stored; supported: {', '.join(DTYPE_CODES)}"
         )
-    if payload_len + HEADER.size > MAX_VALUE_BYTES:
-        raise ValueError(f"a stored block of {payload_len} bytes exceeds {MAX_VALUE_BYTES} bytes")
+    if shape.value_bytes > MAX_VALUE_BYTES:
+        raise ValueError(
+            f"a stored value of {shape.value_bytes} bytes exceeds {MAX_VALUE_BYTES} bytes"
+        )
     return (
         MAGIC,
         FORMAT_VERSION,
@@ -170,5 +207,9 @@ def _fields(shape: BlockShape, payload_len: int) -> tuple[object, ...]:
         shape.heads.start,
         shape.heads.stop,
         shape.head_size,
-        payload_len,
+        shape.layers.start,
+        shape.layers.stop,
+        shape.total_layers,
+        shape.layer_set,
+        shape.payload_bytes,
     )

@@ -4,9 +4,11 @@ A stored block is `block_size` prompt tokens. Its key is
 `blake2b(parent_key || token ids as little-endian int64)`, the parent of block 0 being a seed
 derived from the namespace, the stored block size and the request's multimodal hashes; so two
 prompts that share a prefix share the keys (and the stored values) of that prefix. One value is
-stored per (block, layer, head shard) under
-`<namespace>/b<block_size>/<hex[:2]>/<hex>/<layer>.h<first>-<end>` (global KV heads
-`[first, end)`), which lets an engine of any TP size find the heads it holds.
+stored per (block, PP stage, head shard) under
+`<namespace>/b<block_size>/<hex[:2]>/<hex>/l<lo>-<hi>.<set>.h<first>-<end>`: every layer of the
+stage (global layer indices `[lo, hi)`, `<set>` a hash of their names) for global KV heads
+`[first, end)`. An engine of any TP size finds the head shards it needs and an engine of any
+PP size the stage values that hold its layers (stages split layers as vLLM's `get_pp_indices`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 import kvx
+from kvx.topology import pp_layer_range
 
 DIGEST_BYTES = 16
+MAX_PROBED_PP = 8  # a reader looks for values of writers with up to this many PP stages
 DEFAULT_BLOCK_SIZE = 16
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -71,11 +75,28 @@ def shard_counts(num_heads: int, preferred: int) -> list[int]:
     return sorted(counts, key=lambda n: (n != preferred, n))
 
 
-def value_key(namespace: str, block_size: int, block_key: str, layer: str, heads: range) -> str:
-    """The storage key of one block's KV for one layer and one head shard."""
+def layer_set_hash(layer_names: Sequence[str]) -> bytes:
+    """8 bytes naming a stage's layers (so models that differ only in layer names differ)."""
+    return hashlib.blake2b("\0".join(layer_names).encode(), digest_size=8).digest()
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The layers one stored value holds: global indices `layers` and their names' hash."""
+
+    layers: range
+    layer_set: bytes
+
+    @property
+    def tag(self) -> str:
+        return f"l{self.layers.start}-{self.layers.stop}.{self.layer_set.hex()}"
+
+
+def value_key(namespace: str, block_size: int, block_key: str, stage: Stage, heads: range) -> str:
+    """The storage key of one block's KV for every layer of one stage and one head shard."""
     return (
         f"{namespace}/b{block_size}/{block_key[:2]}/{block_key}/"
-        f"{quote(layer, safe='')}.h{heads.start}-{heads.stop}"
+        f"{quote(stage.tag, safe='')}.h{heads.start}-{heads.stop}"
     )
 
 
@@ -90,6 +111,7 @@ class Geometry:
     head_size: int
     dtype: str
     mla: bool
+    layer_names: tuple[str, ...]  # every layer of the model, in order
 
     @classmethod
     def of(cls, ctx: kvx.EngineContext, namespace: str | None, block_size: int | None) -> Geometry:
@@ -112,6 +134,7 @@ class Geometry:
             head_size=spec.head_size,
             dtype=spec.dtype,
             mla=spec.use_mla,
+            layer_names=tuple(spec.layer_names),
         )
 
     @property
@@ -121,5 +144,35 @@ class Geometry:
     def seed(self, mm_hashes: Sequence[str] = ()) -> bytes:
         return chain_seed(self.namespace, self.block_size, mm_hashes)
 
-    def value_key(self, block_key: str, layer: str, heads: range) -> str:
-        return value_key(self.namespace, self.block_size, block_key, layer, heads)
+    def stage(self, layers: range) -> Stage:
+        return Stage(layers, layer_set_hash(self.layer_names[layers.start : layers.stop]))
+
+    def stages(self, pp_size: int) -> list[Stage]:
+        """The stages of a writer with `pp_size` stages (vLLM's default layer split)."""
+        n = len(self.layer_names)
+        return [self.stage(pp_layer_range(n, rank, pp_size)) for rank in range(pp_size)]
+
+    def stage_of(self, layer_names: Sequence[str]) -> Stage:
+        """The stage holding exactly `layer_names` (a run of consecutive model layers)."""
+        index = {name: i for i, name in enumerate(self.layer_names)}
+        missing = [name for name in layer_names if name not in index]
+        if missing:
+            raise ValueError(
+                f"KV cache layers {missing} are not among the engine's layer names "
+                f"{list(self.layer_names)}"
+            )
+        at = sorted(index[name] for name in layer_names)
+        if not at or at != list(range(at[0], at[0] + len(at))):
+            raise ValueError(
+                f"SharedStorageConnector needs a worker's layers to be consecutive model "
+                f"layers (one PP stage); got layers {at}"
+            )
+        return self.stage(range(at[0], at[-1] + 1))
+
+    def pp_sizes(self, preferred: int) -> list[int]:
+        """Writer PP sizes a reader looks for, `preferred` first."""
+        sizes = range(1, min(MAX_PROBED_PP, len(self.layer_names)) + 1)
+        return sorted({preferred, *sizes}, key=lambda n: (n != preferred, n))
+
+    def value_key(self, block_key: str, stage: Stage, heads: range) -> str:
+        return value_key(self.namespace, self.block_size, block_key, stage, heads)

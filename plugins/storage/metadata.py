@@ -16,7 +16,8 @@ class LoadSpec:
     """Load tokens `[start, start + num_tokens)` into engine blocks `block_ids` (the blocks
     holding those tokens, in order; `start` is engine-block aligned).
 
-    `keys[j]` is stored block `first_block + j`, written by `shards[j]` equal head shards."""
+    `keys[j]` is stored block `first_block + j`, written by a writer of `stages[j]` PP stages
+    and `shards[j]` equal head shards."""
 
     req_id: str
     block_ids: list[int]
@@ -24,6 +25,7 @@ class LoadSpec:
     num_tokens: int
     first_block: int
     keys: list[str]
+    stages: list[int]
     shards: list[int]
 
 

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvx.plugins.storage.backends.base import StorageBackend
-from kvx.plugins.storage.keys import Geometry, block_keys, shard_counts, shard_ranges
+from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
 import kvx
@@ -19,6 +19,7 @@ import kvx
 logger = logging.getLogger(__name__)
 
 PROBE_BATCH = 32  # stored blocks checked per round trip
+_Partition = tuple[int, int]  # a writer's (PP size, head shard count)
 
 
 @dataclass
@@ -36,18 +37,22 @@ class StorageScheduler:
         self,
         geometry: Geometry,
         backend: StorageBackend,
-        layer_names: tuple[str, ...],
         preferred_shards: int,
+        preferred_pp: int,
         store: bool,
     ) -> None:
         self.geo = geometry
         self.backend = backend
-        self.layers = layer_names
         self.store = store
-        self._shard_order = shard_counts(geometry.total_heads, preferred_shards)
+        self._partitions = [  # (writer PP size, head shards), own first
+            (pp, shards)
+            for pp in geometry.pp_sizes(preferred_pp)
+            for shards in shard_counts(geometry.total_heads, preferred_shards)
+        ]
+        self._stages: dict[int, list[Stage]] = {}  # writer PP size -> its stages
         self._keys: dict[str, list[str]] = {}  # request id -> keys of its prompt's full blocks
         self._reqs: dict[str, _Request] = {}  # scheduled requests
-        self._found: dict[str, dict[int, int]] = {}  # this step: stored block -> shard count
+        self._found: dict[str, dict[int, _Partition]] = {}  # this step: block -> partition
         self._loads: dict[str, int] = {}  # this step: request id -> external tokens
 
     # -- contract --------------------------------------------------------------------------
@@ -144,7 +149,7 @@ class StorageScheduler:
             found = self._found.get(req_id, {})
             if any(b not in found for b in range(first, last)):
                 found = self._probe(state.keys, first, last)
-            shards = [found.get(b, self._shard_order[0]) for b in range(first, last)]
+            parts = [found.get(b, self._partitions[0]) for b in range(first, last)]
             meta.loads.append(
                 LoadSpec(
                     req_id=req_id,
@@ -153,7 +158,8 @@ class StorageScheduler:
                     num_tokens=n_ext,
                     first_block=first,
                     keys=state.keys[first:last],
-                    shards=shards,
+                    stages=[pp for pp, _ in parts],
+                    shards=[shards for _, shards in parts],
                 )
             )
         scheduled = out.num_scheduled_tokens.get(req_id, 0)
@@ -173,14 +179,15 @@ class StorageScheduler:
                 )
             )
 
-    def _probe(self, keys: list[str], first: int, last: int) -> dict[int, int]:
-        """The run of stored blocks from `first` (before `last`) whose every layer and head
-        shard exists, each with the shard count (writer TP partition) it was found under.
+    def _probe(self, keys: list[str], first: int, last: int) -> dict[int, _Partition]:
+        """The run of stored blocks from `first` (before `last`) whose every stage and head
+        shard value exists, each with the partition (writer PP size, head shard count) it was
+        found under.
 
         A block's partition is looked for among all candidates in one round trip; the blocks
         after it are then checked under the same partition in batches. If the store cannot be
         reached the run found so far is the answer (a miss: the engine computes the rest)."""
-        found: dict[int, int] = {}
+        found: dict[int, _Partition] = {}
         try:
             self._probe_into(found, keys, first, last)
         except Exception as exc:
@@ -192,39 +199,46 @@ class StorageScheduler:
             )
         return found
 
-    def _probe_into(self, found: dict[int, int], keys: list[str], first: int, last: int) -> None:
+    def _probe_into(
+        self, found: dict[int, _Partition], keys: list[str], first: int, last: int
+    ) -> None:
         block = first
         while block < last:
-            shards = self._partition_of(keys[block])
-            if shards is None:
+            part = self._partition_of(keys[block])
+            if part is None:
                 return
-            found[block] = shards
+            found[block] = part
             block += 1
             while block < last:
                 batch = range(block, min(last, block + PROBE_BATCH))
-                names = [self._names(keys[b], shards) for b in batch]
+                names = [self._names(keys[b], part) for b in batch]
                 exists = self.backend.exists_many([n for group in names for n in group])
                 per = len(names[0])
                 run = 0
                 while run < len(batch) and all(exists[run * per : (run + 1) * per]):
-                    found[block + run] = shards
+                    found[block + run] = part
                     run += 1
                 block += run
                 if run < len(batch):
                     break  # look for this block under every partition
 
-    def _partition_of(self, key: str) -> int | None:
-        """The first shard count (own TP first) under which every value of a block exists."""
-        names = [self._names(key, n) for n in self._shard_order]
+    def _partition_of(self, key: str) -> _Partition | None:
+        """The first partition (own PP and TP first) under which every value of a block
+        exists, looked for in one round trip."""
+        names = [self._names(key, part) for part in self._partitions]
         exists = self.backend.exists_many([n for group in names for n in group])
         at = 0
-        for shards, group in zip(self._shard_order, names, strict=True):
+        for part, group in zip(self._partitions, names, strict=True):
             if all(exists[at : at + len(group)]):
-                return shards
+                return part
             at += len(group)
         return None
 
-    def _names(self, key: str, shards: int) -> list[str]:
-        """Every layer x head shard value of one stored block under one partition."""
-        parts = shard_ranges(self.geo.total_heads, shards)
-        return [self.geo.value_key(key, layer, heads) for layer in self.layers for heads in parts]
+    def _names(self, key: str, part: _Partition) -> list[str]:
+        """Every stage x head shard value of one stored block under one partition."""
+        pp, shards = part
+        heads = shard_ranges(self.geo.total_heads, shards)
+        stages = self._stages.get(pp)
+        if stages is None:
+            stages = self._stages[pp] = self.geo.stages(pp)
+        return [self.geo.value_key(key, st, h) for st in stages for h in heads]

@@ -1,13 +1,16 @@
 """Worker side: load stored blocks into the paged KV cache, and save computed ones.
 
-Loads are synchronous (all in `start_load_kv`, one backend round trip per layer): the IO threads
-read and check each layer's values a few layers ahead of the copies into the cache. Saves copy
-the layer's blocks out in `save_kv_layer` (a gather into a CPU tensor) and the IO threads encode
-and write them while the forward pass goes on; `wait_for_save` returns when the step's
-writes are durable. Since nothing reads engine blocks after `save_kv_layer` returns, preempted
-blocks are safe at once (`handle_preemptions` has nothing to wait for). Every conversion
-between the engine's layout / block size / TP shard and the stored form goes through
-`kvx.layouts.convert_blocks`.
+A stored value is every layer of this worker's PP stage for one block and head shard
+(`blockformat.py`). Saves: `save_kv_layer` gathers the layer's blocks straight into per-block
+value buffers (one contiguous buffer per value: header, then the layers); once the stage's last
+layer is in, the IO threads checksum and write the values, a group of blocks per backend round
+trip, while the forward pass goes on; `wait_for_save` returns when the step's writes are
+durable. Since nothing reads engine blocks after `save_kv_layer` returns, preempted blocks are
+safe at once (`handle_preemptions` has nothing to wait for). Loads are synchronous (all in
+`start_load_kv`): the IO threads read groups of values into preallocated buffers and check
+them a few groups ahead, while this thread scatters every layer of the finished groups into the
+cache. Every conversion between the engine's layout / block size / TP shard and the stored form
+goes through `kvx.layouts.convert_blocks`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter, deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,10 +30,10 @@ from kvx.plugins.storage.blockformat import (
     HEADER,
     BlockFormatError,
     BlockShape,
-    decode_block,
-    encode_block,
+    check_value,
+    seal,
 )
-from kvx.plugins.storage.keys import Geometry, shard_ranges
+from kvx.plugins.storage.keys import Geometry, Stage, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
 import kvx
@@ -37,11 +41,13 @@ from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
 
+GROUP_BYTES = 16 << 20  # values per backend round trip (and per read-ahead buffer), in bytes
+
 TOKEN_MAJOR = Layout(
     "KVX_STORAGE_TOKEN_MAJOR",
     shape=("blocks", "tokens", "kv", "heads", "head_size"),
     memory=("blocks", "tokens", "kv", "heads", "head_size"),
-    summary="the stored block payload: [tokens, K|V, heads, head_size] per block",
+    summary="one layer of stored blocks: [tokens, K|V, heads, head_size] per block",
 )
 
 
@@ -66,25 +72,45 @@ class _Budget:
 
 
 @dataclass
-class _Fetched:
-    """One layer's values as read: a decoded block or the reason it is unusable, per value."""
+class _Save:
+    """One store spec's value buffers: row `r` is stored block `first_row + r`."""
 
-    wanted: list[tuple[_Load, int, range, str]]
-    blocks: list[torch.Tensor | BlockFormatError]
-    error: Exception | None = None  # the read itself failed
+    spec: StoreSpec
+    first_row: int
+    values: torch.Tensor  # uint8 [rows, value_bytes]
 
 
 @dataclass
 class _Load:
-    """One request's load on this rank: its staging tokens and the first bad stored block."""
+    """One request's load on this rank and its first bad stored block."""
 
     spec: LoadSpec
-    parts: list[list[range]]  # per stored block: the shards holding heads of this rank
-    staging: torch.Tensor  # [len(block_ids) * engine block size, kv, heads, head_size]
     bad: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.bad = len(self.spec.keys)
+
+
+@dataclass
+class _Unit:
+    """Consecutive stored blocks `first ...` of a load, of one writer stage and head shard."""
+
+    load: _Load
+    first: int
+    keys: list[str]
+    stage: Stage
+    heads: range
+    shape: BlockShape
+
+
+@dataclass
+class _Fetched:
+    """A unit's values as read into `values`, and per value why it is unusable (or None)."""
+
+    unit: _Unit
+    values: torch.Tensor
+    errors: list[BlockFormatError | None]
+    error: Exception | None = None  # the read itself failed
 
 
 class StorageWorker:
@@ -113,9 +139,14 @@ class StorageWorker:
         self.writer = is_primary_holder(geometry.total_heads, par.tp_size, par.tp_rank)
         self.dtype = getattr(torch, geometry.dtype)
         self.caches: dict[str, torch.Tensor] = {}
+        self.stage: Stage | None = None
+        self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-io")
         self._budget = _Budget(max_inflight_bytes)
+        self._saves: list[_Save] = []  # this step's value buffers, until the stage's last layer
+        self._saves_meta: StorageMetadata | None = None
+        self._saved_layers: set[str] = set()
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
         self._stats: Counter[str] = Counter()
@@ -135,17 +166,20 @@ class StorageWorker:
                     f"KV cache of layer {name!r} has {got} {tensor.dtype}; the engine context "
                     f"says {want} {self.dtype}"
                 )
+        self.stage = self.geo.stage_of(list(kv_caches))
+        index = {name: i for i, name in enumerate(self.geo.layer_names)}
+        self._by_index = {index[name]: tensor for name, tensor in kv_caches.items()}
         self.caches = dict(kv_caches)
 
     # -- loads -----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: StorageMetadata) -> None:
-        loads = [self._plan_load(spec) for spec in meta.loads]
+        loads = [_Load(spec) for spec in meta.loads]
         if not loads:
             return
-        if not self.caches:
+        if self.stage is None:
             raise RuntimeError("start_load_kv with loads before register_kv_caches")
-        self._load_layers(loads)
+        self._load_units(self._units(loads))
         for load in loads:
             spec = load.spec
             if load.bad < len(spec.keys):
@@ -155,64 +189,107 @@ class StorageWorker:
                 self._count(load_errors=len(spec.block_ids) - first_bad)
             self._count(loaded_tokens=self._valid_tokens(load))
 
-    def _plan_load(self, spec: LoadSpec) -> _Load:
-        parts = [
-            [r for r in shard_ranges(self.geo.total_heads, n) if _overlap(r, self.heads)]
-            for n in spec.shards
-        ]
-        tokens = len(spec.block_ids) * self.geo.engine_block_size
-        shape = (tokens, self.geo.kv_parts, len(self.heads), self.geo.head_size)
-        return _Load(spec, parts, torch.empty(shape, dtype=self.dtype))
+    def _units(self, loads: list[_Load]) -> list[_Unit]:
+        """Every value the loads need, in groups of consecutive blocks of one stage and shard
+        (a group starts on an engine block when engine blocks hold several stored blocks)."""
+        assert self.stage is not None
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        align = ebs // bs if ebs > bs else 1
+        units: list[_Unit] = []
+        for load in loads:
+            spec = load.spec
+            j = 0
+            while j < len(spec.keys):
+                part = (spec.stages[j], spec.shards[j])
+                end = j + 1
+                while end < len(spec.keys) and (spec.stages[end], spec.shards[end]) == part:
+                    end += 1
+                stages = [
+                    s for s in self.geo.stages(part[0]) if _overlap(s.layers, self.stage.layers)
+                ]
+                shards = [
+                    h
+                    for h in shard_ranges(self.geo.total_heads, part[1])
+                    if _overlap(h, self.heads)
+                ]
+                for stage in stages:
+                    for heads in shards:
+                        shape = self._shape(stage, heads)
+                        per = max(1, GROUP_BYTES // shape.value_bytes)
+                        per = max(align, per // align * align)
+                        for first in range(j, end, per):
+                            last = min(end, first + per)
+                            units.append(
+                                _Unit(load, first, spec.keys[first:last], stage, heads, shape)
+                            )
+                j = end
+        units.sort(key=lambda u: (id(u.load), u.first))
+        return units
 
-    def _load_layers(self, loads: list[_Load]) -> None:
-        """Layers are read and checked (`_fetch`) on the IO threads, a few ahead, while this
-        thread copies the finished ones into the cache in layer order (`_apply`)."""
-        layers = list(self.caches)
+    def _load_units(self, units: list[_Unit]) -> None:
+        """Units are read and checked (`_fetch`) on the IO threads, a few ahead, while this
+        thread scatters the finished ones into the cache in order (`_apply`)."""
         window = self._io_threads + 1
-        fetches: deque[Future[_Fetched]] = deque()
+        fetches: deque[Future[_Fetched] | None] = deque()
         try:
-            for i, layer in enumerate(layers):
-                while len(fetches) < window and i + len(fetches) < len(layers):
-                    ahead = layers[i + len(fetches)]
-                    fetches.append(
-                        self._pool.submit(self._fetch, ahead, self._wanted(ahead, loads))
-                    )
-                self._apply(self.caches[layer], loads, fetches.popleft().result())
+            for i in range(len(units)):
+                while len(fetches) < window and i + len(fetches) < len(units):
+                    ahead = units[i + len(fetches)]
+                    skip = ahead.first >= ahead.load.bad  # an earlier block already failed
+                    fetches.append(None if skip else self._pool.submit(self._fetch, ahead))
+                future = fetches.popleft()
+                if future is not None:
+                    self._apply(future.result())
         finally:
-            for future in fetches:  # after an unexpected error: no read outlives the call
-                future.cancel()
-                with contextlib.suppress(Exception):
-                    future.result()
+            for pending in fetches:  # after an unexpected error: no read outlives the call
+                if pending is not None:
+                    pending.cancel()
+                    with contextlib.suppress(Exception):
+                        pending.result()
 
-    def _wanted(self, layer: str, loads: list[_Load]) -> list[tuple[_Load, int, range, str]]:
-        """(load, stored block, head shard, storage key) of every value `layer` needs."""
-        return [
-            (load, j, heads, self.geo.value_key(key, layer, heads))
-            for load in loads
-            for j, key in enumerate(load.spec.keys[: load.bad])
-            for heads in load.parts[j]
-        ]
-
-    def _fetch(self, layer: str, wanted: list[tuple[_Load, int, range, str]]) -> _Fetched:
-        """Read and decode the values (an IO thread); a failed read is returned, not raised."""
-        if not wanted:
-            return _Fetched(wanted, [])
-        shapes = {heads: self._shape(heads) for _, _, heads, _ in wanted}
-        limit = max(s.value_bytes for s in shapes.values())
+    def _fetch(self, unit: _Unit) -> _Fetched:
+        """Read and check a unit's values (an IO thread); a failed read is returned, not
+        raised."""
+        shape = unit.shape
+        values = torch.empty((len(unit.keys), shape.value_bytes), dtype=torch.uint8)
+        rows = [memoryview(row.numpy()) for row in values]
+        names = [self.geo.value_key(key, unit.stage, unit.heads) for key in unit.keys]
         try:
-            values = self.backend.get_many([name for *_, name in wanted], limit)
+            sizes = self._read_into(names, rows)
         except Exception as exc:  # an unreachable store fails these loads, not the engine step
-            return _Fetched(wanted, [], exc)
-        blocks: list[torch.Tensor | BlockFormatError] = []
-        for (_, _, heads, name), data in zip(wanted, values, strict=True):
+            return _Fetched(unit, values, [], exc)
+        errors: list[BlockFormatError | None] = []
+        for name, row, size in zip(names, rows, sizes, strict=True):
             try:
-                blocks.append(decode_block(name, data, shapes[heads], verify=self.verify))
+                if size is None:
+                    raise BlockFormatError(f"{name}: not stored")
+                if size != len(row):
+                    raise BlockFormatError(
+                        f"{name}: value is {size} bytes, expected {len(row)} (torn, padded or "
+                        "of another format version)"
+                    )
+                check_value(name, row, shape, verify=self.verify)
+                errors.append(None)
             except BlockFormatError as exc:
-                blocks.append(exc)
-        return _Fetched(wanted, blocks)
+                errors.append(exc)
+        return _Fetched(unit, values, errors)
 
-    def _apply(self, cache: torch.Tensor, loads: list[_Load], fetched: _Fetched) -> None:
-        """Place one layer's good blocks up to each load's first bad one, then write them."""
+    def _read_into(self, names: list[str], rows: list[memoryview]) -> Sequence[int | None]:
+        """Read each value into its row: per value its stored size (None if absent)."""
+        get_into = getattr(self.backend, "get_into", None)
+        if get_into is not None:
+            sizes: Sequence[int | None] = get_into(names, rows)
+            return sizes
+        out: list[int | None] = []  # a backend without get_into: read, then copy
+        for row, data in zip(rows, self.backend.get_many(names, len(rows[0])), strict=True):
+            if data is not None and len(data) == len(row):
+                row[:] = data
+            out.append(None if data is None else len(data))
+        return out
+
+    def _apply(self, fetched: _Fetched) -> None:
+        """Scatter every layer of a unit's good blocks, up to its load's first bad one."""
+        unit, load = fetched.unit, fetched.unit.load
         if fetched.error is not None:
             logger.warning(
                 "kvx storage: reading KV blocks from %s failed: %s: %s",
@@ -220,53 +297,68 @@ class StorageWorker:
                 type(fetched.error).__name__,
                 fetched.error,
             )
-            for load, *_ in fetched.wanted:
-                load.bad = 0  # later layers skip it; every block is reported as a load error
+            load.bad = 0  # later units skip it; every block is reported as a load error
             return
-        for (load, j, heads, _), block in zip(fetched.wanted, fetched.blocks, strict=True):
-            if j >= load.bad:
-                continue
-            if isinstance(block, BlockFormatError):
+        good = 0
+        for error in fetched.errors:
+            if error is not None:
                 logger.warning(
-                    "kvx storage: load of request %s failed: %s", load.spec.req_id, block
+                    "kvx storage: load of request %s failed: %s", load.spec.req_id, error
                 )
-                load.bad = j
-                continue
-            self._place(load, j, heads, block)
-            self._count(loaded_bytes=HEADER.size + block.numel() * block.element_size())
-        for load in loads:
-            valid = self._valid_tokens(load)
-            if valid:
-                self._write_cache(load, cache, valid)
+                load.bad = min(load.bad, unit.first + good)
+                break
+            good += 1
+        n = min(good, load.bad - unit.first)
+        if n > 0:
+            self._scatter(unit, fetched.values[:n])
+            self._count(loaded_bytes=n * unit.shape.value_bytes)
 
-    def _place(self, load: _Load, j: int, heads: range, block: torch.Tensor) -> None:
-        """Copy the part of stored block `j` inside the load's tokens and this rank's heads."""
-        spec, bs = load.spec, self.geo.block_size
-        first = (spec.first_block + j) * bs
-        lo, hi = max(first, spec.start), min(first + bs, spec.start + spec.num_tokens)
-        h_lo, h_hi = max(heads.start, self.heads.start), min(heads.stop, self.heads.stop)
-        load.staging[
-            lo - spec.start : hi - spec.start, :, h_lo - self.heads.start : h_hi - self.heads.start
-        ] = block[lo - first : hi - first, :, h_lo - heads.start : h_hi - heads.start]
+    def _scatter(self, unit: _Unit, values: torch.Tensor) -> None:
+        assert self.stage is not None
+        spec, bs, ebs = unit.load.spec, self.geo.block_size, self.geo.engine_block_size
+        heads: dict[str, range] = {}
+        if not self.geo.mla and unit.heads != self.heads:
+            lo, hi = max(unit.heads.start, self.heads.start), min(unit.heads.stop, self.heads.stop)
+            heads["src_heads"] = range(lo - unit.heads.start, hi - unit.heads.start)
+            heads["dst_heads"] = range(lo - self.heads.start, hi - self.heads.start)
+        n = values.shape[0]
+        t0 = (spec.first_block + unit.first) * bs  # request position of the first row's token
+        moves: list[tuple[slice, list[int], list[int], int | None]] = []
+        if ebs > bs:  # rows fill engine blocks in order (the unit starts on an engine block)
+            e0 = (t0 - spec.start) // ebs
+            dst = spec.block_ids[e0 : e0 - (-(n * bs) // ebs)]
+            moves.append((slice(None), list(range(n)), dst, n * bs))
+        else:  # each engine-block-sized piece `s` of a row is one engine block (or outside)
+            for s in range(bs // ebs):
+                rows, dst = [], []
+                for r in range(n):
+                    t = t0 + r * bs + s * ebs
+                    if spec.start <= t < spec.start + spec.num_tokens:
+                        rows.append(r)
+                        dst.append(spec.block_ids[(t - spec.start) // ebs])
+                if rows:
+                    moves.append((slice(s * ebs, (s + 1) * ebs), rows, dst, None))
+        for g in range(
+            max(unit.stage.layers.start, self.stage.layers.start),
+            min(unit.stage.layers.stop, self.stage.layers.stop),
+        ):
+            view = self._layer_view(values, unit.shape, g - unit.stage.layers.start)
+            for tokens, rows, dst, num_tokens in moves:
+                convert_blocks(
+                    view[:, tokens],
+                    self._by_index[g],
+                    rows,
+                    dst,
+                    src_layout=self.stored_layout,
+                    dst_layout=self.layout,
+                    num_tokens=num_tokens,
+                    **heads,
+                )
 
     def _valid_tokens(self, load: _Load) -> int:
         spec = load.spec
         end = (spec.first_block + load.bad) * self.geo.block_size
         return max(0, min(spec.num_tokens, end - spec.start))
-
-    def _write_cache(self, load: _Load, cache: torch.Tensor, valid: int) -> None:
-        ebs = self.geo.engine_block_size
-        blocks = -(-valid // ebs)
-        src = self._blocked(load.staging)
-        convert_blocks(
-            src,
-            cache,
-            range(blocks),
-            load.spec.block_ids[:blocks],
-            src_layout=self.stored_layout,
-            dst_layout=self.layout,
-            num_tokens=valid,
-        )
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -277,46 +369,102 @@ class StorageWorker:
     def save_kv_layer(self, layer: str, kv_layer: torch.Tensor, meta: StorageMetadata) -> None:
         if not self.writer or not meta.stores:
             return
-        gathered = [(spec, self._gather(kv_layer, spec)) for spec in meta.stores]
-        size = sum(t.numel() * t.element_size() for _, t in gathered)
-        self._budget.acquire(size)
-        try:
-            future = self._pool.submit(self._write, layer, gathered, size)
-        except BaseException:
-            self._budget.release(size)
-            raise
-        self._pending.append(future)
+        if self._saves_meta is not meta:
+            self._drop_unfinished_saves()
+            self._saves_meta = meta
+            self._saves = self._new_saves(meta.stores)
+        assert self.stage is not None
+        position = self.geo.layer_names.index(layer) - self.stage.layers.start
+        for save in self._saves:
+            self._gather(kv_layer, save, position)
+        self._saved_layers.add(layer)
+        if len(self._saved_layers) == len(self.caches):
+            self._submit_writes()
 
-    def _gather(self, kv_layer: torch.Tensor, spec: StoreSpec) -> torch.Tensor:
-        """The spec's engine blocks as token-major CPU tokens `[tokens, kv, heads, head_size]`."""
-        n, ebs = len(spec.block_ids), self.geo.engine_block_size
-        shape = (n * ebs, self.geo.kv_parts, len(self.heads), self.geo.head_size)
-        tokens = torch.empty(shape, dtype=self.dtype)
-        convert_blocks(
-            kv_layer,
-            self._blocked(tokens),
-            spec.block_ids,
-            range(n),
-            src_layout=self.layout,
-            dst_layout=self.stored_layout,
-        )
-        return tokens
+    def _new_saves(self, stores: list[StoreSpec]) -> list[_Save]:
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        value_bytes = self._own_shape().value_bytes
+        rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
+        self._budget.acquire(sum(rows) * value_bytes)
+        return [
+            _Save(
+                spec, spec.block_ids_start // bs, torch.empty((n, value_bytes), dtype=torch.uint8)
+            )
+            for spec, n in zip(stores, rows, strict=True)
+        ]
 
-    def _write(self, layer: str, gathered: list[tuple[StoreSpec, torch.Tensor]], size: int) -> None:
+    def _gather(self, kv_layer: torch.Tensor, save: _Save, position: int) -> None:
+        """Copy one layer of the spec's engine blocks into its place in every value buffer."""
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        view = self._layer_view(save.values, self._own_shape(), position)
+        ids = save.spec.block_ids
+        if ebs >= bs:
+            pieces = [(slice(None), ids, range(len(save.values)))]
+        else:  # engine block `r * k + s` is piece `s` of row `r`
+            k = bs // ebs
+            pieces = [
+                (slice(s * ebs, (s + 1) * ebs), ids[s::k], range(len(ids[s::k]))) for s in range(k)
+            ]
+        for tokens, src, dst in pieces:
+            if src:
+                convert_blocks(
+                    kv_layer,
+                    view[:, tokens],
+                    src,
+                    dst,
+                    src_layout=self.layout,
+                    dst_layout=self.stored_layout,
+                )
+
+    def _submit_writes(self) -> None:
+        """Write the step's complete stored blocks, a group of values per IO-thread job."""
+        saves, self._saves, self._saves_meta = self._saves, [], None
+        self._saved_layers = set()
+        assert self.stage is not None
+        shape = self._own_shape()
+        per = max(1, GROUP_BYTES // shape.value_bytes)
+        items: list[tuple[str, memoryview]] = []
+        held = 0
+        for save in saves:
+            spec = save.spec
+            held += len(save.values) * shape.value_bytes
+            for r, row in enumerate(save.values):
+                j = save.first_row + r - spec.first_block
+                if 0 <= j < len(spec.keys):
+                    name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
+                    items.append((name, memoryview(row.numpy())))
+        # the budget is given back per group as it is written; rows never written at once
+        self._budget.release(held - len(items) * shape.value_bytes)
+        for at in range(0, len(items), per):
+            group = items[at : at + per]
+            try:
+                future = self._pool.submit(self._write, group, shape)
+            except BaseException:
+                self._budget.release((len(items) - at) * shape.value_bytes)
+                raise
+            self._pending.append(future)
+
+    def _write(self, items: list[tuple[str, memoryview]], shape: BlockShape) -> None:
         try:
-            bs, shape = self.geo.block_size, self._shape(self.heads)
-            items = []
-            for spec, tokens in gathered:
-                for j, key in enumerate(spec.keys):
-                    t = (spec.first_block + j) * bs - spec.block_ids_start
-                    name = self.geo.value_key(key, layer, self.heads)
-                    items.append((name, encode_block(name, shape, tokens[t : t + bs])))
+            for name, value in items:
+                seal(name, shape, value)
             self.backend.put_many(items)
             self._count(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
         finally:
-            self._budget.release(size)
+            self._budget.release(len(items) * shape.value_bytes)
+
+    def _drop_unfinished_saves(self) -> None:
+        """A step whose stage layers were not all saved writes nothing (values are whole)."""
+        if not self._saves:
+            return
+        missing = sorted(set(self.caches) - self._saved_layers)
+        logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
+        self._count(save_errors=1)
+        self._budget.release(sum(s.values.numel() for s in self._saves))
+        self._saves, self._saves_meta, self._saved_layers = [], None, set()
 
     def wait_for_save(self) -> None:
+        self._drop_unfinished_saves()
         pending, self._pending = self._pending, []
         for future in pending:
             try:
@@ -346,19 +494,40 @@ class StorageWorker:
         with self._stats_lock:
             self._stats.update(counts)
 
-    def _shape(self, heads: range) -> BlockShape:
+    def _shape(self, stage: Stage, heads: range) -> BlockShape:
         g = self.geo
         return BlockShape(
-            g.dtype, g.block_size, g.kv_parts, g.total_heads, heads, g.head_size, mla=g.mla
+            g.dtype,
+            g.block_size,
+            g.kv_parts,
+            g.total_heads,
+            heads,
+            g.head_size,
+            mla=g.mla,
+            layers=stage.layers,
+            total_layers=len(g.layer_names),
+            layer_set=stage.layer_set,
         )
 
-    def _blocked(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token-major staging as engine-sized blocks in the stored layout (a view)."""
-        ebs = self.geo.engine_block_size
+    def _own_shape(self) -> BlockShape:
+        assert self.stage is not None
+        return self._shape(self.stage, self.heads)
+
+    def _layer_view(self, values: torch.Tensor, shape: BlockShape, position: int) -> torch.Tensor:
+        """Layer `position` of every value in `values` (uint8 `[n, value_bytes]`) as stored
+        blocks in the stored layout: a strided view `[n, tokens, kv, heads, head_size]`."""
+        item = shape.itemsize
+        per = shape.layer_bytes // item
+        at = HEADER.size // item + position * per
+        flat = values.view(self.dtype)[:, at : at + per]
         if self.geo.mla:
-            return tokens.view(-1, ebs, self.geo.head_size)
-        return tokens.view(-1, ebs, *tokens.shape[1:])
+            return flat.view(-1, shape.block_size, shape.head_size)
+        return flat.view(-1, *shape.tensor_shape[1:])
 
 
 def _overlap(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop
+
+
+def _buffer(rows: int, value_bytes: int) -> torch.Tensor:
+    return torch.empty((rows, value_bytes), dtype=torch.uint8)

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import redis
+from kvx.plugins.storage import worker as storage_worker
 from kvx.plugins.storage.backends import fsspec_backend
 from kvx.plugins.storage.backends.base import BackendOptions, open_backend
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
-from kvx.plugins.storage.keys import block_keys, chain_seed, value_key
+from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
 
 import kvx
 from kvx import KVTransferConfig
@@ -124,16 +125,21 @@ def test_ttl_is_set_on_every_value(redis_url: str, make_rig: MakeRig) -> None:
     make_rig(redis_url, extra={"redis_ttl_s": 120}).prefill("p", tokens)
     client = redis.Redis.from_url(redis_url)
     keys = client.keys("kvx/*")
-    assert len(keys) == 2 * 2  # 2 full blocks x 2 layers x 1 shard
+    assert len(keys) == 2  # 2 full blocks x 1 stage (both layers) x 1 shard
     assert all(0 < client.ttl(k) <= 120 for k in keys)
     client.close()
 
 
 @pytest.mark.timeout(30)
-def test_redis_does_one_round_trip_per_layer(
-    redis_url: str, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("group", [None, 5])
+def test_redis_does_one_round_trip_per_block_group(
+    redis_url: str, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch, group: int | None
 ) -> None:
     tokens = list(range(16 * 12 + 5))  # 12 full blocks
+    value_bytes = 64 + 2 * 16 * 2 * 2 * 8 * 4  # header + 2 layers x [16 tokens, K|V, 2 heads, 8]
+    if group is not None:  # at most `group` values per round trip
+        monkeypatch.setattr(storage_worker, "GROUP_BYTES", group * value_bytes)
+    groups = [12] if group is None else [5, 5, 2]
     rig = make_rig(redis_url, tp=2, num_blocks=40)
     calls: list[int] = []
     real = redis.client.Pipeline.execute
@@ -144,17 +150,25 @@ def test_redis_does_one_round_trip_per_layer(
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
     rig.prefill("p", tokens)
-    # Scheduler: block 0 under every partition (1, 2 or 4 shards x 2 layers), absent. Each
-    # rank: one SET pipeline per layer for the 12 full blocks.
-    assert calls == [(1 + 2 + 4) * 2, 12, 12, 12, 12]
+    # Scheduler: block 0 under every partition (PP 1 or 2 stages x 1, 2 or 4 shards), absent.
+    # Each rank: one SET pipeline per group of blocks, each value holding both layers.
+    assert calls[0] == (1 + 2) * (1 + 2 + 4)
+    assert sorted(calls[1:]) == sorted(groups * 2)
+    client = redis.Redis.from_url(redis_url)
+    assert len(client.keys("kvx/*")) == 12 * 2  # one value per block and head shard
+    assert {len(client.get(k) or b"") for k in client.keys("kvx/*")} == {value_bytes}
+    client.close()
     calls.clear()
     reader = make_rig(redis_url, tp=2, num_blocks=40)
     calls.clear()
     run = reader.prefill("d", tokens, compute=False)
     assert run.num_external == 192
-    # Scheduler: block 0 under every partition, then blocks 1-11 under the one found. Workers:
-    # one GETRANGE pipeline per layer; no stores (the partial block is never stored).
-    assert calls == [(1 + 2 + 4) * 2, 11 * 2 * 2, 12, 12, 12, 12]
+    reader.check(tokens, run.block_ids, 192)
+    # Scheduler: block 0 under every partition, then blocks 1-11 under the one found (2 shards
+    # each). Workers: one GETRANGE pipeline per group; no stores (the partial block is never
+    # stored).
+    assert calls[:2] == [(1 + 2) * (1 + 2 + 4), 11 * 2]
+    assert sorted(calls[2:]) == sorted(groups * 2)
 
 
 @pytest.mark.timeout(30)
@@ -179,7 +193,7 @@ def test_write_failures_are_counted_not_raised(tmp_path: Path, make_rig: MakeRig
         backend.put_many = fail
     rig.prefill("p", list(range(40)))
     stats = rig.workers[0][0].get_kv_connector_stats()
-    assert stats is not None and stats.data["save_errors"] == 2  # one per layer
+    assert stats is not None and stats.data["save_errors"] == 1  # one per group of blocks
 
 
 def test_backends_are_registered_by_scheme() -> None:
@@ -195,11 +209,18 @@ def test_backends_are_registered_by_scheme() -> None:
     assert registry.storage_backends()["redis"].spec.requires == ("redis",)
 
 
-def test_value_keys_are_per_block_layer_and_shard() -> None:
+def test_value_keys_are_per_block_stage_and_shard() -> None:
     keys = block_keys(list(range(40)), 16, chain_seed("ns", 16))
     assert len(keys) == 2 and all(len(k) == 32 for k in keys)
-    assert value_key("ns", 16, keys[0], "a/b.c", range(2, 4)) == (
-        f"ns/b16/{keys[0][:2]}/{keys[0]}/a%2Fb.c.h2-4"
+    stage = Stage(range(4, 8), layer_set_hash(["a/b.4", "a/b.5", "a/b.6", "a/b.7"]))
+    assert len(stage.layer_set) == 8
+    assert value_key("ns", 16, keys[0], stage, range(2, 4)) == (
+        f"ns/b16/{keys[0][:2]}/{keys[0]}/l4-8.{stage.layer_set.hex()}.h2-4"
+    )
+    # Another model's layer names, or another split of the same layers, is another value.
+    other = Stage(range(4, 8), layer_set_hash(["x.4", "x.5", "x.6", "x.7"]))
+    assert value_key("ns", 16, keys[0], other, range(2, 4)) != value_key(
+        "ns", 16, keys[0], stage, range(2, 4)
     )
 
 

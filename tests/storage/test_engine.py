@@ -27,6 +27,7 @@ LENGTHS = (37, 64, 5, 100)  # prompt lengths
         ((4, 4), (1, 1), None, None, 2, False),  # KV heads replicated over ranks on both sides
         ((2, 1), (2, 1), None, None, 4, False),
         ((1, 1), (1, 2), (32, 16), None, 4, False),
+        ((1, 1), (3, 2), None, None, 4, False),  # D's stages straddle P's (1+2+1 vs 2+2 layers)
         ((1, 1), (1, 1), (16, 32), None, 4, False),
         ((1, 1), (1, 1), (32, 8), None, 4, False),
         ((1, 1), (1, 1), None, ("NHD", "HND"), 4, False),

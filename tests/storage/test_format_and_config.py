@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,31 @@ from kvx import ConfigError, KVTransferConfig
 from kvx.topology import physical_head_range as rank_heads
 
 MakeRig = Callable[..., Any]  # conftest's Rig factory
-SHAPE = BlockShape("bfloat16", 16, 2, 8, range(2, 4), 32)
+SHAPE = BlockShape(  # layers 4-5 of 8, heads 2-3 of 8: one stage's value for one head shard
+    "bfloat16", 16, 2, 8, range(2, 4), 32, layers=range(4, 6), total_layers=8, layer_set=b"8bytes!!"
+)
 
 
 def block() -> tuple[torch.Tensor, bytes]:
-    tensor = torch.arange(16 * 2 * 2 * 32, dtype=torch.float32).view(16, 2, 2, 32)
+    tensor = torch.arange(2 * 16 * 2 * 2 * 32, dtype=torch.float32).view(2, 16, 2, 2, 32)
     tensor = tensor.to(torch.bfloat16)
     return tensor, encode_block("ns/key", SHAPE, tensor)
 
 
 def test_round_trip_is_exact() -> None:
     tensor, data = block()
-    assert len(data) == HEADER.size + 16 * 2 * 2 * 32 * 2
-    assert data[:4] == b"KVXB"
+    assert HEADER.size == 64  # the payload is aligned for every dtype
+    assert len(data) == HEADER.size + 2 * 16 * 2 * 2 * 32 * 2
+    assert data[:4] == b"KVXB" and struct.unpack_from("<H", data, 4) == (2,)
     assert torch.equal(decode_block("ns/key", data, SHAPE, verify=True), tensor)
+    payload = data[HEADER.size :]
+    assert struct.unpack_from("<I", data, HEADER.size - 4)[0] == zlib.crc32(
+        payload, zlib.crc32(data[: HEADER.size - 4], zlib.crc32(b"ns/key"))
+    )
+
+
+def _with(data: bytes, offset: int, fmt: str, value: object) -> bytes:
+    return data[:offset] + struct.pack(fmt, value) + data[offset + struct.calcsize(fmt) :]
 
 
 @pytest.mark.parametrize(
@@ -45,15 +58,16 @@ def test_round_trip_is_exact() -> None:
         (lambda d: None, "not stored"),
         (lambda d: d[:20], "shorter than the header"),
         (lambda d: b"XXXX" + d[4:], "magic"),
-        (lambda d: d[:4] + struct.pack("<H", 9) + d[6:], "version is 9"),
+        (lambda d: _with(d, 4, "<H", 9), "version is 9"),
+        (lambda d: _with(d, 4, "<H", 1), "version is 1, expected 2"),  # a per-layer v1 value
         (lambda d: d[:-1], "torn"),
         (lambda d: d + b"\0", "torn"),
         (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum"),
         (lambda d: d[:8] + bytes([1]) + d[9:], "header dtype is 1, expected 3"),
-        (
-            lambda d: d[: HEADER.size - 24] + struct.pack("<Q", 1 << 40) + d[HEADER.size - 16 :],
-            "payload_len",
-        ),
+        (lambda d: _with(d, 32, "<I", 0), "layer_start is 0, expected 4"),
+        (lambda d: _with(d, 40, "<I", 32), "total_layers is 32, expected 8"),
+        (lambda d: _with(d, 44, "8s", b"another!"), "layer_set"),
+        (lambda d: _with(d, HEADER.size - 12, "<Q", 1 << 40), "payload_len"),
     ],
 )
 def test_bad_values_are_refused_before_the_payload_is_used(
@@ -64,13 +78,15 @@ def test_bad_values_are_refused_before_the_payload_is_used(
         decode_block("ns/key", mutate(data), SHAPE, verify=True)
 
 
-def test_a_value_under_another_key_or_head_range_is_refused() -> None:
+def test_a_value_under_another_key_head_range_or_stage_is_refused() -> None:
     _, data = block()
     with pytest.raises(BlockFormatError, match="checksum"):
         decode_block("ns/other", data, SHAPE, verify=True)
-    other = BlockShape("bfloat16", 16, 2, 8, range(0, 2), 32)
+    other = replace(SHAPE, heads=range(0, 2))
     with pytest.raises(BlockFormatError, match="head_start is 2, expected 0"):
         decode_block("ns/key", data, other, verify=False)
+    with pytest.raises(BlockFormatError, match="layer_end is 6, expected 8"):
+        decode_block("ns/key", data, replace(SHAPE, layers=range(4, 8)), verify=False)
 
 
 def test_keys_chain_the_prefix_and_namespace() -> None:

@@ -21,12 +21,15 @@ class StorageBackend(Protocol):
     """A flat key -> bytes store. Keys are `/`-separated strings of safe characters.
 
     Every value is written atomically: a reader sees it whole or not at all. Methods may be
-    called from several threads at once.
+    called from several threads at once. A backend may also offer
+    `get_into(keys, buffers) -> list[int | None]` (read each value into a preallocated
+    buffer when it is exactly that long; per key the stored size, None if absent): the
+    connector then reads without an extra copy (the built-in backends do).
     """
 
     url: str
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Store every `(key, value)`; raise on failure (values already written may stay)."""
 
     def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:

@@ -43,11 +43,11 @@ class FsspecBackend:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         for key, value in items:
             path = self._path(key)
             if self.atomic_put:
-                self.fs.pipe_file(path, value)
+                self.fs.pipe_file(path, bytes(value))
                 continue
             self._makedirs(path.rsplit("/", 1)[0])
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -80,6 +80,40 @@ class FsspecBackend:
             logger.warning("kvx storage: cannot read %s: %s", path, exc)
             return None
 
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read each value into its buffer when it is exactly that long: per key the stored
+        size (None where absent or unreadable). Local files go straight into the buffer."""
+        return [
+            self._get_into(self._path(key), buf) for key, buf in zip(keys, buffers, strict=True)
+        ]
+
+    def _get_into(self, path: str, buf: memoryview) -> int | None:
+        if not self.local:
+            data = self._get(path, len(buf))
+            if data is not None and len(data) == len(buf):
+                buf[:] = data
+            return None if data is None else len(data)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.warning("kvx storage: cannot read %s: %s", path, exc)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(buf):
+                return size
+            got = 0
+            while got < size:
+                n = os.readv(fd, [buf[got:]])
+                if n == 0:
+                    break  # shorter than fstat said: reported as that size
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(self.fs.exists(self._path(key))) for key in keys]
 
@@ -98,7 +132,7 @@ class FsspecBackend:
         """Nothing to release: fsspec filesystems hold no per-backend connections here."""
 
 
-def _write_local(path: str, value: bytes) -> None:
+def _write_local(path: str, value: bytes | memoryview) -> None:
     """Create `path` (it must not exist) holding exactly `value`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:

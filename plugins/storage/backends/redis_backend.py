@@ -1,8 +1,8 @@
 """Redis backend: `redis://host:port/db` (and `rediss://`) through one redis-py client.
 
-One value per key, each written with a single SET (a value is whole or absent); a batch of
-keys is one pipelined round trip. Values are read with GETRANGE so an oversized value never
-comes back whole. hiredis parses replies when installed.
+One value per key, each written with a single SET (a value is whole or absent, and is sent
+from the caller's buffer); a batch of keys is one pipelined round trip. Values are read with
+GETRANGE so an oversized value never comes back whole. hiredis parses replies when installed.
 
 Nothing waits on a dead or hung server beyond `timeout_s` per call: connects and replies are
 bounded by it and calls are not retried (a failed call raises; the connector turns that into
@@ -47,7 +47,7 @@ class RedisBackend:
                 "`redis-server --port 6379 --bind 127.0.0.1`) or fix storage_url"
             ) from None
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         if not items:
             return
         pipe = self.client.pipeline(transaction=False)
@@ -63,6 +63,22 @@ class RedisBackend:
             pipe.getrange(KEY_PREFIX + key, 0, max_bytes)
         # GETRANGE answers "" for a missing key; no stored value is empty.
         return [value or None for value in pipe.execute()]
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read each value into its buffer when it is exactly that long, in one pipelined
+        round trip: per key the stored size, or `len(buffer) + 1` if longer (None where
+        absent)."""
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key, buf in zip(keys, buffers, strict=True):
+            pipe.getrange(KEY_PREFIX + key, 0, len(buf))
+        sizes: list[int | None] = []
+        for buf, value in zip(buffers, pipe.execute(), strict=True):
+            if value and len(value) == len(buf):
+                buf[:] = value
+            sizes.append(len(value) if value else None)
+        return sizes
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
