@@ -9,7 +9,8 @@ layers) are saved and loaded, at the connector level (the worker side: `register
 - SharedStorageConnector on `file://` (a temporary directory) and on `redis://` (a
   redis-server this script starts on a free loopback port and stops at the end),
 - raw baselines on the same bytes: one plain sequential file per layer (write / readinto),
-  and pipelined redis-py SET / GET of values of the connector's size, one pipeline per layer,
+  and pipelined redis-py SET / GET of values of the connector's granularity (one per block,
+  every layer), 16 MiB of values per pipeline as the connector groups them,
 - the ExampleConnector scheme, written below: one safetensors file per layer per request,
   KV gathered and scattered through a per-token slot mapping,
 - OffloadingConnector's CPU tier (store and load of every block) against one plain
@@ -294,13 +295,21 @@ class RawFiles:
                 f.readinto(self.back[name].view(torch.uint8).numpy().data)
 
 
+def per_block(kv: KV) -> list[bytes]:
+    """The bytes as one value per block holding every layer (the connector's granularity)."""
+    data = payload(kv)
+    return [
+        _bytes(torch.stack([data[n][:, i] for n in kv.layers])) for i in range(len(kv.all_src))
+    ]
+
+
 class RawBlockFiles:
-    """For reference, not a target: the same bytes as one plain file per block and layer (the
-    connector's granularity), created and written / read, no rename, header or checksum."""
+    """For reference, not a target: the same bytes as one plain file per block holding every
+    layer (the connector's granularity), created and written / read, no rename, header or
+    checksum."""
 
     def __init__(self, kv: KV, root: Path) -> None:
-        data = payload(kv)
-        self.values = [_bytes(data[n][:, i]) for n in kv.layers for i in range(len(kv.all_src))]
+        self.values = per_block(kv)
         self.root, self.round = root, 0
         root.mkdir()
 
@@ -325,26 +334,25 @@ class RawBlockFiles:
 
 class RawRedis:
     def __init__(self, kv: KV, url: str) -> None:
-        data = payload(kv)
         self.client = redis.Redis.from_url(url)
-        self.values = {  # one value per block and layer, the connector's granularity
-            name: [_bytes(data[name][:, i]) for i in range(len(kv.all_src))] for name in kv.layers
-        }
-        self.back: dict[str, list[bytes]] = {}
+        self.values = per_block(kv)  # one value per block, the connector's granularity
+        self.group = max(1, (16 << 20) // len(self.values[0]))  # values per pipeline
+        self.back: list[bytes] = []
 
     def save(self) -> None:
-        for name, values in self.values.items():
+        for at in range(0, len(self.values), self.group):
             pipe = self.client.pipeline(transaction=False)
-            for i, value in enumerate(values):
-                pipe.set(f"raw/{name}/{i}", value)
+            for i in range(at, min(at + self.group, len(self.values))):
+                pipe.set(f"raw/{i}", self.values[i])
             pipe.execute()
 
     def load(self) -> None:
-        for name, values in self.values.items():
+        self.back = []
+        for at in range(0, len(self.values), self.group):
             pipe = self.client.pipeline(transaction=False)
-            for i in range(len(values)):
-                pipe.get(f"raw/{name}/{i}")
-            self.back[name] = pipe.execute()
+            for i in range(at, min(at + self.group, len(self.values))):
+                pipe.get(f"raw/{i}")
+            self.back.extend(pipe.execute())
 
     def check(self) -> None:
         if self.back != self.values:
@@ -604,7 +612,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
                 block_files.save,
                 block_files.load,
                 "raw file",
-                "reference: a plain file per block and layer",
+                "reference: a plain file per block (all layers)",
                 block_files.fresh,
             ),
             Case(
@@ -624,7 +632,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
                 "vLLM ExampleConnector scheme, file per layer per request",
                 example.fresh,
             ),
-            Case("raw redis", raw_redis.save, raw_redis.load, None, "pipelined SET/GET per layer"),
+            Case("raw redis", raw_redis.save, raw_redis.load, None, "pipelined SET/GET per block"),
             Case(
                 "kvx redis://",
                 on_redis.save,

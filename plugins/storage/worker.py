@@ -41,7 +41,8 @@ from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
 
-GROUP_BYTES = 16 << 20  # values per backend round trip (and per read-ahead buffer), in bytes
+GROUP_BYTES = 16 << 20  # values written per backend round trip, in bytes
+READ_BYTES = 64 << 20  # values read per round trip and scattered per convert_blocks call, at most
 
 TOKEN_MAJOR = Layout(
     "KVX_STORAGE_TOKEN_MAJOR",
@@ -69,6 +70,38 @@ class _Budget:
         with self.cond:
             self.used -= n
             self.cond.notify_all()
+
+
+class _Buffers:
+    """Byte buffers kept for reuse (up to `keep` bytes): fresh memory costs a page fault per
+    4 KiB page on first touch, about as much as the copy into it."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.free: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer of at least `nbytes` (contents undefined)."""
+        with self.lock:
+            fits = [b for b in self.free if b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                self.free = [b for b in self.free if b is not best]
+                return best
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self.free.append(buf)
+            self.free.sort(key=lambda b: b.numel(), reverse=True)
+            while sum(b.numel() for b in self.free) > self.keep:
+                self.free.pop()
+
+
+def _rows(flat: torch.Tensor, rows: int, row_bytes: int, at: int = 0) -> torch.Tensor:
+    """`rows` rows of `row_bytes` of a flat buffer, from byte `at`."""
+    return flat[at : at + rows * row_bytes].view(rows, row_bytes)
 
 
 @dataclass
@@ -108,6 +141,7 @@ class _Fetched:
     """A unit's values as read into `values`, and per value why it is unusable (or None)."""
 
     unit: _Unit
+    flat: torch.Tensor  # the buffer `values` lives in (back to the pool once applied)
     values: torch.Tensor
     errors: list[BlockFormatError | None]
     error: Exception | None = None  # the read itself failed
@@ -144,6 +178,11 @@ class StorageWorker:
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-io")
         self._budget = _Budget(max_inflight_bytes)
+        self._save_buffers = _Buffers(2 * max_inflight_bytes)
+        # reads in flight: io_threads + 1 groups, all within max_inflight_bytes
+        self._read_bytes = min(READ_BYTES, max_inflight_bytes // (io_threads + 1))
+        self._read_buffers = _Buffers((io_threads + 1) * self._read_bytes)
+        self._writing: list[torch.Tensor] = []  # buffers of the writes not yet waited for
         self._saves: list[_Save] = []  # this step's value buffers, until the stage's last layer
         self._saves_meta: StorageMetadata | None = None
         self._saved_layers: set[str] = set()
@@ -215,7 +254,7 @@ class StorageWorker:
                 for stage in stages:
                     for heads in shards:
                         shape = self._shape(stage, heads)
-                        per = max(1, GROUP_BYTES // shape.value_bytes)
+                        per = max(1, self._read_bytes // shape.value_bytes)
                         per = max(align, per // align * align)
                         for first in range(j, end, per):
                             last = min(end, first + per)
@@ -239,7 +278,9 @@ class StorageWorker:
                     fetches.append(None if skip else self._pool.submit(self._fetch, ahead))
                 future = fetches.popleft()
                 if future is not None:
-                    self._apply(future.result())
+                    fetched = future.result()
+                    self._apply(fetched)
+                    self._read_buffers.give(fetched.flat)
         finally:
             for pending in fetches:  # after an unexpected error: no read outlives the call
                 if pending is not None:
@@ -251,13 +292,14 @@ class StorageWorker:
         """Read and check a unit's values (an IO thread); a failed read is returned, not
         raised."""
         shape = unit.shape
-        values = torch.empty((len(unit.keys), shape.value_bytes), dtype=torch.uint8)
+        flat = self._read_buffers.take(len(unit.keys) * shape.value_bytes)
+        values = _rows(flat, len(unit.keys), shape.value_bytes)
         rows = [memoryview(row.numpy()) for row in values]
         names = [self.geo.value_key(key, unit.stage, unit.heads) for key in unit.keys]
         try:
             sizes = self._read_into(names, rows)
         except Exception as exc:  # an unreachable store fails these loads, not the engine step
-            return _Fetched(unit, values, [], exc)
+            return _Fetched(unit, flat, values, [], exc)
         errors: list[BlockFormatError | None] = []
         for name, row, size in zip(names, rows, sizes, strict=True):
             try:
@@ -272,7 +314,7 @@ class StorageWorker:
                 errors.append(None)
             except BlockFormatError as exc:
                 errors.append(exc)
-        return _Fetched(unit, values, errors)
+        return _Fetched(unit, flat, values, errors)
 
     def _read_into(self, names: list[str], rows: list[memoryview]) -> Sequence[int | None]:
         """Read each value into its row: per value its stored size (None if absent)."""
@@ -382,16 +424,18 @@ class StorageWorker:
             self._submit_writes()
 
     def _new_saves(self, stores: list[StoreSpec]) -> list[_Save]:
+        """Value buffers for the step's stores, all in one (reused) flat buffer."""
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         value_bytes = self._own_shape().value_bytes
         rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
         self._budget.acquire(sum(rows) * value_bytes)
-        return [
-            _Save(
-                spec, spec.block_ids_start // bs, torch.empty((n, value_bytes), dtype=torch.uint8)
-            )
-            for spec, n in zip(stores, rows, strict=True)
-        ]
+        flat = self._save_buffers.take(sum(rows) * value_bytes)
+        self._writing.append(flat)
+        saves, at = [], 0
+        for spec, n in zip(stores, rows, strict=True):
+            saves.append(_Save(spec, spec.block_ids_start // bs, _rows(flat, n, value_bytes, at)))
+            at += n * value_bytes
+        return saves
 
     def _gather(self, kv_layer: torch.Tensor, save: _Save, position: int) -> None:
         """Copy one layer of the spec's engine blocks into its place in every value buffer."""
@@ -462,6 +506,10 @@ class StorageWorker:
         self._count(save_errors=1)
         self._budget.release(sum(s.values.numel() for s in self._saves))
         self._saves, self._saves_meta, self._saved_layers = [], None, set()
+        if not self._pending:  # nothing of it is being written: its buffer is free
+            for flat in self._writing:
+                self._save_buffers.give(flat)
+            self._writing = []
 
     def wait_for_save(self) -> None:
         self._drop_unfinished_saves()
@@ -477,6 +525,10 @@ class StorageWorker:
                     type(exc).__name__,
                     exc,
                 )
+        if not self._saves:  # every write of the buffers has finished: reuse them
+            for flat in self._writing:
+                self._save_buffers.give(flat)
+            self._writing = []
 
     # -- misc ------------------------------------------------------------------------------
 
@@ -527,7 +579,3 @@ class StorageWorker:
 
 def _overlap(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop
-
-
-def _buffer(rows: int, value_bytes: int) -> torch.Tensor:
-    return torch.empty((rows, value_bytes), dtype=torch.uint8)

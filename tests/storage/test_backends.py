@@ -138,7 +138,8 @@ def test_redis_does_one_round_trip_per_block_group(
     tokens = list(range(16 * 12 + 5))  # 12 full blocks
     value_bytes = 64 + 2 * 16 * 2 * 2 * 8 * 4  # header + 2 layers x [16 tokens, K|V, 2 heads, 8]
     if group is not None:  # at most `group` values per round trip
-        monkeypatch.setattr(storage_worker, "GROUP_BYTES", group * value_bytes)
+        monkeypatch.setattr(storage_worker, "GROUP_BYTES", group * value_bytes)  # writes
+        monkeypatch.setattr(storage_worker, "READ_BYTES", group * value_bytes)  # reads
     groups = [12] if group is None else [5, 5, 2]
     rig = make_rig(redis_url, tp=2, num_blocks=40)
     calls: list[int] = []
