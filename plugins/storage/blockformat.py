@@ -122,15 +122,23 @@ class BlockShape:
         return (len(self.layers), self.block_size, self.kv_parts, len(self.heads), self.head_size)
 
 
-def seal(key: str, shape: BlockShape, value: memoryview) -> None:
+def checksum_start(key: str, shape: BlockShape) -> int:
+    """The CRC state before the payload; continue it with `zlib.crc32(chunk, state)` over the
+    payload in order to build a value's checksum piece by piece."""
+    return zlib.crc32(_prefix(shape), zlib.crc32(key.encode()))
+
+
+def seal(key: str, shape: BlockShape, value: memoryview, checksum: int | None = None) -> None:
     """Write the header and checksum into `value[:HEADER.size]`; the payload must be in place
-    after it (`value` is exactly `shape.value_bytes` long)."""
+    after it (`value` is exactly `shape.value_bytes` long). `checksum`: the running CRC from
+    `checksum_start` over the whole payload, if the caller computed it as the payload came in."""
     if len(value) != shape.value_bytes:
         raise ValueError(f"{key}: value buffer is {len(value)} bytes, expected {shape.value_bytes}")
-    prefix = HEADER.pack(*_fields(shape), 0)[: -CHECKSUM.size]
+    prefix = _prefix(shape)
     value[: len(prefix)] = prefix
-    crc = zlib.crc32(value[HEADER.size :], zlib.crc32(prefix, zlib.crc32(key.encode())))
-    CHECKSUM.pack_into(value, len(prefix), crc)
+    if checksum is None:
+        checksum = zlib.crc32(value[HEADER.size :], checksum_start(key, shape))
+    CHECKSUM.pack_into(value, len(prefix), checksum)
 
 
 def check_value(
@@ -183,6 +191,11 @@ def decode_block(
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=getattr(torch, expect.dtype))
     return flat.view(expect.tensor_shape)
+
+
+def _prefix(shape: BlockShape) -> bytes:
+    """The header before the checksum."""
+    return HEADER.pack(*_fields(shape), 0)[: -CHECKSUM.size]
 
 
 def _fields(shape: BlockShape) -> tuple[object, ...]:

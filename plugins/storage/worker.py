@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import zlib
 from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,7 @@ from kvx.plugins.storage.blockformat import (
     BlockFormatError,
     BlockShape,
     check_value,
+    checksum_start,
     seal,
 )
 from kvx.plugins.storage.keys import Geometry, Stage, shard_ranges
@@ -186,6 +188,11 @@ class StorageWorker:
         self._saves: list[_Save] = []  # this step's value buffers, until the stage's last layer
         self._saves_meta: StorageMetadata | None = None
         self._saved_layers: set[str] = set()
+        self._items: list[tuple[str, memoryview]] = []  # this step's values to write
+        self._checksums: list[int] = []  # their running CRCs, layer by layer
+        # one thread: each layer's CRC job continues the previous layer's
+        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="kvx-storage-io-crc")
+        self._checksum_tail: Future[None] | None = None  # the step's last CRC job
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
         self._stats: Counter[str] = Counter()
@@ -419,6 +426,9 @@ class StorageWorker:
         position = self.geo.layer_names.index(layer) - self.stage.layers.start
         for save in self._saves:
             self._gather(kv_layer, save, position)
+        self._checksum_tail = self._checksummer.submit(
+            self._checksum_layer, self._items, self._checksums, position
+        )
         self._saved_layers.add(layer)
         if len(self._saved_layers) == len(self.caches):
             self._submit_writes()
@@ -431,11 +441,29 @@ class StorageWorker:
         self._budget.acquire(sum(rows) * value_bytes)
         flat = self._save_buffers.take(sum(rows) * value_bytes)
         self._writing.append(flat)
+        assert self.stage is not None
         saves, at = [], 0
+        self._items, self._checksums = [], []
         for spec, n in zip(stores, rows, strict=True):
-            saves.append(_Save(spec, spec.block_ids_start // bs, _rows(flat, n, value_bytes, at)))
+            save = _Save(spec, spec.block_ids_start // bs, _rows(flat, n, value_bytes, at))
+            saves.append(save)
             at += n * value_bytes
+            for r, row in enumerate(save.values):
+                j = save.first_row + r - spec.first_block
+                if 0 <= j < len(spec.keys):  # a complete stored block of the spec's keys
+                    name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
+                    self._items.append((name, memoryview(row.numpy())))
+                    self._checksums.append(checksum_start(name, self._own_shape()))
         return saves
+
+    def _checksum_layer(
+        self, items: list[tuple[str, memoryview]], checksums: list[int], position: int
+    ) -> None:
+        """Continue every value's CRC over one layer (the checksum thread, layers in order)."""
+        size = self._own_shape().layer_bytes
+        at = HEADER.size + position * size
+        for i, (_, value) in enumerate(items):
+            checksums[i] = zlib.crc32(value[at : at + size], checksums[i])
 
     def _gather(self, kv_layer: torch.Tensor, save: _Save, position: int) -> None:
         """Copy one layer of the spec's engine blocks into its place in every value buffer."""
@@ -463,35 +491,36 @@ class StorageWorker:
     def _submit_writes(self) -> None:
         """Write the step's complete stored blocks, a group of values per IO-thread job."""
         saves, self._saves, self._saves_meta = self._saves, [], None
+        items, checksums, self._items, self._checksums = self._items, self._checksums, [], []
         self._saved_layers = set()
-        assert self.stage is not None
+        tail, self._checksum_tail = self._checksum_tail, None
         shape = self._own_shape()
         per = max(1, GROUP_BYTES // shape.value_bytes)
-        items: list[tuple[str, memoryview]] = []
-        held = 0
-        for save in saves:
-            spec = save.spec
-            held += len(save.values) * shape.value_bytes
-            for r, row in enumerate(save.values):
-                j = save.first_row + r - spec.first_block
-                if 0 <= j < len(spec.keys):
-                    name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
-                    items.append((name, memoryview(row.numpy())))
+        held = sum(len(save.values) for save in saves) * shape.value_bytes
         # the budget is given back per group as it is written; rows never written at once
         self._budget.release(held - len(items) * shape.value_bytes)
         for at in range(0, len(items), per):
-            group = items[at : at + per]
+            group = items[at : at + per], checksums  # checksums: complete once `tail` is done
             try:
-                future = self._pool.submit(self._write, group, shape)
+                future = self._pool.submit(self._write, *group, at, tail, shape)
             except BaseException:
                 self._budget.release((len(items) - at) * shape.value_bytes)
                 raise
             self._pending.append(future)
 
-    def _write(self, items: list[tuple[str, memoryview]], shape: BlockShape) -> None:
+    def _write(
+        self,
+        items: list[tuple[str, memoryview]],
+        checksums: list[int],
+        first: int,
+        tail: Future[None] | None,
+        shape: BlockShape,
+    ) -> None:
         try:
-            for name, value in items:
-                seal(name, shape, value)
+            if tail is not None:
+                tail.result()
+            for i, (name, value) in enumerate(items):
+                seal(name, shape, value, checksums[first + i])
             self.backend.put_many(items)
             self._count(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
         finally:
@@ -504,8 +533,12 @@ class StorageWorker:
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
         self._count(save_errors=1)
+        if self._checksum_tail is not None:  # let it finish reading the buffer
+            with contextlib.suppress(Exception):
+                self._checksum_tail.result()
         self._budget.release(sum(s.values.numel() for s in self._saves))
         self._saves, self._saves_meta, self._saved_layers = [], None, set()
+        self._items, self._checksums, self._checksum_tail = [], [], None
         if not self._pending:  # nothing of it is being written: its buffer is free
             for flat in self._writing:
                 self._save_buffers.give(flat)
@@ -540,6 +573,7 @@ class StorageWorker:
     def shutdown(self) -> None:
         self.wait_for_save()
         self._pool.shutdown(wait=True)
+        self._checksummer.shutdown(wait=True)
         self.backend.close()
 
     def _count(self, **counts: int) -> None:
