@@ -127,15 +127,25 @@ class _Load:
 
 
 @dataclass
-class _Unit:
-    """Consecutive stored blocks `first ...` of a load, of one writer stage and head shard."""
+class _Segment:
+    """Consecutive stored blocks `first ...` of a load, held by `rows` of a unit."""
 
     load: _Load
     first: int
-    keys: list[str]
+    rows: range
+
+
+@dataclass
+class _Unit:
+    """Values of one writer stage and head shard read and scattered together: segments of
+    one or more loads (one convert_blocks call per layer for all of them)."""
+
     stage: Stage
     heads: range
     shape: BlockShape
+    capacity: int  # rows at most
+    segments: list[_Segment] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # per row, the stored block's key
 
 
 @dataclass
@@ -236,40 +246,48 @@ class StorageWorker:
             self._count(loaded_tokens=self._valid_tokens(load))
 
     def _units(self, loads: list[_Load]) -> list[_Unit]:
-        """Every value the loads need, in groups of consecutive blocks of one stage and shard
-        (a group starts on an engine block when engine blocks hold several stored blocks)."""
+        """Every value the loads need, grouped per writer stage and head shard into units of
+        up to `_read_bytes` (a segment starts on an engine block when engine blocks hold
+        several stored blocks)."""
         assert self.stage is not None
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         align = ebs // bs if ebs > bs else 1
         units: list[_Unit] = []
+        open_units: dict[tuple[range, bytes, range], _Unit] = {}
         for load in loads:
             spec = load.spec
             j = 0
             while j < len(spec.keys):
+                if j % align:  # another writer's values begin inside an engine block
+                    load.bad = min(load.bad, j - j % align)  # rare: that block is recomputed
+                    break
                 part = (spec.stages[j], spec.shards[j])
                 end = j + 1
                 while end < len(spec.keys) and (spec.stages[end], spec.shards[end]) == part:
                     end += 1
-                stages = [
-                    s for s in self.geo.stages(part[0]) if _overlap(s.layers, self.stage.layers)
-                ]
-                shards = [
-                    h
-                    for h in shard_ranges(self.geo.total_heads, part[1])
-                    if _overlap(h, self.heads)
-                ]
-                for stage in stages:
-                    for heads in shards:
-                        shape = self._shape(stage, heads)
-                        per = max(1, self._read_bytes // shape.value_bytes)
-                        per = max(align, per // align * align)
-                        for first in range(j, end, per):
-                            last = min(end, first + per)
-                            units.append(
-                                _Unit(load, first, spec.keys[first:last], stage, heads, shape)
-                            )
+                stages = self.geo.stages(part[0])
+                shards = shard_ranges(self.geo.total_heads, part[1])
+                for stage in [s for s in stages if _overlap(s.layers, self.stage.layers)]:
+                    for heads in [h for h in shards if _overlap(h, self.heads)]:
+                        at = j
+                        while at < end:
+                            key = (stage.layers, stage.layer_set, heads)
+                            unit = open_units.get(key)
+                            room = 0 if unit is None else unit.capacity - len(unit.keys)
+                            take = min(end - at, room // align * align)
+                            if take <= 0:
+                                shape = self._shape(stage, heads)
+                                per = max(1, self._read_bytes // shape.value_bytes)
+                                unit = _Unit(stage, heads, shape, max(align, per // align * align))
+                                open_units[key] = unit
+                                units.append(unit)
+                                continue
+                            assert unit is not None
+                            rows = range(len(unit.keys), len(unit.keys) + take)
+                            unit.segments.append(_Segment(load, at, rows))
+                            unit.keys.extend(spec.keys[at : at + take])
+                            at += take
                 j = end
-        units.sort(key=lambda u: (id(u.load), u.first))
         return units
 
     def _load_units(self, units: list[_Unit]) -> None:
@@ -281,7 +299,8 @@ class StorageWorker:
             for i in range(len(units)):
                 while len(fetches) < window and i + len(fetches) < len(units):
                     ahead = units[i + len(fetches)]
-                    skip = ahead.first >= ahead.load.bad  # an earlier block already failed
+                    # skipped when every load in it already failed before its blocks
+                    skip = all(seg.first >= seg.load.bad for seg in ahead.segments)
                     fetches.append(None if skip else self._pool.submit(self._fetch, ahead))
                 future = fetches.popleft()
                 if future is not None:
@@ -337,8 +356,8 @@ class StorageWorker:
         return out
 
     def _apply(self, fetched: _Fetched) -> None:
-        """Scatter every layer of a unit's good blocks, up to its load's first bad one."""
-        unit, load = fetched.unit, fetched.unit.load
+        """Scatter every layer of a unit's good blocks, each load's up to its first bad one."""
+        unit = fetched.unit
         if fetched.error is not None:
             logger.warning(
                 "kvx storage: reading KV blocks from %s failed: %s: %s",
@@ -346,63 +365,76 @@ class StorageWorker:
                 type(fetched.error).__name__,
                 fetched.error,
             )
-            load.bad = 0  # later units skip it; every block is reported as a load error
+            for seg in unit.segments:
+                seg.load.bad = 0  # later units skip it; every block is reported as a load error
             return
-        good = 0
-        for error in fetched.errors:
-            if error is not None:
-                logger.warning(
-                    "kvx storage: load of request %s failed: %s", load.spec.req_id, error
-                )
-                load.bad = min(load.bad, unit.first + good)
-                break
-            good += 1
-        n = min(good, load.bad - unit.first)
-        if n > 0:
-            self._scatter(unit, fetched.values[:n])
-            self._count(loaded_bytes=n * unit.shape.value_bytes)
+        for seg in unit.segments:
+            for k, row in enumerate(seg.rows):
+                error = fetched.errors[row]
+                if error is not None:
+                    req = seg.load.spec.req_id
+                    logger.warning("kvx storage: load of request %s failed: %s", req, error)
+                    seg.load.bad = min(seg.load.bad, seg.first + k)
+                    break
+        good = [(seg, min(len(seg.rows), seg.load.bad - seg.first)) for seg in unit.segments]
+        good = [(seg, n) for seg, n in good if n > 0]
+        if good:
+            self._scatter(unit, fetched.values, good)
+            rows = sum(n for _, n in good)
+            self._count(loaded_bytes=rows * unit.shape.value_bytes)
 
-    def _scatter(self, unit: _Unit, values: torch.Tensor) -> None:
+    def _scatter(
+        self, unit: _Unit, values: torch.Tensor, good: list[tuple[_Segment, int]]
+    ) -> None:
+        """Copy the first `n` rows of each segment, every layer this rank holds, into the
+        cache: one convert_blocks call per layer and engine-block-sized piece of a row."""
         assert self.stage is not None
-        spec, bs, ebs = unit.load.spec, self.geo.block_size, self.geo.engine_block_size
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
         heads: dict[str, range] = {}
         if not self.geo.mla and unit.heads != self.heads:
             lo, hi = max(unit.heads.start, self.heads.start), min(unit.heads.stop, self.heads.stop)
             heads["src_heads"] = range(lo - unit.heads.start, hi - unit.heads.start)
             heads["dst_heads"] = range(lo - self.heads.start, hi - self.heads.start)
-        n = values.shape[0]
-        t0 = (spec.first_block + unit.first) * bs  # request position of the first row's token
-        moves: list[tuple[slice, list[int], list[int], int | None]] = []
-        if ebs > bs:  # rows fill engine blocks in order (the unit starts on an engine block)
-            e0 = (t0 - spec.start) // ebs
-            dst = spec.block_ids[e0 : e0 - (-(n * bs) // ebs)]
-            moves.append((slice(None), list(range(n)), dst, n * bs))
-        else:  # each engine-block-sized piece `s` of a row is one engine block (or outside)
-            for s in range(bs // ebs):
-                rows, dst = [], []
-                for r in range(n):
+        # moves: (tokens of a row, src rows, dst engine blocks, tokens or None for whole blocks)
+        moves: dict[object, tuple[slice, list[int], list[int], int | None]] = {}
+        for index, (seg, n) in enumerate(good):
+            spec = seg.load.spec
+            t0 = (spec.first_block + seg.first) * bs  # request position of the segment
+            rows = list(seg.rows[:n])
+            if ebs > bs:  # rows fill engine blocks in order (a segment starts on one)
+                e0 = (t0 - spec.start) // ebs
+                dst = spec.block_ids[e0 : e0 - (-(n * bs) // ebs)]
+                whole = n * bs % ebs == 0  # whole engine blocks: one call with the others
+                key: object = "whole" if whole else ("part", index)
+                move = moves.setdefault(key, (slice(None), [], [], None if whole else n * bs))
+                move[1].extend(rows)
+                move[2].extend(dst)
+                continue
+            for s in range(bs // ebs):  # piece `s` of a row is one engine block (or outside)
+                move = moves.setdefault(s, (slice(s * ebs, (s + 1) * ebs), [], [], None))
+                for r, row in enumerate(rows):
                     t = t0 + r * bs + s * ebs
                     if spec.start <= t < spec.start + spec.num_tokens:
-                        rows.append(r)
-                        dst.append(spec.block_ids[(t - spec.start) // ebs])
-                if rows:
-                    moves.append((slice(s * ebs, (s + 1) * ebs), rows, dst, None))
-        for g in range(
+                        move[1].append(row)
+                        move[2].append(spec.block_ids[(t - spec.start) // ebs])
+        layers = range(
             max(unit.stage.layers.start, self.stage.layers.start),
             min(unit.stage.layers.stop, self.stage.layers.stop),
-        ):
+        )
+        for g in layers:
             view = self._layer_view(values, unit.shape, g - unit.stage.layers.start)
-            for tokens, rows, dst, num_tokens in moves:
-                convert_blocks(
-                    view[:, tokens],
-                    self._by_index[g],
-                    rows,
-                    dst,
-                    src_layout=self.stored_layout,
-                    dst_layout=self.layout,
-                    num_tokens=num_tokens,
-                    **heads,
-                )
+            for tokens, src, dst, num_tokens in moves.values():
+                if src:
+                    convert_blocks(
+                        view[:, tokens],
+                        self._by_index[g],
+                        src,
+                        dst,
+                        src_layout=self.stored_layout,
+                        dst_layout=self.layout,
+                        num_tokens=num_tokens,
+                        **heads,
+                    )
 
     def _valid_tokens(self, load: _Load) -> int:
         spec = load.spec

@@ -144,6 +144,35 @@ def test_corruption_is_reported_as_load_errors(
     rig.check(tokens, run.block_ids[:1], 16)  # block 0 loaded exactly; nothing else written
 
 
+def test_a_bad_block_fails_only_its_own_request_in_a_shared_step(
+    tmp_path: Path, make_rig: MakeRig
+) -> None:
+    # Both requests' values are read and scattered together (one group per layer); the
+    # corrupt block of "a" must not cost "b" anything.
+    url = f"file://{tmp_path}"
+    a, b = prompt(80, seed=10), prompt(80, seed=11)
+    producer = make_rig(url)
+    producer.prefill("pa", a)
+    producer.prefill("pb", b)
+    corrupt_file(tmp_path, block_keys(a, 16, chain_seed(NAMESPACE, 16))[1])
+    rig = make_rig(url, role="kv_consumer")
+    new, blocks = [], {}
+    for req_id, tokens in (("a", a), ("b", b)):
+        request = Request(req_id, tokens)
+        rig.scheduler.on_new_request(request)
+        assert rig.scheduler.get_num_new_matched_tokens(request, 0) == (64, False)
+        blocks[req_id] = rig.allocate(len(tokens))
+        alloc = KVCacheBlocks((blocks[req_id],), (0,))
+        rig.scheduler.update_state_after_alloc(request, alloc, 64)
+        new.append(NewRequestData(req_id, tokens, (blocks[req_id],), 64))
+    out = SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens={"a": 16, "b": 16})
+    errors, meta = rig.step(out, {})
+    assert len(meta.loads) == 2 and not meta.stores
+    assert errors == set(blocks["a"][1:4])  # a's block 1 is bad, so are its blocks 2 and 3
+    rig.check(b, blocks["b"], 64, alone=False)
+    rig.check(a, blocks["a"][:1], 16, alone=False)
+
+
 def test_checksums_can_be_skipped(tmp_path: Path, make_rig: MakeRig) -> None:
     url = f"file://{tmp_path}"
     tokens = prompt(40, seed=7)
