@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 GROUP_BYTES = 16 << 20  # values written per backend round trip, in bytes
 READ_BYTES = 64 << 20  # values read per round trip and scattered per convert_blocks call, at most
+FIRST_READ_BYTES = 4 << 20  # the first group of a load is this small, each next one twice that
+# (up to READ_BYTES): scattering starts after a short read, later groups make few calls
 
 TOKEN_MAJOR = Layout(
     "KVX_STORAGE_TOKEN_MAJOR",
@@ -277,7 +279,8 @@ class StorageWorker:
                             take = min(end - at, room // align * align)
                             if take <= 0:
                                 shape = self._shape(stage, heads)
-                                per = max(1, self._read_bytes // shape.value_bytes)
+                                size = min(self._read_bytes, FIRST_READ_BYTES << len(units))
+                                per = max(1, size // shape.value_bytes)
                                 unit = _Unit(stage, heads, shape, max(align, per // align * align))
                                 open_units[key] = unit
                                 units.append(unit)
