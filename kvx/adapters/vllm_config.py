@@ -7,6 +7,7 @@ checked without vLLM installed.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -21,9 +22,14 @@ SUPPORTED_RELEASE = (0, 32)
 CPU_LAYOUT = "CPU_PACKED"
 """vLLM-CPU's per-layer KV tensor: `[blocks, heads, block_size, 2*head_size]`; per (block, head)
 slab K transposed `[head_size, block_size]`, then V `[block_size, head_size]`."""
+VERIFIED_ATTN_ISAS = ("vec", "vec16")
+"""vLLM-CPU attention kernels whose cache layout `CPU_LAYOUT` was measured against (K transposed
+for float32, bfloat16 and float16 alike); AMX could not be measured on machines without it."""
 KVX_CONNECTOR_KEY = "kvx_connector"
 """Extra-config key naming the kvx connector when vLLM's `kv_connector` is `KvxConnector`."""
 GENERIC_CLASS = "KvxConnector"
+
+logger = logging.getLogger(__name__)
 
 # vLLM KVTransferConfig fields that mean the same in kvx (kv_connector is translated separately).
 _SHARED_FIELDS = (
@@ -154,6 +160,7 @@ def engine_context(
             "supported by kvx.adapters.vllm"
         )
     spec = groups[0].kv_cache_spec
+    warn_unverified_kernels(spec.dtype, spec.block_size, spec.head_size)
     par = vllm_config.parallel_config
     events = vllm_config.kv_events_config
     transfer = vllm_config.kv_transfer_config
@@ -184,3 +191,19 @@ def engine_context(
         enable_kv_cache_events=bool(events is not None and events.enable_kv_cache_events),
         extra={"engine": "vllm", "vllm_version": vllm_version},
     )
+
+
+def warn_unverified_kernels(dtype: Any, block_size: int, head_size: int) -> str:
+    """Which attention kernels vLLM-CPU uses for this cache; a warning when kvx has not verified
+    their K/V byte order (whole-block copies stay exact, per-token conversions may not be)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = str(_get_attn_isa(dtype, block_size, head_size))
+    if isa not in VERIFIED_ATTN_ISAS:
+        logger.warning(
+            "kvx: vLLM-CPU uses its %r attention kernels for dtype %s, head size %d; kvx verified "
+            "the %s layout for %s only. Whole-block transfers between vLLM-CPU engines stay "
+            "exact; conversions to other layouts, block sizes or engines may misorder K.",
+            isa, dtype, head_size, CPU_LAYOUT, list(VERIFIED_ATTN_ISAS),
+        )
+    return isa

