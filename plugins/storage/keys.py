@@ -5,7 +5,7 @@ A stored block is `block_size` prompt tokens. Its key is
 derived from the namespace, the stored block size and the request's multimodal hashes; so two
 prompts that share a prefix share the keys (and the stored values) of that prefix. One value is
 stored per (block, PP stage, head shard) under
-`<namespace>/b<block_size>/<hex[:2]>/<hex>/l<lo>-<hi>.<set>.h<first>-<end>`: every layer of the
+`<namespace>/b<block_size>/<hex[:2]>/<hex>.l<lo>-<hi>.<set>.h<first>-<end>`: every layer of the
 stage (global layer indices `[lo, hi)`, `<set>` a hash of their names) for global KV heads
 `[first, end)`. An engine of any TP size finds the head shards it needs and an engine of any
 PP size the stage values that hold its layers (stages split layers as vLLM's `get_pp_indices`).
@@ -95,7 +95,7 @@ class Stage:
 def value_key(namespace: str, block_size: int, block_key: str, stage: Stage, heads: range) -> str:
     """The storage key of one block's KV for every layer of one stage and one head shard."""
     return (
-        f"{namespace}/b{block_size}/{block_key[:2]}/{block_key}/"
+        f"{namespace}/b{block_size}/{block_key[:2]}/{block_key}."
         f"{quote(stage.tag, safe='')}.h{heads.start}-{heads.stop}"
     )
 

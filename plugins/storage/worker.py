@@ -43,6 +43,7 @@ from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
 
+CHECKSUM_LANES = 2  # threads computing the CRCs of a step's values as layers come in
 GROUP_BYTES = 16 << 20  # values written per backend round trip, in bytes
 READ_BYTES = 64 << 20  # values read per round trip and scattered per convert_blocks call, at most
 FIRST_READ_BYTES = 4 << 20  # the first group of a load is this small, each next one twice that
@@ -106,15 +107,6 @@ class _Buffers:
 def _rows(flat: torch.Tensor, rows: int, row_bytes: int, at: int = 0) -> torch.Tensor:
     """`rows` rows of `row_bytes` of a flat buffer, from byte `at`."""
     return flat[at : at + rows * row_bytes].view(rows, row_bytes)
-
-
-@dataclass
-class _Save:
-    """One store spec's value buffers: row `r` is stored block `first_row + r`."""
-
-    spec: StoreSpec
-    first_row: int
-    values: torch.Tensor  # uint8 [rows, value_bytes]
 
 
 @dataclass
@@ -197,14 +189,20 @@ class StorageWorker:
         self._read_bytes = min(READ_BYTES, max_inflight_bytes // (io_threads + 1))
         self._read_buffers = _Buffers((io_threads + 1) * self._read_bytes)
         self._writing: list[torch.Tensor] = []  # buffers of the writes not yet waited for
-        self._saves: list[_Save] = []  # this step's value buffers, until the stage's last layer
+        # this step's value buffers (one row per stored block), until the stage's last layer
+        self._step_values: torch.Tensor | None = None
+        self._step_pieces: list[tuple[slice, list[int], list[int]]] = []  # see _new_saves
         self._saves_meta: StorageMetadata | None = None
         self._saved_layers: set[str] = set()
         self._items: list[tuple[str, memoryview]] = []  # this step's values to write
         self._checksums: list[int] = []  # their running CRCs, layer by layer
-        # one thread: each layer's CRC job continues the previous layer's
-        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="kvx-storage-io-crc")
-        self._checksum_tail: Future[None] | None = None  # the step's last CRC job
+        # CRC lanes, each one thread over its share of the values: a layer's job continues the
+        # previous layer's CRCs
+        self._checksummers = [
+            ThreadPoolExecutor(1, thread_name_prefix="kvx-storage-io-crc")
+            for _ in range(CHECKSUM_LANES)
+        ]
+        self._checksum_tail: list[Future[None]] = []  # the step's last CRC job per lane
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
         self._stats: Counter[str] = Counter()
@@ -456,82 +454,88 @@ class StorageWorker:
         if self._saves_meta is not meta:
             self._drop_unfinished_saves()
             self._saves_meta = meta
-            self._saves = self._new_saves(meta.stores)
-        assert self.stage is not None
+            self._new_saves(meta.stores)
+        assert self.stage is not None and self._step_values is not None
         position = self.geo.layer_names.index(layer) - self.stage.layers.start
-        for save in self._saves:
-            self._gather(kv_layer, save, position)
-        self._checksum_tail = self._checksummer.submit(
-            self._checksum_layer, self._items, self._checksums, position
-        )
+        view = self._layer_view(self._step_values, self._own_shape(), position)
+        for tokens, src, dst in self._step_pieces:
+            convert_blocks(
+                kv_layer,
+                view[:, tokens],
+                src,
+                dst,
+                src_layout=self.layout,
+                dst_layout=self.stored_layout,
+            )
+        lanes = len(self._checksummers)
+        self._checksum_tail = [
+            lane.submit(self._checksum_layer, self._items, self._checksums, position, i, lanes)
+            for i, lane in enumerate(self._checksummers)
+        ]
         self._saved_layers.add(layer)
         if len(self._saved_layers) == len(self.caches):
             self._submit_writes()
 
-    def _new_saves(self, stores: list[StoreSpec]) -> list[_Save]:
-        """Value buffers for the step's stores, all in one (reused) flat buffer."""
-        bs, ebs = self.geo.block_size, self.geo.engine_block_size
-        value_bytes = self._own_shape().value_bytes
-        rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
-        self._budget.acquire(sum(rows) * value_bytes)
-        flat = self._save_buffers.take(sum(rows) * value_bytes)
-        self._writing.append(flat)
+    def _new_saves(self, stores: list[StoreSpec]) -> None:
+        """Value buffers for the step's stores (one reused flat buffer, a row per stored block
+        from each spec's first engine block on), the values to write, and the gather plan: per
+        engine-block-sized piece of a row, the engine blocks and the rows they go to (all specs
+        in one convert_blocks call per layer and piece)."""
         assert self.stage is not None
-        saves, at = [], 0
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        shape = self._own_shape()
+        rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
+        self._budget.acquire(sum(rows) * shape.value_bytes)
+        flat = self._save_buffers.take(sum(rows) * shape.value_bytes)
+        self._writing.append(flat)
+        values = _rows(flat, sum(rows), shape.value_bytes)
+        k = bs // ebs if bs > ebs else 1  # engine block `r * k + s` is piece `s` of row `r`
+        pieces: list[tuple[slice, list[int], list[int]]] = [
+            (slice(s * ebs, (s + 1) * ebs) if k > 1 else slice(None), [], []) for s in range(k)
+        ]
         self._items, self._checksums = [], []
+        first_row = 0
         for spec, n in zip(stores, rows, strict=True):
-            save = _Save(spec, spec.block_ids_start // bs, _rows(flat, n, value_bytes, at))
-            saves.append(save)
-            at += n * value_bytes
-            for r, row in enumerate(save.values):
-                j = save.first_row + r - spec.first_block
+            for s, (_, src, dst) in enumerate(pieces):
+                ids = spec.block_ids[s::k]
+                src.extend(ids)
+                dst.extend(range(first_row, first_row + len(ids)) if k > 1 else [])
+            if k == 1:  # engine blocks fill whole rows in order
+                pieces[0][2].extend(range(first_row, first_row + n))
+            for r in range(n):
+                j = spec.block_ids_start // bs + r - spec.first_block
                 if 0 <= j < len(spec.keys):  # a complete stored block of the spec's keys
                     name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
-                    self._items.append((name, memoryview(row.numpy())))
-                    self._checksums.append(checksum_start(name, self._own_shape()))
-        return saves
+                    self._items.append((name, values[first_row + r].numpy().data))
+                    self._checksums.append(checksum_start(name, shape))
+            first_row += n
+        self._step_values = values
+        self._step_pieces = [piece for piece in pieces if piece[1]]
 
     def _checksum_layer(
-        self, items: list[tuple[str, memoryview]], checksums: list[int], position: int
+        self,
+        items: list[tuple[str, memoryview]],
+        checksums: list[int],
+        position: int,
+        lane: int,
+        lanes: int,
     ) -> None:
-        """Continue every value's CRC over one layer (the checksum thread, layers in order)."""
+        """Continue the CRCs of values `lane::lanes` over one layer (a lane's thread runs the
+        layers in order)."""
         size = self._own_shape().layer_bytes
         at = HEADER.size + position * size
-        for i, (_, value) in enumerate(items):
-            checksums[i] = zlib.crc32(value[at : at + size], checksums[i])
-
-    def _gather(self, kv_layer: torch.Tensor, save: _Save, position: int) -> None:
-        """Copy one layer of the spec's engine blocks into its place in every value buffer."""
-        bs, ebs = self.geo.block_size, self.geo.engine_block_size
-        view = self._layer_view(save.values, self._own_shape(), position)
-        ids = save.spec.block_ids
-        if ebs >= bs:
-            pieces = [(slice(None), ids, range(len(save.values)))]
-        else:  # engine block `r * k + s` is piece `s` of row `r`
-            k = bs // ebs
-            pieces = [
-                (slice(s * ebs, (s + 1) * ebs), ids[s::k], range(len(ids[s::k]))) for s in range(k)
-            ]
-        for tokens, src, dst in pieces:
-            if src:
-                convert_blocks(
-                    kv_layer,
-                    view[:, tokens],
-                    src,
-                    dst,
-                    src_layout=self.layout,
-                    dst_layout=self.stored_layout,
-                )
+        for i in range(lane, len(items), lanes):
+            checksums[i] = zlib.crc32(items[i][1][at : at + size], checksums[i])
 
     def _submit_writes(self) -> None:
         """Write the step's complete stored blocks, a group of values per IO-thread job."""
-        saves, self._saves, self._saves_meta = self._saves, [], None
+        values, self._step_values, self._saves_meta = self._step_values, None, None
         items, checksums, self._items, self._checksums = self._items, self._checksums, [], []
         self._saved_layers = set()
-        tail, self._checksum_tail = self._checksum_tail, None
+        tail, self._checksum_tail = self._checksum_tail, []
         shape = self._own_shape()
         per = max(1, GROUP_BYTES // shape.value_bytes)
-        held = sum(len(save.values) for save in saves) * shape.value_bytes
+        held = 0 if values is None else values.numel()
         # the budget is given back per group as it is written; rows never written at once
         self._budget.release(held - len(items) * shape.value_bytes)
         for at in range(0, len(items), per):
@@ -548,12 +552,12 @@ class StorageWorker:
         items: list[tuple[str, memoryview]],
         checksums: list[int],
         first: int,
-        tail: Future[None] | None,
+        tail: list[Future[None]],
         shape: BlockShape,
     ) -> None:
         try:
-            if tail is not None:
-                tail.result()
+            for lane in tail:
+                lane.result()
             for i, (name, value) in enumerate(items):
                 seal(name, shape, value, checksums[first + i])
             self.backend.put_many(items)
@@ -563,17 +567,17 @@ class StorageWorker:
 
     def _drop_unfinished_saves(self) -> None:
         """A step whose stage layers were not all saved writes nothing (values are whole)."""
-        if not self._saves:
+        if self._step_values is None:
             return
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
         self._count(save_errors=1)
-        if self._checksum_tail is not None:  # let it finish reading the buffer
+        for lane in self._checksum_tail:  # let them finish reading the buffer
             with contextlib.suppress(Exception):
-                self._checksum_tail.result()
-        self._budget.release(sum(s.values.numel() for s in self._saves))
-        self._saves, self._saves_meta, self._saved_layers = [], None, set()
-        self._items, self._checksums, self._checksum_tail = [], [], None
+                lane.result()
+        self._budget.release(self._step_values.numel())
+        self._step_values, self._saves_meta, self._saved_layers = None, None, set()
+        self._items, self._checksums, self._checksum_tail = [], [], []
         if not self._pending:  # nothing of it is being written: its buffer is free
             for flat in self._writing:
                 self._save_buffers.give(flat)
@@ -593,7 +597,7 @@ class StorageWorker:
                     type(exc).__name__,
                     exc,
                 )
-        if not self._saves:  # every write of the buffers has finished: reuse them
+        if self._step_values is None:  # every write of the buffers has finished: reuse them
             for flat in self._writing:
                 self._save_buffers.give(flat)
             self._writing = []
@@ -608,7 +612,8 @@ class StorageWorker:
     def shutdown(self) -> None:
         self.wait_for_save()
         self._pool.shutdown(wait=True)
-        self._checksummer.shutdown(wait=True)
+        for lane in self._checksummers:
+            lane.shutdown(wait=True)
         self.backend.close()
 
     def _count(self, **counts: int) -> None:

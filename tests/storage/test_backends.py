@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +101,21 @@ def test_redis_reader_never_sees_a_torn_value(redis_url: str) -> None:
         assert set(seen) <= {None, *values} and seen[-1] == values[-1]
     finally:
         backend.close()
+
+
+@pytest.mark.timeout(30)
+def test_file_writes_survive_a_pruned_store_and_read_into_buffers(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}/kv", BackendOptions())
+    backend.put_many([("ns/ab/x", b"first")])
+    shutil.rmtree(tmp_path / "kv")  # someone prunes the store while the engine runs
+    backend.put_many([("ns/ab/y", memoryview(b"second"))])  # the directory is made again
+    bufs = [memoryview(bytearray(6)) for _ in range(3)]
+    assert backend.get_into(["ns/ab/y", "ns/ab/x", "ns/ab/y"], [*bufs[:2], bufs[2][:5]]) == [
+        6,
+        None,
+        6,  # a value of another size is reported, not read
+    ]
+    assert bytes(bufs[0]) == b"second" and bytes(bufs[2]) == bytes(6)
 
 
 @pytest.mark.timeout(30)
@@ -216,7 +232,7 @@ def test_value_keys_are_per_block_stage_and_shard() -> None:
     stage = Stage(range(4, 8), layer_set_hash(["a/b.4", "a/b.5", "a/b.6", "a/b.7"]))
     assert len(stage.layer_set) == 8
     assert value_key("ns", 16, keys[0], stage, range(2, 4)) == (
-        f"ns/b16/{keys[0][:2]}/{keys[0]}/l4-8.{stage.layer_set.hex()}.h2-4"
+        f"ns/b16/{keys[0][:2]}/{keys[0]}.l4-8.{stage.layer_set.hex()}.h2-4"
     )
     # Another model's layer names, or another split of the same layers, is another value.
     other = Stage(range(4, 8), layer_set_hash(["x.4", "x.5", "x.6", "x.7"]))

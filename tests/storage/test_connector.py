@@ -25,7 +25,7 @@ MakeRig = Callable[..., Any]  # conftest's Rig factory
 NAMESPACE = "test-ns"  # the rig's namespace
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")  # the rig's layers
 STAGE = Stage(range(2), layer_set_hash(LAYERS))  # one value holds both layers of a block
-VALUE = f"{STAGE.tag}.h0-4"  # the file name of a block's value (one shard of 4 heads)
+VALUE = f"{STAGE.tag}.h0-4"  # a block's value file is `<key>.<VALUE>` (one shard of 4 heads)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -79,7 +79,7 @@ def test_shared_prefix_is_stored_once(tmp_path: Path, make_rig: MakeRig) -> None
     keys_b = block_keys(second, 16, chain_seed(NAMESPACE, 16))
     assert keys_a[:2] == keys_b[:2] and keys_a[2] != keys_b[2]
     assert stored == set(keys_b[2:5])  # b stores only what it computed
-    blocks = {p.parent.name for p in tmp_path.rglob(VALUE)}
+    blocks = {p.name.split(".")[0] for p in tmp_path.rglob(f"*.{VALUE}")}
     assert blocks == set(keys_a) | set(keys_b)  # 4 + 3 distinct blocks, prefix shared
     rig.check(second, run.block_ids, len(second), alone=False)
 
@@ -94,7 +94,7 @@ def test_partial_prefix_hit_loads_what_exists(tmp_path: Path, make_rig: MakeRig)
     rig.check(tokens, run.block_ids, 64)
     # A hole in the middle: only the prefix before it counts.
     key = block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[2]
-    next(tmp_path.rglob(f"{key}/{VALUE}")).unlink()
+    next(tmp_path.rglob(f"{key}.{VALUE}")).unlink()
     assert rig.scheduler.get_num_new_matched_tokens(Request("e", tokens), 0) == (32, False)
 
 
@@ -109,7 +109,7 @@ def test_local_prefix_hit_loads_only_the_rest(storage_url: str, make_rig: MakeRi
 
 
 def corrupt_file(tmp_path: Path, key: str) -> None:
-    path = next(tmp_path.rglob(f"{key}/{VALUE}"))
+    path = next(tmp_path.rglob(f"{key}.{VALUE}"))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
@@ -189,7 +189,7 @@ def test_missing_value_is_a_load_error(tmp_path: Path, make_rig: MakeRig) -> Non
     rig = make_rig(url)
     request = Request("d", tokens)
     assert rig.scheduler.get_num_new_matched_tokens(request, 0) == (48, False)
-    for path in tmp_path.rglob(VALUE):  # another engine's TTL / eviction after the match
+    for path in tmp_path.rglob(f"*.{VALUE}"):  # another engine's TTL / eviction after the match
         path.unlink()
     blocks = rig.allocate(len(tokens))
     rig.scheduler.update_state_after_alloc(request, KVCacheBlocks((blocks,), (0,)), 48)
@@ -268,7 +268,7 @@ def test_chunked_prefill_stores_blocks_as_they_complete(
 def test_consumer_does_not_store(tmp_path: Path, make_rig: MakeRig) -> None:
     run = make_rig(f"file://{tmp_path}", role="kv_consumer").prefill("d", prompt(40))
     assert all(not m.stores for m in run.metas)
-    assert not list(tmp_path.rglob(VALUE))
+    assert not list(tmp_path.rglob(f"*.{VALUE}"))
 
 
 def test_resumed_request_reloads_into_its_new_blocks(storage_url: str, make_rig: MakeRig) -> None:

@@ -49,11 +49,18 @@ class FsspecBackend:
             if self.atomic_put:
                 self.fs.pipe_file(path, bytes(value))
                 continue
-            self._makedirs(path.rsplit("/", 1)[0])
+            directory = path.rsplit("/", 1)[0]
+            self._makedirs(directory)
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             try:
                 if self.local:
-                    _write_local(tmp, value)
+                    try:
+                        _write_local(tmp, value)
+                    except FileNotFoundError:  # the directory was pruned since it was made
+                        with self._dirs_lock:
+                            self._dirs.discard(directory)
+                        self._makedirs(directory)
+                        _write_local(tmp, value)
                     os.replace(tmp, path)
                 else:
                     with self.fs.open(tmp, "wb") as f:
@@ -120,7 +127,10 @@ class FsspecBackend:
     def _makedirs(self, directory: str) -> None:
         if directory in self._dirs:
             return
-        self.fs.makedirs(directory, exist_ok=True)
+        if self.local:
+            os.makedirs(directory, exist_ok=True)
+        else:
+            self.fs.makedirs(directory, exist_ok=True)
         with self._dirs_lock:
             self._dirs.add(directory)
 
