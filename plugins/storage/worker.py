@@ -44,7 +44,7 @@ from kvx.topology import is_primary_holder, physical_head_range
 logger = logging.getLogger(__name__)
 
 CHECKSUM_LANES = 2  # threads computing the CRCs of a step's values as layers come in
-GROUP_BYTES = 16 << 20  # values written per backend round trip, in bytes
+GROUP_BYTES = 16 << 20  # values written or read per backend round trip, in bytes
 READ_BYTES = 64 << 20  # values read per round trip and scattered per convert_blocks call, at most
 FIRST_READ_BYTES = 4 << 20  # the first group of a load is this small, each next one twice that
 # (up to READ_BYTES): scattering starts after a short read, later groups make few calls
@@ -324,7 +324,10 @@ class StorageWorker:
         rows = [memoryview(row.numpy()) for row in values]
         names = [self.geo.value_key(key, unit.stage, unit.heads) for key in unit.keys]
         try:
-            sizes = self._read_into(names, rows)
+            per = max(1, GROUP_BYTES // shape.value_bytes)  # big pipelines are slower
+            sizes: list[int | None] = []
+            for at in range(0, len(names), per):
+                sizes.extend(self._read_into(names[at : at + per], rows[at : at + per]))
         except Exception as exc:  # an unreachable store fails these loads, not the engine step
             return _Fetched(unit, flat, values, [], exc)
         errors: list[BlockFormatError | None] = []
