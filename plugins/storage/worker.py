@@ -2,9 +2,10 @@
 
 A stored value is every layer of this worker's PP stage for one block and head shard
 (`blockformat.py`). Saves: `save_kv_layer` gathers the layer's blocks straight into per-block
-value buffers (one contiguous buffer per value: header, then the layers); once the stage's last
-layer is in, the IO threads checksum and write the values, a group of blocks per backend round
-trip, while the forward pass goes on; `wait_for_save` returns when the step's writes are
+value buffers (one contiguous buffer per value: header, then the layers) and the checksum
+threads continue each value's CRC over the layer; once the stage's last layer is in, the IO
+threads write the values, a group of blocks per backend round trip, while the forward pass
+goes on; `wait_for_save` returns when the step's writes are
 durable. Since nothing reads engine blocks after `save_kv_layer` returns, preempted blocks are
 safe at once (`handle_preemptions` has nothing to wait for). Loads are synchronous (all in
 `start_load_kv`): the IO threads read groups of values into preallocated buffers and check
