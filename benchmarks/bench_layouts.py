@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from rich.console import Console
+from rich.table import Table
+
 from kvx.layouts import (
     HND,
     NHD,
@@ -39,8 +42,6 @@ from kvx.layouts import (
     kv_postprocess_blksize_on_receive,
     kv_postprocess_layout_on_receive,
 )
-from rich.console import Console
-from rich.table import Table
 
 RATIO = 2  # block-size ratio of the block-size transforms
 TARGET = "postprocess blksize+layout"  # the transform the issue sets targets for

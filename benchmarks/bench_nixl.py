@@ -25,10 +25,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from kvx.layouts import get_layout
-from kvx.plugins.nixl.agent import make_agent
-from kvx.plugins.nixl.handshake import Region
-from kvx.plugins.nixl.regions import block_descs, layer_regions
 from rich.console import Console
 from rich.table import Table
 
@@ -45,6 +41,10 @@ from kvx import (
     SchedulerOutput,
     create_connector,
 )
+from kvx.layouts import get_layout
+from kvx.plugins.nixl.agent import make_agent
+from kvx.plugins.nixl.handshake import Region
+from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.topology import KVGeometry, plan_reads
 
 TARGETS = {True: 0.9, False: 0.8}  # equal TP, heterogeneous TP

@@ -48,8 +48,6 @@ from typing import Any
 
 import redis
 import torch
-from kvx.layouts import NHD
-from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, StoreSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -66,6 +64,8 @@ from kvx import (
     Request,
     SchedulerOutput,
 )
+from kvx.layouts import NHD
+from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, StoreSpec
 
 Runner = Callable[[], None]
 

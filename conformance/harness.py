@@ -9,9 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvx.conformance.scenario import check
-
 from kvx import Capability, KVTransferConfig, Registry
+from kvx.conformance.scenario import check
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, baseline_tokens, pd_configs
 from kvx.engine.engine import EngineConfig
 

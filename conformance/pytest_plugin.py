@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from kvx import Capability, get_registry
+from kvx.config import load_cli_arg
 from kvx.conformance.runner import (
     FAILED,
     NOT_CLAIMED,
@@ -17,9 +20,6 @@ from kvx.conformance.runner import (
     run_scenario,
 )
 from kvx.conformance.scenario import Scenario, ScenarioFailure
-
-from kvx import Capability, get_registry
-from kvx.config import load_cli_arg
 from kvx.errors import ConfigError, RegistryError
 
 

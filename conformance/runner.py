@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvx import Capability, KVTransferConfig, Registry, get_registry
 from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import SCENARIOS, Scenario, ScenarioFailure
-
-from kvx import Capability, KVTransferConfig, Registry, get_registry
 
 PASSED, FAILED, NOT_CLAIMED = "passed", "FAILED", "not claimed"
 

@@ -9,9 +9,6 @@ import threading
 import time
 from typing import Any
 
-from kvx.conformance.harness import Harness
-from kvx.conformance.scenario import check, scenario
-
 from kvx import (
     Capability,
     KVConnectorKVEvents,
@@ -21,6 +18,8 @@ from kvx import (
     Request,
     create_connector,
 )
+from kvx.conformance.harness import Harness
+from kvx.conformance.scenario import check, scenario
 from kvx.engine.engine import Engine
 from kvx.engine.server import LocalEngine
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvx import Capability
 from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import check, scenario
-
-from kvx import Capability
 from kvx.engine.disagg import DisaggregatedPair
 
 PD = (Capability.REMOTE_PREFILL,)

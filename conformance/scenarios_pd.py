@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from kvx import Capability
 from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import check, scenario
-
-from kvx import Capability
 
 PD = (Capability.REMOTE_PREFILL,)
 

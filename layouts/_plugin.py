@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kvx.layouts.builtin import BUILTIN_LAYOUTS
-
 import kvx
+from kvx.layouts.builtin import BUILTIN_LAYOUTS
 
 _TRANSFORMS = {
     "kv_postprocess_layout_on_receive": (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvx.layouts import _kernels
 from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
 from kvx.layouts.builtin import get_layout

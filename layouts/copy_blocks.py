@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
+
 from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
 from kvx.layouts.builtin import get_layout
 from kvx.layouts.descriptor import BLOCKS, HEAD_SIZE, Layout

@@ -12,6 +12,7 @@ view of the cache; on CPU the native kernel does both in one pass per block.
 from __future__ import annotations
 
 import torch
+
 from kvx.layouts import _kernels
 from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
 

@@ -10,9 +10,6 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from kvx.plugins.multi.metadata import MultiKVConnectorMetadata, MultiKVConnectorWorkerMetadata
-from kvx.plugins.multi.stats import MultiKVConnectorStats
-
 import kvx
 from kvx import (
     Capability,
@@ -31,6 +28,8 @@ from kvx import (
     get_registry,
     supports_hma,
 )
+from kvx.plugins.multi.metadata import MultiKVConnectorMetadata, MultiKVConnectorWorkerMetadata
+from kvx.plugins.multi.stats import MultiKVConnectorStats
 
 # Claims any child brings to the whole, and claims every child must share.
 _ANY_CHILD = frozenset(

@@ -9,11 +9,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from kvx.plugins.nixl.config import NixlConfig
-from kvx.plugins.nixl.metadata import NixlMetadata
-from kvx.plugins.nixl.scheduler import NixlAgentHandshake, NixlScheduler
-from kvx.plugins.nixl.stats import NixlKVConnectorStats
-from kvx.plugins.nixl.worker import NixlWorker
 
 import kvx
 from kvx import (
@@ -24,6 +19,11 @@ from kvx import (
     KVConnectorStats,
     KVTransferConfig,
 )
+from kvx.plugins.nixl.config import NixlConfig
+from kvx.plugins.nixl.metadata import NixlMetadata
+from kvx.plugins.nixl.scheduler import NixlAgentHandshake, NixlScheduler
+from kvx.plugins.nixl.stats import NixlKVConnectorStats
+from kvx.plugins.nixl.worker import NixlWorker
 
 
 class NixlConnector(KVConnectorBase_V1):

@@ -18,7 +18,6 @@ from kvx.plugins.nixl.handshake import (
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.regions import heads_outermost_in_block
 from kvx.plugins.nixl.side_channel import fetch_payload
-
 from kvx.topology import KVGeometry, TopologyError, TransferPlan, plan_reads
 from kvx.wire import WireError, decode
 

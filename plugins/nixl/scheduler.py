@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Any
 
+import kvx
+from kvx import KVConnectorHandshakeMetadata, RequestStatus
 from kvx.plugins.nixl.config import NixlConfig
 from kvx.plugins.nixl.handshake import (
     compatibility_factors,
@@ -19,9 +21,6 @@ from kvx.plugins.nixl.handshake import (
 )
 from kvx.plugins.nixl.metadata import Heartbeat, NixlMetadata, RemoteRead
 from kvx.plugins.nixl.side_channel import SideChannelServer
-
-import kvx
-from kvx import KVConnectorHandshakeMetadata, RequestStatus
 
 logger = logging.getLogger(__name__)
 FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)

@@ -8,6 +8,7 @@ import os
 import threading
 
 import zmq
+
 from kvx.plugins.nixl.handshake import (
     MAX_REQUEST_BYTES,
     HandshakeError,
@@ -17,7 +18,6 @@ from kvx.plugins.nixl.handshake import (
     sign,
     verify,
 )
-
 from kvx.wire import WireError, decode, encode
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvx.layouts import Layout, convert_blocks, get_layout
 from kvx.plugins.nixl.handshake import Region
 from kvx.plugins.nixl.regions import layer_regions

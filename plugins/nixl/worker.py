@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import NixlConfig
@@ -39,8 +41,6 @@ from kvx.plugins.nixl.remote import (
 )
 from kvx.plugins.nixl.staging import Staging, convert_staged, plan_staging
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
-
-import kvx
 from kvx.topology import KVGeometry
 from kvx.wire import WireError, decode, encode
 

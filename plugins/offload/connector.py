@@ -5,11 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from kvx.plugins.offload.config import OffloadingConfig
-from kvx.plugins.offload.metadata import OffloadMetadata
-from kvx.plugins.offload.scheduler import OffloadScheduler, chunk_geometry
-from kvx.plugins.offload.worker import OffloadWorker
-
 import kvx
 from kvx import (
     Capability,
@@ -21,6 +16,10 @@ from kvx import (
     KVConnectorWorkerMetadata,
     KVTransferConfig,
 )
+from kvx.plugins.offload.config import OffloadingConfig
+from kvx.plugins.offload.metadata import OffloadMetadata
+from kvx.plugins.offload.scheduler import OffloadScheduler, chunk_geometry
+from kvx.plugins.offload.worker import OffloadWorker
 
 
 class OffloadingConnector(KVConnectorBase_V1):

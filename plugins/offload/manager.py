@@ -14,9 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvx.plugins.offload.policies import POLICIES
-
 from kvx import BlockRemoved, BlockStored, KVCacheEvent
+from kvx.plugins.offload.policies import POLICIES
 
 
 @dataclass

@@ -7,12 +7,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import kvx
+from kvx import KVConnectorOutput, yield_req_data
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
-
-import kvx
-from kvx import KVConnectorOutput, yield_req_data
 
 
 def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[int, int, int]:

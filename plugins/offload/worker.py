@@ -14,11 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import fsspec
 import torch
-from kvx.layouts import copy_kv_blocks, get_layout
-from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 
 import kvx
 from kvx import KVConnectorStats
+from kvx.layouts import copy_kv_blocks, get_layout
+from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 
 
 class OffloadWorker:

@@ -8,13 +8,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvx.plugins.storage.backends.base import BackendOptions, open_backend
-from kvx.plugins.storage.config import SharedStorageConfig
-from kvx.plugins.storage.keys import Geometry
-from kvx.plugins.storage.metadata import StorageMetadata
-from kvx.plugins.storage.scheduler import StorageScheduler
-from kvx.plugins.storage.worker import StorageWorker
-
 import kvx
 from kvx import (
     Capability,
@@ -24,6 +17,12 @@ from kvx import (
     KVConnectorStats,
     KVTransferConfig,
 )
+from kvx.plugins.storage.backends.base import BackendOptions, open_backend
+from kvx.plugins.storage.config import SharedStorageConfig
+from kvx.plugins.storage.keys import Geometry
+from kvx.plugins.storage.metadata import StorageMetadata
+from kvx.plugins.storage.scheduler import StorageScheduler
+from kvx.plugins.storage.worker import StorageWorker
 
 
 class SharedStorageConnector(KVConnectorBase_V1):

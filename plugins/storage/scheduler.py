@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import kvx
 from kvx.plugins.storage.backends.base import StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
-
-import kvx
 
 logger = logging.getLogger(__name__)
 

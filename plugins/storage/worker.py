@@ -26,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+import kvx
 from kvx.layouts import MLA, Layout, convert_blocks, get_layout
 from kvx.plugins.storage.backends.base import StorageBackend
 from kvx.plugins.storage.blockformat import (
@@ -38,8 +40,6 @@ from kvx.plugins.storage.blockformat import (
 )
 from kvx.plugins.storage.keys import Geometry, Stage, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
-
-import kvx
 from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)

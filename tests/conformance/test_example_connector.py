@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvx.conformance import SCENARIOS, run_suite
 from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED, load_scenarios
 

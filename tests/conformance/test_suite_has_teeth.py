@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvx.conformance import run_suite
 from kvx.conformance.runner import FAILED, PASSED
 

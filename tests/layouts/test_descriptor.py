@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import kvx
 from kvx.layouts import (
     BUILTIN_LAYOUTS,
     CPU_PACKED,
@@ -21,8 +23,6 @@ from kvx.layouts import (
     kv_postprocess_blksize_on_receive,
     kv_postprocess_layout_on_receive,
 )
-
-import kvx
 from kvx.registry import get_registry
 
 B, N, H, D, LAYERS = 5, 4, 3, 2, 2

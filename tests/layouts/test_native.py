@@ -16,6 +16,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 import torch
+
 from kvx.layouts import NHD, _kernels, kv_postprocess_blksize_and_layout_on_receive
 
 CHOICE = (

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvx.layouts import (
     BUILTIN_LAYOUTS,
     HND,

@@ -6,8 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvx.conformance import run_suite
-from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED
 
 from kvx import (
     EngineContext,
@@ -18,6 +16,8 @@ from kvx import (
     Request,
     create_connector,
 )
+from kvx.conformance import run_suite
+from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED
 from kvx.engine import Engine, EngineConfig
 from kvx.registry import Registry
 

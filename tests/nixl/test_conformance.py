@@ -4,11 +4,11 @@ and D in separate processes where the suite runs them so (process kills included
 from __future__ import annotations
 
 import pytest
+
+from kvx import Capability, KVTransferConfig
 from kvx.conformance import run_suite
 from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED
 from kvx.plugins.nixl.connector import NixlConnector
-
-from kvx import Capability, KVTransferConfig
 
 EXTRA = {"kv_lease_duration": 5, "handshake_timeout_s": 2, "transfer_timeout_s": 10}
 CONFIG = {"kv_connector": "NixlConnector", "kv_connector_extra_config": EXTRA}

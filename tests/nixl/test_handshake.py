@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import pytest
 import zmq
+
+from kvx import EngineContext, KVCacheSpec
 from kvx.plugins.nixl.handshake import (
     AgentMetadata,
     HandshakeError,
@@ -20,8 +22,6 @@ from kvx.plugins.nixl.handshake import (
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.remote import LocalView, fetch_remote
 from kvx.plugins.nixl.side_channel import SideChannelServer, fetch_payload
-
-from kvx import EngineContext, KVCacheSpec
 from kvx.topology import KVGeometry
 from kvx.wire import encode
 

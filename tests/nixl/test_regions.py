@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from kvx.layouts import Layout, get_layout
 from kvx.plugins.nixl.regions import block_descs, heads_outermost_in_block, layer_regions
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from kvx.conformance import run_suite
-from kvx.conformance.runner import FAILED, PASSED
-from kvx.plugins.offload.manager import OffloadingManager
-from kvx.plugins.offload.policies import ARCPolicy
 
 from kvx import BlockRemoved, BlockStored, ConfigError, KVTransferConfig
+from kvx.conformance import run_suite
+from kvx.conformance.runner import FAILED, PASSED
 from kvx.engine import Engine, EngineConfig
+from kvx.plugins.offload.manager import OffloadingManager
+from kvx.plugins.offload.policies import ARCPolicy
 
 K = [f"{i:02x}" * 4 for i in range(10)]  # chunk keys (hex, like the connector's)
 

@@ -18,8 +18,6 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from kvx.layouts import get_layout
-from kvx.plugins.storage.metadata import StorageMetadata
 
 import kvx
 from kvx import (
@@ -36,6 +34,8 @@ from kvx import (
     SchedulerOutput,
 )
 from kvx.engine.kv_cache import KVHalvesView, token_view
+from kvx.layouts import get_layout
+from kvx.plugins.storage.metadata import StorageMetadata
 
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 SENTINEL = -1000.0  # what every cache slot holds until something writes it

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 import redis
+
+import kvx
+from kvx import KVTransferConfig
 from kvx.plugins.storage import worker as storage_worker
 from kvx.plugins.storage.backends import fsspec_backend
 from kvx.plugins.storage.backends.base import BackendOptions, open_backend
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
-
-import kvx
-from kvx import KVTransferConfig
 
 MakeRig = Callable[..., Any]  # conftest's Rig factory
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")  # the rig's layers

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import redis
-from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
 
 from kvx import (
     CachedRequestData,
@@ -18,6 +17,7 @@ from kvx import (
     Request,
     SchedulerOutput,
 )
+from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from kvx.conformance import run_suite
 from kvx.conformance.runner import FAILED, PASSED
-
 from kvx.engine.disagg import DisaggregatedPair, pd_configs
 from kvx.engine.engine import EngineConfig
 

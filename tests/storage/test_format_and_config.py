@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from kvx import ConfigError, KVTransferConfig
 from kvx.plugins.storage.blockformat import (
     HEADER,
     BlockFormatError,
@@ -20,8 +22,6 @@ from kvx.plugins.storage.blockformat import (
 )
 from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import block_keys, chain_seed, shard_counts
-
-from kvx import ConfigError, KVTransferConfig
 from kvx.topology import physical_head_range as rank_heads
 
 MakeRig = Callable[..., Any]  # conftest's Rig factory

@@ -4,9 +4,9 @@ tensor indexing."""
 from __future__ import annotations
 
 import torch
-from kvx.layouts import get_layout
 
 from kvx.engine.kv_cache import token_view
+from kvx.layouts import get_layout
 from kvx.topology import KVGeometry, TransferPlan
 
 HEAD_SIZE = 4

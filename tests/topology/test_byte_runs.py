@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from kvx.layouts import get_layout
 
 from kvx.engine.kv_cache import token_view
+from kvx.layouts import get_layout
 from kvx.topology import TopologyError, block_byte_runs
 
 LAYOUTS = ("HND", "NHD", "FLASHINFER_HND", "FLASHINFER_NHD", "CPU_PACKED", "MLA")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from kvx.plugins.storage.blockformat import HEADER
 from kvx.plugins.storage.metadata import StorageMetadata
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from kvx.layouts import get_layout
 
 import kvx
 from kvx import Capability, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvx.layouts import get_layout
 from kvx_example_connector.config import ExamplePDConfig
 
 logger = logging.getLogger(__name__)

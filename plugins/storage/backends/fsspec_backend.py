@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
 from kvx.plugins.storage.backends.base import BackendOptions
 
 logger = logging.getLogger(__name__)

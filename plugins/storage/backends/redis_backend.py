@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
-from kvx.plugins.storage.backends.base import BackendOptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from kvx.plugins.storage.backends.base import BackendOptions
 
 KEY_PREFIX = "kvx/"
 

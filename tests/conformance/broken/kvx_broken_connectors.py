@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kvx_example_connector.connector import ExamplePDConnector, LoadSpec
 
 LEAKED_THREAD_STOPS: list[threading.Event] = []  # the test stops the leaked threads after it
