@@ -131,20 +131,40 @@ def stats_and_events_shape(h: Harness) -> None:
     (Capability.STORE_REUSE,),
 )
 def store_and_reuse(h: Harness) -> None:
-    prompts = h.prompts([80, 150, 40], seed=21)
-    expected = h.baseline(prompts, 4)
-    first = Engine(h.engine_config("kv_both"))
+    _store_then_load(h, h.prompts([80, 150, 40], seed=21))
+
+
+def _store(h: Harness, prompts: dict[str, list[int]], **engine: Any) -> None:
+    """A fresh engine (with `engine` overrides) runs `prompts`, storing their KV, and stops."""
+    first = Engine(h.engine_config("kv_both", **engine))
     try:
         _run(first, prompts, 4)
     finally:
         first.shutdown()
-    second = Engine(h.engine_config("kv_both"))
+
+
+def _store_then_load(
+    h: Harness,
+    prompts: dict[str, list[int]],
+    store: dict[str, Any] | None = None,
+    load: dict[str, Any] | None = None,
+) -> None:
+    """One engine stores `prompts`' KV, a fresh engine (of another shape when `store` / `load`
+    override engine fields) loads it; outputs exact, every KV byte checked, the hit counted."""
+    store, load = store or {}, load or {}
+    where = f"stored by {store}, loaded by {load}: " if store or load else ""
+    expected = h.baseline(prompts, 4, num_kv_heads=load.get("num_kv_heads", h.base.num_kv_heads))
+    _store(h, prompts, **store)
+    second = Engine(h.engine_config("kv_both", **load))
     try:
-        got = _run(second, prompts, 4)
-        check(got == expected, f"outputs after loading stored KV differ: {got} != {expected}")
+        got = _run(second, prompts, 4)  # checks every KV byte after every step
+        check(
+            got == expected,
+            f"{where}outputs after loading stored KV differ: {got} != {expected}",
+        )
         check(
             second.stats()["external_tokens"] > 0,
-            "the second engine loaded nothing: stored KV was not found",
+            f"{where}the second engine loaded nothing: stored KV was not found",
         )
     finally:
         second.shutdown()
@@ -218,11 +238,7 @@ def _run(
 def corrupted_bytes_detected(h: Harness) -> None:
     prompts = h.prompts([80, 150], seed=23)
     expected = h.baseline(prompts, 4)
-    first = Engine(h.engine_config("kv_both"))
-    try:
-        _run(first, prompts, 4)
-    finally:
-        first.shutdown()
+    _store(h, prompts)
     files = [p for p in h.workdir.rglob("*") if p.is_file() and p.stat().st_size > 64]
     check(
         bool(files),
@@ -283,31 +299,6 @@ def layout_conversion(h: Harness) -> None:
             h.run_pair(pair, h.prompts([37, 64]))
 
 
-def _store_then_load(
-    h: Harness, store: dict[str, Any], load: dict[str, Any], prompts: dict[str, list[int]]
-) -> None:
-    """One engine stores `prompts`' KV, a fresh engine of another shape loads it; both exact."""
-    expected = h.baseline(prompts, 4, num_kv_heads=load.get("num_kv_heads", h.base.num_kv_heads))
-    first = Engine(h.engine_config("kv_both", **store))
-    try:
-        _run(first, prompts, 4)
-    finally:
-        first.shutdown()
-    second = Engine(h.engine_config("kv_both", **load))
-    try:
-        got = _run(second, prompts, 4)  # checks every KV byte after every step
-        check(
-            got == expected,
-            f"stored by {store}, loaded by {load}: outputs differ: {got} != {expected}",
-        )
-        check(
-            second.stats()["external_tokens"] > 0,
-            f"stored by {store}, loaded by {load}: the second engine loaded nothing",
-        )
-    finally:
-        second.shutdown()
-
-
 @scenario(
     "stored_hetero_tp",
     "what an engine of one TP size stored, an engine of another TP size loads: 1:2, 2:1, 2:4, "
@@ -320,9 +311,9 @@ def stored_hetero_tp(h: Harness) -> None:
     for i, ((p, d), heads) in enumerate(cases):  # fresh prompts: each case loads its own store
         _store_then_load(
             h,
+            h.prompts([37, 64], seed=410 + i),
             {"tp_size": p, "num_kv_heads": heads},
             {"tp_size": d, "num_kv_heads": heads},
-            h.prompts([37, 64], seed=410 + i),
         )
 
 
@@ -334,7 +325,7 @@ def stored_hetero_tp(h: Harness) -> None:
 def stored_block_size_mismatch(h: Harness) -> None:
     for i, (p, d) in enumerate(((16, 32), (32, 16))):
         prompts = h.prompts([37, 64, 70], seed=430 + i)
-        _store_then_load(h, {"block_size": p}, {"block_size": d}, prompts)
+        _store_then_load(h, prompts, {"block_size": p}, {"block_size": d})
 
 
 @scenario(
@@ -344,4 +335,4 @@ def stored_block_size_mismatch(h: Harness) -> None:
 )
 def stored_layout_conversion(h: Harness) -> None:
     for i, (p, d) in enumerate((("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED"))):
-        _store_then_load(h, {"layout": p}, {"layout": d}, h.prompts([37, 64], seed=470 + i))
+        _store_then_load(h, h.prompts([37, 64], seed=470 + i), {"layout": p}, {"layout": d})
