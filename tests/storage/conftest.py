@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import redis
 import torch
 
 import kvx
@@ -51,49 +53,68 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class RedisProcess:
+    """A private redis-server child process on a free loopback port, without persistence; a
+    test may kill or freeze it."""
+
+    def __init__(self) -> None:
+        if shutil.which("redis-server") is None:
+            pytest.fail(
+                "redis-server is not installed; the Redis backend tests need a real server: "
+                "apt-get install -y redis-server"
+            )
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [
+                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no"),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        self.kill()
+                        pytest.fail(f"redis-server on port {self.port} did not start")
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL (it also ends a frozen server) and reap the process."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def freeze(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+
 @pytest.fixture(scope="session")
 def redis_port() -> Iterator[int]:
-    """A private redis-server on a free loopback port, without persistence."""
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.fail(
-            "redis-server / redis-cli are not installed; the Redis backend tests need a real "
-            "server: apt-get install -y redis-server"
-        )
-    port = free_port()
-    subprocess.run(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "yes",
-        ],
-        check=True,
-        timeout=30,
-        capture_output=True,
-    )
+    """The session's shared redis-server."""
+    server = RedisProcess()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            ping = subprocess.run(
-                ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, timeout=5
-            )
-            if ping.stdout.strip() == "PONG":
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"redis-server on port {port} did not answer PING: {ping.stderr}")
-            time.sleep(0.05)
-        yield port
+        yield server.port
     finally:
-        subprocess.run(
-            ["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True, timeout=30
-        )
+        server.kill()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisProcess]:
+    """A redis-server of this test's own, which it may kill or freeze."""
+    server = RedisProcess()
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 @pytest.fixture

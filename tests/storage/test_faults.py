@@ -6,14 +6,11 @@ loading engine's scheduler has planned its loads."""
 from __future__ import annotations
 
 import random
-import shutil
-import signal
-import socket
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -26,7 +23,6 @@ from kvx.engine.scheduler import RequestOutput
 BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16)
 MAX_TOKENS = 4
 LENGTHS = (40, 70, 100)  # 2, 4 and 6 stored blocks of 16 tokens
-NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -159,56 +155,6 @@ def test_damaged_values_are_load_errors(
 # -- a Redis server that dies or hangs mid-run ---------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisProcess:
-    """A private redis-server child process that a test may kill or freeze."""
-
-    def __init__(self) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not installed: apt-get install -y redis-server")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [*("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"), *NO_PERSISTENCE],
-            stdout=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
-                        pytest.fail(f"redis-server on port {self.port} did not start")
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def freeze(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
-    server = RedisProcess()
-    try:
-        yield server
-    finally:
-        if server.proc.poll() is None:
-            server.kill()  # SIGKILL also ends a stopped process
-
-
 def _after_planning(engine: Engine, fault: Callable[[], None]) -> None:
     """Run `fault` once, right after the scheduler side built the first step's metadata (the
     lookups are done; the workers have not loaded yet)."""
@@ -229,7 +175,7 @@ def _after_planning(engine: Engine, fault: Callable[[], None]) -> None:
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
 def test_redis_dies_between_lookup_and_load(
-    fault: str, policy: str, own_redis: RedisProcess
+    fault: str, policy: str, own_redis: Any
 ) -> None:
     prompts = _prompts()
     baseline = baseline_tokens(BASE, prompts, MAX_TOKENS)
@@ -253,7 +199,7 @@ def test_redis_dies_between_lookup_and_load(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_redis_dead_before_lookup_means_recompute(policy: str, own_redis: RedisProcess) -> None:
+def test_redis_dead_before_lookup_means_recompute(policy: str, own_redis: Any) -> None:
     """A store that cannot be asked is a miss: nothing loads, nothing fails, tokens match."""
     prompts = _prompts()
     baseline = baseline_tokens(BASE, prompts, MAX_TOKENS)
@@ -272,7 +218,7 @@ def test_redis_dead_before_lookup_means_recompute(policy: str, own_redis: RedisP
 
 
 @pytest.mark.timeout(30)
-def test_redis_unreachable_at_start_is_a_clear_error(own_redis: RedisProcess) -> None:
+def test_redis_unreachable_at_start_is_a_clear_error(own_redis: Any) -> None:
     own_redis.kill()
     with pytest.raises(ConnectionError, match="cannot reach the Redis server"):
         Engine(_config(own_redis.url))
