@@ -1,29 +1,34 @@
 """The stored value of one (block, PP stage, head shard): a fixed header, then the payload.
 
-One value holds every layer of a stage for one block and head shard. Engine-neutral: the
-payload is `[layers, block_size, kv_parts, heads, head_size]`, each layer token-major (kv_parts
-is 2, K then V, or 1 for an MLA latent), raw little-endian elements of `dtype`. The header
-(little-endian, `HEADER.size` = 64 bytes, so the payload is aligned for every dtype) says
-what the payload is:
+One value holds every layer of a stage for one block and head shard. The payload is, for each
+layer in order, the block's elements in the *writer's* per-block memory order, named in the
+header (`order`: `k` K/V, `t` tokens, `h` heads, `d` head_size; e.g. `kthd` for vLLM's
+FlashAttention NHD, `khtd` for HND, `td` for an MLA latent), raw little-endian `dtype`. So
+an engine writes and reads its own blocks without reordering a byte (the IO goes straight
+between the KV cache and the store), and a reader with another layout, TP shard or block size
+converts from the order the header names. A layout that keeps K in another order than V
+(vLLM-CPU) names K's in `k_order`. The header (little-endian, `HEADER.size` = 64 bytes, so a
+payload read into one buffer is aligned for every dtype):
 
 | field | type | meaning |
 |---|---|---|
 | magic | 4 bytes | `KVXB` |
-| version | u16 | `FORMAT_VERSION` (2; version 1 values, one per layer, are refused) |
+| version | u16 | `FORMAT_VERSION` (3; values of versions 1 and 2 are refused) |
 | header_len | u16 | bytes before the payload |
 | dtype | u8 | `DTYPE_CODES` |
 | kv_parts | u8 | 2 (K, V) or 1 (MLA) |
-| layout | u8 | payload order; 1 = token-major `[tokens, kv, heads, head_size]` per layer |
-| flags | u8 | bit 0: MLA |
+| flags | u16 | bit 0: MLA |
+| order | 4 bytes | per-layer element order of the payload (V's if K differs), NUL-padded |
+| k_order | 4 bytes | K's order, the same as `order` unless the writer keeps K differently |
 | block_size | u32 | tokens |
-| total_heads | u32 | the model's KV heads |
-| head_start, head_end | u32, u32 | global heads of this shard |
 | head_size | u32 | elements per head |
-| layer_start, layer_end | u32, u32 | global layer indices of this stage |
-| total_layers | u32 | the model's layers |
+| total_heads | u16 | the model's KV heads |
+| head_start, head_end | u16, u16 | global heads of this shard |
+| layer_start, layer_end | u16, u16 | global layer indices of this stage |
+| total_layers | u16 | the model's layers |
 | layer_set | 8 bytes | hash of the stage's layer names (`keys.layer_set_hash`) |
 | payload_len | u64 | bytes |
-| checksum | u32 | CRC-32 of (storage key, header before the checksum, payload) |
+| checksum | u64 | XXH3-64 of (storage key, header before the checksum, payload) |
 
 The checksum detects corruption (it is not a MAC against a writer who means harm) and binds a
 value to its key, so a value under the wrong name is refused too. Data read back is
@@ -36,18 +41,22 @@ from __future__ import annotations
 import struct
 import sys
 import warnings
-import zlib
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
+import xxhash
+
+from kvx.layouts import Layout
 
 MAGIC = b"KVXB"
-FORMAT_VERSION = 2
-LAYOUT_TOKEN_MAJOR = 1
+FORMAT_VERSION = 3
 FLAG_MLA = 1
-HEADER = struct.Struct("<4sHHBBBBIIIIIIII8sQI")
-CHECKSUM = struct.Struct("<I")
+HEADER = struct.Struct("<4sHHBBH4s4sIIHHHHHH8sQQ")
+CHECKSUM = struct.Struct("<Q")
 MAX_VALUE_BYTES = 512 << 20  # a Redis value's limit
+MAX_FIELD = 0xFFFF  # heads and layers are u16 in the header
 DTYPE_CODES: dict[str, int] = {
     "float32": 1,
     "float16": 2,
@@ -58,25 +67,31 @@ DTYPE_CODES: dict[str, int] = {
     "float8_e4m3fn": 7,
     "float8_e5m2": 8,
 }
+ORDER_CODES = {"kv": "k", "tokens": "t", "heads": "h", "head_size": "d"}  # kvx.layouts dims
+_DIMS = {code: dim for dim, code in ORDER_CODES.items()}
+KV_ORDER = "kthd"  # what an NHD writer stores (token-major per K/V half)
+MLA_ORDER = "td"
 _NAMES = (
     "magic",
     "version",
     "header_len",
     "dtype",
     "kv_parts",
-    "layout",
     "flags",
+    "order",
+    "k_order",
     "block_size",
+    "head_size",
     "total_heads",
     "head_start",
     "head_end",
-    "head_size",
     "layer_start",
     "layer_end",
     "total_layers",
     "layer_set",
     "payload_len",
 )
+_ORDER_FIELDS = (_NAMES.index("order"), _NAMES.index("k_order"))
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("the kvx storage block format needs a little-endian machine")
@@ -100,6 +115,8 @@ class BlockShape:
     layers: range = range(0, 1)
     total_layers: int = 1
     layer_set: bytes = bytes(8)
+    order: str = KV_ORDER
+    k_order: str = ""  # "" = the same as `order`
 
     @property
     def itemsize(self) -> int:
@@ -118,53 +135,114 @@ class BlockShape:
         return HEADER.size + self.payload_bytes
 
     @property
-    def tensor_shape(self) -> tuple[int, int, int, int, int]:
-        return (len(self.layers), self.block_size, self.kv_parts, len(self.heads), self.head_size)
+    def tensor_shape(self) -> tuple[int, ...]:
+        """`[layers, *the order's dims]` (for a split order, each half's bytes fit it too)."""
+        sizes = {"k": self.kv_parts, "t": self.block_size, "h": len(self.heads)}
+        return (len(self.layers), *(sizes.get(c, self.head_size) for c in self.order))
+
+    @property
+    def layout(self) -> Layout:
+        """The payload of one layer, as a layout of `[blocks, *order]` (for `convert_blocks`)."""
+        return stored_layout(self.order, self.k_order or self.order)
 
 
-def checksum_start(key: str, shape: BlockShape) -> int:
-    """The CRC state before the payload; continue it with `zlib.crc32(chunk, state)` over the
-    payload in order to build a value's checksum piece by piece."""
-    return zlib.crc32(_prefix(shape), zlib.crc32(key.encode()))
+def block_order(layout: Layout) -> tuple[str, str]:
+    """`(order, k_order)` of one block of `layout`: its memory order without `blocks` (the
+    bytes of a block read front to back), and K's when the layout keeps K differently."""
+    if layout.is_cross_layer:
+        raise ValueError(f"layout {layout.name!r} holds every layer; stored values are per layer")
+    order = "".join(ORDER_CODES[d] for d in layout.memory if d != "blocks")
+    k_memory = layout.k_memory or layout.memory
+    return order, "".join(ORDER_CODES[d] for d in k_memory if d != "blocks")
 
 
-def seal(key: str, shape: BlockShape, value: memoryview, checksum: int | None = None) -> None:
-    """Write the header and checksum into `value[:HEADER.size]`; the payload must be in place
-    after it (`value` is exactly `shape.value_bytes` long). `checksum`: the running CRC from
-    `checksum_start` over the whole payload, if the caller computed it as the payload came in."""
+@cache
+def stored_layout(order: str, k_order: str) -> Layout:
+    """The layout of a stack of stored blocks: `[blocks, *order]`, K as `k_order`."""
+    memory = ("blocks", *(_DIMS[c] for c in order))
+    k_memory = ("blocks", *(_DIMS[c] for c in k_order)) if k_order != order else ()
+    return Layout(
+        f"KVX_STORED_{order}" + (f"_K{k_order}" if k_memory else ""),
+        shape=memory,
+        memory=memory,
+        k_memory=k_memory,
+        tp_dim="heads" if "heads" in memory else None,
+        summary=f"stored KV blocks, per block {order}" + (f" (K {k_order})" if k_memory else ""),
+    )
+
+
+def header(key: str, shape: BlockShape, payload: Iterable[memoryview | bytes]) -> bytes:
+    """The header of the value of `shape` under `key` whose payload is the concatenation of
+    `payload`."""
+    prefix = _prefix(shape)
+    return prefix + CHECKSUM.pack(_digest(key, prefix, payload))
+
+
+def seal(key: str, shape: BlockShape, value: memoryview) -> None:
+    """Write the header into `value[:HEADER.size]`; the payload must be in place after it
+    (`value` is exactly `shape.value_bytes` long)."""
     if len(value) != shape.value_bytes:
         raise ValueError(f"{key}: value buffer is {len(value)} bytes, expected {shape.value_bytes}")
-    prefix = _prefix(shape)
-    value[: len(prefix)] = prefix
-    if checksum is None:
-        checksum = zlib.crc32(value[HEADER.size :], checksum_start(key, shape))
-    CHECKSUM.pack_into(value, len(prefix), checksum)
+    value[: HEADER.size] = header(key, shape, [value[HEADER.size :]])
+
+
+def read_header(key: str, data: bytes | bytearray | memoryview, expect: BlockShape) -> BlockShape:
+    """The shape the header at the start of `data` describes: `expect` with the stored order.
+    Raise `BlockFormatError` if any other field differs from `expect`, or the order is not one
+    of `expect`'s dims."""
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER.size:
+        raise BlockFormatError(f"{key}: {len(view)} bytes is shorter than the header")
+    *fields, _ = HEADER.unpack_from(view)
+    orders = [fields[i].rstrip(b"\0").decode("ascii", "replace") for i in _ORDER_FIELDS]
+    wanted = list(_fields(expect))
+    for i, order in zip(_ORDER_FIELDS, orders, strict=True):
+        if sorted(order) != sorted(expect.order):
+            raise BlockFormatError(
+                f"{key}: header {_NAMES[i]} is {order!r}; expected an order of {expect.order!r}"
+            )
+        wanted[i] = fields[i]
+    for name, got, want in zip(_NAMES, fields, wanted, strict=True):
+        if got != want:
+            raise BlockFormatError(f"{key}: header {name} is {got!r}, expected {want!r}")
+    order, k_order = orders
+    try:
+        stored_layout(order, k_order)
+    except ValueError:
+        raise BlockFormatError(
+            f"{key}: header k_order {k_order!r} does not fit order {order!r}"
+        ) from None
+    return replace(expect, order=order, k_order="" if k_order == order else k_order)
+
+
+def checksum_ok(
+    key: str, head: bytes | bytearray | memoryview, payload: Iterable[memoryview]
+) -> bool:
+    """True if the checksum in `head` (a value's header) matches `key`, the header and the
+    concatenation of `payload`."""
+    view = memoryview(head).cast("B")[: HEADER.size]
+    (stored,) = CHECKSUM.unpack_from(view, HEADER.size - CHECKSUM.size)
+    return _digest(key, view[: HEADER.size - CHECKSUM.size], payload) == stored
 
 
 def check_value(
     key: str, data: bytes | bytearray | memoryview | None, expect: BlockShape, *, verify: bool
-) -> memoryview:
-    """The payload of a value (a view into `data`); raise `BlockFormatError` if it is absent,
-    torn, corrupt or of another shape, dtype, head range or layer set."""
+) -> tuple[BlockShape, memoryview]:
+    """The stored shape and payload (a view into `data`) of a whole value; raise
+    `BlockFormatError` if it is absent, torn, corrupt or of another shape, dtype, head range or
+    layer set (only the element order may differ from `expect`)."""
     if data is None:
         raise BlockFormatError(f"{key}: not stored")
     view = memoryview(data).cast("B")
-    if len(view) < HEADER.size:
-        raise BlockFormatError(f"{key}: {len(view)} bytes is shorter than the header")
-    *fields, checksum = HEADER.unpack_from(view)
-    for name, got, wanted in zip(_NAMES, fields, _fields(expect), strict=True):
-        if got != wanted:
-            raise BlockFormatError(f"{key}: header {name} is {got!r}, expected {wanted!r}")
+    shape = read_header(key, view, expect)
     if len(view) != expect.value_bytes:
         raise BlockFormatError(
             f"{key}: value is {len(view)} bytes, expected {expect.value_bytes} (torn or padded)"
         )
     payload = view[HEADER.size :]
-    if verify:
-        prefix = view[: HEADER.size - CHECKSUM.size]
-        if zlib.crc32(payload, zlib.crc32(prefix, zlib.crc32(key.encode()))) != checksum:
-            raise BlockFormatError(f"{key}: checksum mismatch (corrupt value)")
-    return payload
+    if verify and not checksum_ok(key, view, [payload]):
+        raise BlockFormatError(f"{key}: checksum mismatch (corrupt value)")
+    return shape, payload
 
 
 def encode_block(key: str, shape: BlockShape, tensor: torch.Tensor) -> bytes:
@@ -175,22 +253,27 @@ def encode_block(key: str, shape: BlockShape, tensor: torch.Tensor) -> bytes:
             f"{shape.tensor_shape} {shape.dtype}"
         )
     payload = tensor.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
-    value = bytearray(HEADER.size + len(payload))
-    value[HEADER.size :] = payload
-    seal(key, shape, memoryview(value))
-    return bytes(value)
+    return header(key, shape, [payload]) + bytes(payload)
 
 
 def decode_block(
     key: str, data: bytes | bytearray | memoryview | None, expect: BlockShape, *, verify: bool
 ) -> torch.Tensor:
-    """The payload of a value as a tensor of `expect.tensor_shape` (a view of `data`; read it
-    only); raise `BlockFormatError` as `check_value` does."""
-    payload = check_value(key, data, expect, verify=verify)
+    """The payload of a value as a tensor of the stored shape's `tensor_shape` (a view of
+    `data`; read it only); raise `BlockFormatError` as `check_value` does."""
+    shape, payload = check_value(key, data, expect, verify=verify)
     with warnings.catch_warnings():  # a read-only buffer: the tensor is only ever read
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=getattr(torch, expect.dtype))
-    return flat.view(expect.tensor_shape)
+    return flat.view(shape.tensor_shape)
+
+
+def _digest(key: str, prefix: bytes | memoryview, payload: Iterable[memoryview | bytes]) -> int:
+    hasher = xxhash.xxh3_64(key.encode())
+    hasher.update(prefix)
+    for chunk in payload:
+        hasher.update(chunk)
+    return int(hasher.intdigest())
 
 
 def _prefix(shape: BlockShape) -> bytes:
@@ -207,19 +290,25 @@ def _fields(shape: BlockShape) -> tuple[object, ...]:
         raise ValueError(
             f"a stored value of {shape.value_bytes} bytes exceeds {MAX_VALUE_BYTES} bytes"
         )
+    if max(shape.total_heads, shape.total_layers) > MAX_FIELD:
+        raise ValueError(
+            f"{shape.total_heads} KV heads / {shape.total_layers} layers: the storage format "
+            f"holds at most {MAX_FIELD} of each"
+        )
     return (
         MAGIC,
         FORMAT_VERSION,
         HEADER.size,
         DTYPE_CODES[shape.dtype],
         shape.kv_parts,
-        LAYOUT_TOKEN_MAJOR,
         FLAG_MLA if shape.mla else 0,
+        shape.order.encode(),
+        (shape.k_order or shape.order).encode(),
         shape.block_size,
+        shape.head_size,
         shape.total_heads,
         shape.heads.start,
         shape.heads.stop,
-        shape.head_size,
         shape.layers.start,
         shape.layers.stop,
         shape.total_layers,

@@ -1,25 +1,28 @@
 """Worker side: load stored blocks into the paged KV cache, and save computed ones.
 
-A stored value is every layer of this worker's PP stage for one block and head shard
-(`blockformat.py`). Saves: `save_kv_layer` gathers the layer's blocks straight into per-block
-value buffers (one contiguous buffer per value: header, then the layers) and the checksum
-threads continue each value's CRC over the layer; once the stage's last layer is in, the IO
-threads write the values, a group of blocks per backend round trip, while the forward pass
-goes on; `wait_for_save` returns when the step's writes are
-durable. Since nothing reads engine blocks after `save_kv_layer` returns, preempted blocks are
-safe at once (`handle_preemptions` has nothing to wait for). Loads are synchronous (all in
-`start_load_kv`): the IO threads read groups of values into preallocated buffers and check
-them a few groups ahead, while this thread scatters every layer of the finished groups into the
-cache. Every conversion between the engine's layout / block size / TP shard and the stored form
-goes through `kvx.layouts.convert_blocks`.
+A stored value is every layer of this worker's PP stage for one block and head shard, in the
+writer's own per-block element order (`blockformat.py`). When the engine's blocks are CPU
+memory and the stored block size is the engine's ("direct" IO), nothing is copied in Python:
+a value is written from, and read into, the cache's own bytes (one buffer per layer and K/V
+region of the block), with vectored IO where the backend offers it (`put_vectored`,
+`get_vectored`). Otherwise values go through buffers: `save_kv_layer` gathers the layer's
+blocks into per-block value buffers and loads scatter them back, both with
+`kvx.layouts.convert_blocks`, which converts between the engine's layout / block size / TP
+shard and the stored form.
+
+Saves: after the stage's last `save_kv_layer` the IO threads checksum and write the step's
+values, a group of blocks per backend round trip, while the forward pass goes on;
+`wait_for_save` returns when they are durable, so no write reads an engine block after the
+step. Loads are synchronous (all in `start_load_kv`): the IO threads read groups of values and
+check them a few groups ahead, while this thread scatters the groups that need converting.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
-import zlib
 from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,14 +31,17 @@ from dataclasses import dataclass, field
 import torch
 
 import kvx
-from kvx.layouts import MLA, Layout, convert_blocks, get_layout
+from kvx.layouts import Layout, convert_blocks, get_layout
 from kvx.plugins.storage.backends.base import StorageBackend
 from kvx.plugins.storage.blockformat import (
     HEADER,
     BlockFormatError,
     BlockShape,
+    block_order,
     check_value,
-    checksum_start,
+    checksum_ok,
+    header,
+    read_header,
     seal,
 )
 from kvx.plugins.storage.keys import Geometry, Stage, shard_ranges
@@ -44,18 +50,10 @@ from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
 
-CHECKSUM_LANES = 2  # threads computing the CRCs of a step's values as layers come in
 GROUP_BYTES = 16 << 20  # values written or read per backend round trip, in bytes
 READ_BYTES = 64 << 20  # values read per round trip and scattered per convert_blocks call, at most
 FIRST_READ_BYTES = 4 << 20  # the first group of a load is this small, each next one twice that
 # (up to READ_BYTES): scattering starts after a short read, later groups make few calls
-
-TOKEN_MAJOR = Layout(
-    "KVX_STORAGE_TOKEN_MAJOR",
-    shape=("blocks", "tokens", "kv", "heads", "head_size"),
-    memory=("blocks", "tokens", "kv", "heads", "head_size"),
-    summary="one layer of stored blocks: [tokens, K|V, heads, head_size] per block",
-)
 
 
 class _Budget:
@@ -143,15 +141,43 @@ class _Unit:
     keys: list[str] = field(default_factory=list)  # per row, the stored block's key
 
 
+class _CacheBlocks:
+    """The bytes of one layer's engine blocks, without copying: block `b` is `outer` regions
+    of `inner` bytes (K then V for vLLM's layouts), `stride` bytes apart, in the layout's
+    memory order (the stored element order of a block written by this engine)."""
+
+    def __init__(self, tensor: torch.Tensor, layout: Layout) -> None:
+        sizes = layout.sizes_of(tensor)
+        memory = tensor.permute(layout.stride_order)
+        if tensor.device.type != "cpu" or not memory.is_contiguous():
+            raise ValueError("not dense CPU memory in the layout's order")
+        self.outer = math.prod(sizes[d] for d in layout.memory[: layout.memory.index("blocks")])
+        self.flat = memory.reshape(-1).view(torch.uint8).numpy().data
+        self.stride = len(self.flat) // self.outer
+        self.inner = self.stride // sizes["blocks"]
+        self.ptr = tensor.data_ptr()
+
+    def regions(self, block: int) -> list[memoryview]:
+        at = block * self.inner
+        return [
+            self.flat[o * self.stride + at : o * self.stride + at + self.inner]
+            for o in range(self.outer)
+        ]
+
+
 @dataclass
 class _Fetched:
-    """A unit's values as read into `values`, and per value why it is unusable (or None)."""
+    """A unit's values as read, and per value why it is unusable (or None). Direct reads went
+    straight into the engine's blocks (`values` is None); `foreign` rows hold another element
+    order than this engine's and must be read again and converted."""
 
     unit: _Unit
-    flat: torch.Tensor  # the buffer `values` lives in (back to the pool once applied)
-    values: torch.Tensor
+    flat: torch.Tensor | None  # the buffer `values` lives in (back to the pool once applied)
+    values: torch.Tensor | None
     errors: list[BlockFormatError | None]
+    shapes: list[BlockShape | None] = field(default_factory=list)  # per row, as stored
     error: Exception | None = None  # the read itself failed
+    foreign: bool = False
 
 
 class StorageWorker:
@@ -174,7 +200,8 @@ class StorageWorker:
                 f"SharedStorageConnector takes per-layer KV tensors; layout {self.layout.name!r} "
                 "is a cross-layer layout"
             )
-        self.stored_layout = MLA if geometry.mla else TOKEN_MAJOR
+        self.order, k_order = block_order(self.layout)
+        self.k_order = "" if k_order == self.order else k_order
         par = ctx.parallel
         self.heads = physical_head_range(geometry.total_heads, par.tp_size, par.tp_rank)
         self.writer = is_primary_holder(geometry.total_heads, par.tp_size, par.tp_rank)
@@ -182,6 +209,9 @@ class StorageWorker:
         self.caches: dict[str, torch.Tensor] = {}
         self.stage: Stage | None = None
         self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
+        self._blocks: list[_CacheBlocks] = []  # the stage's layers in order, for direct IO
+        self.direct = False
+        self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-io")
         self._budget = _Budget(max_inflight_bytes)
@@ -195,15 +225,8 @@ class StorageWorker:
         self._step_pieces: list[tuple[slice, list[int], list[int]]] = []  # see _new_saves
         self._saves_meta: StorageMetadata | None = None
         self._saved_layers: set[str] = set()
-        self._items: list[tuple[str, memoryview]] = []  # this step's values to write
-        self._checksums: list[int] = []  # their running CRCs, layer by layer
-        # CRC lanes, each one thread over its share of the values: a layer's job continues the
-        # previous layer's CRCs
-        self._checksummers = [
-            ThreadPoolExecutor(1, thread_name_prefix="kvx-storage-io-crc")
-            for _ in range(CHECKSUM_LANES)
-        ]
-        self._checksum_tail: list[Future[None]] = []  # the step's last CRC job per lane
+        # this step's values to write: (name, value buffer) or, direct, (name, engine block)
+        self._items: list[tuple[str, memoryview | int]] = []
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
         self._stats: Counter[str] = Counter()
@@ -227,6 +250,19 @@ class StorageWorker:
         index = {name: i for i, name in enumerate(self.geo.layer_names)}
         self._by_index = {index[name]: tensor for name, tensor in kv_caches.items()}
         self.caches = dict(kv_caches)
+        self._blocks = []
+        self.direct = self.geo.block_size == self.geo.engine_block_size
+        if self.direct:
+            try:
+                self._blocks = [
+                    _CacheBlocks(self._by_index[g], self.layout) for g in self.stage.layers
+                ]
+            except ValueError:  # a GPU cache, or a strided one: through buffers
+                self.direct, self._blocks = False, []
+
+    def _regions(self, block: int) -> list[memoryview]:
+        """Engine block `block` of every layer of the stage: a stored value's payload."""
+        return [region for layer in self._blocks for region in layer.regions(block)]
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -294,7 +330,7 @@ class StorageWorker:
 
     def _load_units(self, units: list[_Unit]) -> None:
         """Units are read and checked (`_fetch`) on the IO threads, a few ahead, while this
-        thread scatters the finished ones into the cache in order (`_apply`)."""
+        thread applies the finished ones in order (`_apply`)."""
         window = self._io_threads + 1
         fetches: deque[Future[_Fetched] | None] = deque()
         try:
@@ -303,12 +339,17 @@ class StorageWorker:
                     ahead = units[i + len(fetches)]
                     # skipped when every load in it already failed before its blocks
                     skip = all(seg.first >= seg.load.bad for seg in ahead.segments)
-                    fetches.append(None if skip else self._pool.submit(self._fetch, ahead))
+                    fetch = self._fetch_direct if self._is_direct(ahead) else self._fetch
+                    fetches.append(None if skip else self._pool.submit(fetch, ahead))
                 future = fetches.popleft()
                 if future is not None:
                     fetched = future.result()
+                    if fetched.foreign:  # stored by an engine of another layout: convert
+                        self._foreign.add(_unit_key(fetched.unit))
+                        fetched = self._fetch(fetched.unit)
                     self._apply(fetched)
-                    self._read_buffers.give(fetched.flat)
+                    if fetched.flat is not None:
+                        self._read_buffers.give(fetched.flat)
         finally:
             for pending in fetches:  # after an unexpected error: no read outlives the call
                 if pending is not None:
@@ -316,9 +357,21 @@ class StorageWorker:
                     with contextlib.suppress(Exception):
                         pending.result()
 
+    def _is_direct(self, unit: _Unit) -> bool:
+        """Whether the unit's values can be read straight into the engine's blocks: this
+        engine's own stage and head shard, not known to be stored in another order."""
+        assert self.stage is not None
+        return (
+            self.direct
+            and unit.heads == self.heads
+            and unit.stage.layers == self.stage.layers
+            and unit.stage.layer_set == self.stage.layer_set
+            and _unit_key(unit) not in self._foreign
+        )
+
     def _fetch(self, unit: _Unit) -> _Fetched:
-        """Read and check a unit's values (an IO thread); a failed read is returned, not
-        raised."""
+        """Read and check a unit's values into a buffer (an IO thread); a failed read is
+        returned, not raised."""
         shape = unit.shape
         flat = self._read_buffers.take(len(unit.keys) * shape.value_bytes)
         values = _rows(flat, len(unit.keys), shape.value_bytes)
@@ -330,22 +383,67 @@ class StorageWorker:
             for at in range(0, len(names), per):
                 sizes.extend(self._read_into(names[at : at + per], rows[at : at + per]))
         except Exception as exc:  # an unreachable store fails these loads, not the engine step
-            return _Fetched(unit, flat, values, [], exc)
+            return _Fetched(unit, flat, values, [], error=exc)
         errors: list[BlockFormatError | None] = []
+        shapes: list[BlockShape | None] = []
         for name, row, size in zip(names, rows, sizes, strict=True):
             try:
-                if size is None:
-                    raise BlockFormatError(f"{name}: not stored")
-                if size != len(row):
-                    raise BlockFormatError(
-                        f"{name}: value is {size} bytes, expected {len(row)} (torn, padded or "
-                        "of another format version)"
-                    )
-                check_value(name, row, shape, verify=self.verify)
+                _check_size(name, size, len(row))
+                stored, _ = check_value(name, row, shape, verify=self.verify)
                 errors.append(None)
+                shapes.append(stored)
             except BlockFormatError as exc:
                 errors.append(exc)
-        return _Fetched(unit, flat, values, errors)
+                shapes.append(None)
+        return _Fetched(unit, flat, values, errors, shapes)
+
+    def _fetch_direct(self, unit: _Unit) -> _Fetched:
+        """Read a unit's values straight into the engine blocks they load into (an IO thread)
+        and check them there; rows no block needs are not read."""
+        shape = unit.shape
+        targets = self._targets(unit)
+        heads = bytearray(HEADER.size * len(unit.keys))
+        names, buffers, rows = [], [], []
+        for row, (key, block) in enumerate(zip(unit.keys, targets, strict=True)):
+            if block is not None:
+                names.append(self.geo.value_key(key, unit.stage, unit.heads))
+                head = memoryview(heads)[row * HEADER.size : (row + 1) * HEADER.size]
+                buffers.append([head, *self._regions(block)])
+                rows.append(row)
+        try:
+            per = max(1, GROUP_BYTES // shape.value_bytes)
+            sizes: list[int | None] = []
+            for at in range(0, len(names), per):
+                sizes.extend(self._read_vectored(names[at : at + per], buffers[at : at + per]))
+        except Exception as exc:
+            return _Fetched(unit, None, None, [], error=exc)
+        errors: list[BlockFormatError | None] = [None] * len(unit.keys)
+        foreign = False
+        for name, parts, row, size in zip(names, buffers, rows, sizes, strict=True):
+            try:
+                _check_size(name, size, shape.value_bytes)
+                stored = read_header(name, parts[0], shape)
+                if (stored.order, stored.k_order) != (self.order, self.k_order):
+                    foreign = True
+                elif self.verify and not checksum_ok(name, parts[0], parts[1:]):
+                    raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
+            except BlockFormatError as exc:
+                errors[row] = exc
+        return _Fetched(unit, None, None, errors, foreign=foreign)
+
+    def _targets(self, unit: _Unit) -> list[int | None]:
+        """Per row of a unit (stored block = engine block), the engine block it loads into,
+        or None when it holds no token the load needs."""
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        targets: list[int | None] = [None] * len(unit.keys)
+        for seg in unit.segments:
+            spec = seg.load.spec
+            t0 = (spec.first_block + seg.first) * bs
+            for k, row in enumerate(seg.rows):
+                t = t0 + k * bs
+                if spec.start <= t < spec.start + spec.num_tokens:
+                    targets[row] = spec.block_ids[(t - spec.start) // ebs]
+        return targets
 
     def _read_into(self, names: list[str], rows: list[memoryview]) -> Sequence[int | None]:
         """Read each value into its row: per value its stored size (None if absent)."""
@@ -360,8 +458,33 @@ class StorageWorker:
             out.append(None if data is None else len(data))
         return out
 
+    def _read_vectored(
+        self, names: list[str], buffers: list[list[memoryview]]
+    ) -> Sequence[int | None]:
+        """Read each value into its buffers (in order): per value its stored size (None if
+        absent)."""
+        get_vectored = getattr(self.backend, "get_vectored", None)
+        if get_vectored is not None:
+            sizes: Sequence[int | None] = get_vectored(names, buffers)
+            return sizes
+        total = sum(len(b) for b in buffers[0])  # every value of a unit is as long
+        flat = self._read_buffers.take(len(names) * total)
+        try:
+            rows = [memoryview(row.numpy()) for row in _rows(flat, len(names), total)]
+            out = self._read_into(names, rows)
+            for row, parts, size in zip(rows, buffers, out, strict=True):
+                if size == total:
+                    at = 0
+                    for part in parts:
+                        part[:] = row[at : at + len(part)]
+                        at += len(part)
+            return out
+        finally:
+            self._read_buffers.give(flat)
+
     def _apply(self, fetched: _Fetched) -> None:
-        """Scatter every layer of a unit's good blocks, each load's up to its first bad one."""
+        """Settle each load's first bad block; scatter the good blocks of a buffered unit,
+        each load's up to its first bad one."""
         unit = fetched.unit
         if fetched.error is not None:
             logger.warning(
@@ -383,16 +506,24 @@ class StorageWorker:
                     break
         good = [(seg, min(len(seg.rows), seg.load.bad - seg.first)) for seg in unit.segments]
         good = [(seg, n) for seg, n in good if n > 0]
-        if good:
-            self._scatter(unit, fetched.values, good)
-            rows = sum(n for _, n in good)
-            self._count(loaded_bytes=rows * unit.shape.value_bytes)
+        if not good:
+            return
+        if fetched.values is not None:
+            for layout, part in _by_layout(good, fetched.shapes):
+                self._scatter(unit, fetched.values, part, layout)
+        rows = sum(n for _, n in good)
+        self._count(loaded_bytes=rows * unit.shape.value_bytes)
 
     def _scatter(
-        self, unit: _Unit, values: torch.Tensor, good: list[tuple[_Segment, int]]
+        self,
+        unit: _Unit,
+        values: torch.Tensor,
+        good: list[tuple[_Segment, int]],
+        stored: BlockShape,
     ) -> None:
-        """Copy the first `n` rows of each segment, every layer this rank holds, into the
-        cache: one convert_blocks call per layer and engine-block-sized piece of a row."""
+        """Copy the first `n` rows of each segment (values of the `stored` shape), every layer
+        this rank holds, into the cache: one convert_blocks call per layer and
+        engine-block-sized piece of a row."""
         assert self.stage is not None
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         heads: dict[str, range] = {}
@@ -427,15 +558,15 @@ class StorageWorker:
             min(unit.stage.layers.stop, self.stage.layers.stop),
         )
         for g in layers:
-            view = self._layer_view(values, unit.shape, g - unit.stage.layers.start)
+            view = self._layer_view(values, stored, g - unit.stage.layers.start)
             for tokens, src, dst, num_tokens in moves.values():
                 if src:
                     convert_blocks(
-                        view[:, tokens],
+                        _tokens(view, stored, tokens),
                         self._by_index[g],
                         src,
                         dst,
-                        src_layout=self.stored_layout,
+                        src_layout=stored.layout,
                         dst_layout=self.layout,
                         num_tokens=num_tokens,
                         **heads,
@@ -459,35 +590,47 @@ class StorageWorker:
             self._drop_unfinished_saves()
             self._saves_meta = meta
             self._new_saves(meta.stores)
-        assert self.stage is not None and self._step_values is not None
-        position = self.geo.layer_names.index(layer) - self.stage.layers.start
-        view = self._layer_view(self._step_values, self._own_shape(), position)
-        for tokens, src, dst in self._step_pieces:
-            convert_blocks(
-                kv_layer,
-                view[:, tokens],
-                src,
-                dst,
-                src_layout=self.layout,
-                dst_layout=self.stored_layout,
-            )
-        lanes = len(self._checksummers)
-        self._checksum_tail = [
-            lane.submit(self._checksum_layer, self._items, self._checksums, position, i, lanes)
-            for i, lane in enumerate(self._checksummers)
-        ]
+        assert self.stage is not None
+        if self.direct:
+            if kv_layer.data_ptr() != self.caches[layer].data_ptr():
+                raise ValueError(
+                    f"save_kv_layer({layer!r}): the tensor is not the layer's registered KV cache"
+                )
+        else:
+            assert self._step_values is not None
+            position = self.geo.layer_names.index(layer) - self.stage.layers.start
+            view = self._layer_view(self._step_values, self._own_shape(), position)
+            for tokens, src, dst in self._step_pieces:
+                convert_blocks(
+                    kv_layer,
+                    _tokens(view, self._own_shape(), tokens),
+                    src,
+                    dst,
+                    src_layout=self.layout,
+                    dst_layout=self._own_shape().layout,
+                )
         self._saved_layers.add(layer)
         if len(self._saved_layers) == len(self.caches):
             self._submit_writes()
 
     def _new_saves(self, stores: list[StoreSpec]) -> None:
-        """Value buffers for the step's stores (one reused flat buffer, a row per stored block
-        from each spec's first engine block on), the values to write, and the gather plan: per
-        engine-block-sized piece of a row, the engine blocks and the rows they go to (all specs
-        in one convert_blocks call per layer and piece)."""
+        """The step's values to write. Direct: per complete stored block its name and engine
+        block. Otherwise value buffers (one reused flat buffer, a row per stored block from each
+        spec's first engine block on) and the gather plan: per engine-block-sized piece of a
+        row, the engine blocks and the rows they go to (all specs in one convert_blocks call
+        per layer and piece)."""
         assert self.stage is not None
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         shape = self._own_shape()
+        self._items = []
+        if self.direct:  # stored block = engine block
+            for spec in stores:
+                for r, block in enumerate(spec.block_ids):
+                    j = spec.block_ids_start // bs + r - spec.first_block
+                    if 0 <= j < len(spec.keys):
+                        name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
+                        self._items.append((name, block))
+            return
         rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
         self._budget.acquire(sum(rows) * shape.value_bytes)
         flat = self._save_buffers.take(sum(rows) * shape.value_bytes)
@@ -497,7 +640,6 @@ class StorageWorker:
         pieces: list[tuple[slice, list[int], list[int]]] = [
             (slice(s * ebs, (s + 1) * ebs) if k > 1 else slice(None), [], []) for s in range(k)
         ]
-        self._items, self._checksums = [], []
         first_row = 0
         for spec, n in zip(stores, rows, strict=True):
             for s, (_, src, dst) in enumerate(pieces):
@@ -511,77 +653,64 @@ class StorageWorker:
                 if 0 <= j < len(spec.keys):  # a complete stored block of the spec's keys
                     name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
                     self._items.append((name, values[first_row + r].numpy().data))
-                    self._checksums.append(checksum_start(name, shape))
             first_row += n
         self._step_values = values
         self._step_pieces = [piece for piece in pieces if piece[1]]
 
-    def _checksum_layer(
-        self,
-        items: list[tuple[str, memoryview]],
-        checksums: list[int],
-        position: int,
-        lane: int,
-        lanes: int,
-    ) -> None:
-        """Continue the CRCs of values `lane::lanes` over one layer (a lane's thread runs the
-        layers in order)."""
-        size = self._own_shape().layer_bytes
-        at = HEADER.size + position * size
-        for i in range(lane, len(items), lanes):
-            checksums[i] = zlib.crc32(items[i][1][at : at + size], checksums[i])
-
     def _submit_writes(self) -> None:
         """Write the step's complete stored blocks, a group of values per IO-thread job."""
         values, self._step_values, self._saves_meta = self._step_values, None, None
-        items, checksums, self._items, self._checksums = self._items, self._checksums, [], []
+        items, self._items = self._items, []
         self._saved_layers = set()
-        tail, self._checksum_tail = self._checksum_tail, []
         shape = self._own_shape()
         per = max(1, GROUP_BYTES // shape.value_bytes)
-        held = 0 if values is None else values.numel()
-        # the budget is given back per group as it is written; rows never written at once
-        self._budget.release(held - len(items) * shape.value_bytes)
+        if values is not None:  # the budget is given back per group as it is written
+            self._budget.release(values.numel() - len(items) * shape.value_bytes)
         for at in range(0, len(items), per):
-            group = items[at : at + per], checksums  # checksums: complete once `tail` is done
             try:
-                future = self._pool.submit(self._write, *group, at, tail, shape)
+                future = self._pool.submit(self._write, items[at : at + per], shape)
             except BaseException:
-                self._budget.release((len(items) - at) * shape.value_bytes)
+                if values is not None:
+                    self._budget.release((len(items) - at) * shape.value_bytes)
                 raise
             self._pending.append(future)
 
-    def _write(
-        self,
-        items: list[tuple[str, memoryview]],
-        checksums: list[int],
-        first: int,
-        tail: list[Future[None]],
-        shape: BlockShape,
-    ) -> None:
+    def _write(self, items: list[tuple[str, memoryview | int]], shape: BlockShape) -> None:
+        """Checksum and write a group of values (an IO thread)."""
+        direct = bool(items) and isinstance(items[0][1], int)
         try:
-            for lane in tail:
-                lane.result()
-            for i, (name, value) in enumerate(items):
-                seal(name, shape, value, checksums[first + i])
-            self.backend.put_many(items)
+            if direct:
+                vectors = []
+                for name, block in items:
+                    assert isinstance(block, int)
+                    payload = self._regions(block)
+                    vectors.append((name, [header(name, shape, payload), *payload]))
+                put_vectored = getattr(self.backend, "put_vectored", None)
+                if put_vectored is not None:
+                    put_vectored(vectors)
+                else:
+                    self.backend.put_many([(name, b"".join(parts)) for name, parts in vectors])
+            else:
+                buffers = [(name, value) for name, value in items if isinstance(value, memoryview)]
+                for name, value in buffers:
+                    seal(name, shape, value)
+                self.backend.put_many(buffers)
             self._count(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
         finally:
-            self._budget.release(len(items) * shape.value_bytes)
+            if not direct:
+                self._budget.release(len(items) * shape.value_bytes)
 
     def _drop_unfinished_saves(self) -> None:
         """A step whose stage layers were not all saved writes nothing (values are whole)."""
-        if self._step_values is None:
+        if self._saves_meta is None:
             return
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
         self._count(save_errors=1)
-        for lane in self._checksum_tail:  # let them finish reading the buffer
-            with contextlib.suppress(Exception):
-                lane.result()
-        self._budget.release(self._step_values.numel())
+        if self._step_values is not None:
+            self._budget.release(self._step_values.numel())
         self._step_values, self._saves_meta, self._saved_layers = None, None, set()
-        self._items, self._checksums, self._checksum_tail = [], [], []
+        self._items = []
         if not self._pending:  # nothing of it is being written: its buffer is free
             for flat in self._writing:
                 self._save_buffers.give(flat)
@@ -616,8 +745,6 @@ class StorageWorker:
     def shutdown(self) -> None:
         self.wait_for_save()
         self._pool.shutdown(wait=True)
-        for lane in self._checksummers:
-            lane.shutdown(wait=True)
         self.backend.close()
 
     def _count(self, **counts: int) -> None:
@@ -637,6 +764,8 @@ class StorageWorker:
             layers=stage.layers,
             total_layers=len(g.layer_names),
             layer_set=stage.layer_set,
+            order=self.order,
+            k_order=self.k_order,
         )
 
     def _own_shape(self) -> BlockShape:
@@ -645,14 +774,59 @@ class StorageWorker:
 
     def _layer_view(self, values: torch.Tensor, shape: BlockShape, position: int) -> torch.Tensor:
         """Layer `position` of every value in `values` (uint8 `[n, value_bytes]`) as stored
-        blocks in the stored layout: a strided view `[n, tokens, kv, heads, head_size]`."""
+        blocks of `shape`'s layout: a strided view `[n, *order]`."""
         item = shape.itemsize
         per = shape.layer_bytes // item
         at = HEADER.size // item + position * per
-        flat = values.view(self.dtype)[:, at : at + per]
-        if self.geo.mla:
-            return flat.view(-1, shape.block_size, shape.head_size)
-        return flat.view(-1, *shape.tensor_shape[1:])
+        return values.view(self.dtype)[:, at : at + per].view(-1, *shape.tensor_shape[1:])
+
+
+def _tokens(view: torch.Tensor, shape: BlockShape, tokens: slice) -> torch.Tensor:
+    """The `tokens` of every stored block in a layer view (a piece of an engine block's size)."""
+    if tokens == slice(None):
+        return view
+    if shape.k_order:
+        raise ValueError(
+            f"a stored order {shape.order!r} with K as {shape.k_order!r} cannot be split into "
+            "engine blocks of another size"
+        )
+    index = [slice(None)] * view.dim()
+    index[1 + shape.order.index("t")] = tokens
+    return view[tuple(index)]
+
+
+def _check_size(name: str, size: int | None, expected: int) -> None:
+    if size is None:
+        raise BlockFormatError(f"{name}: not stored")
+    if size != expected:
+        raise BlockFormatError(
+            f"{name}: value is {size} bytes, expected {expected} (torn, padded or of another "
+            "format version)"
+        )
+
+
+def _by_layout(
+    good: list[tuple[_Segment, int]], shapes: list[BlockShape | None]
+) -> list[tuple[BlockShape, list[tuple[_Segment, int]]]]:
+    """The good rows grouped by the shape they are stored in (one group unless writers of
+    different layouts stored the unit's blocks: then a segment per row)."""
+    stored = [shapes[row] for seg, n in good for row in seg.rows[:n]]
+    first = stored[0]
+    assert first is not None
+    if all(shape == first for shape in stored):
+        return [(first, good)]
+    groups: dict[BlockShape, list[tuple[_Segment, int]]] = {}
+    for seg, n in good:
+        for k, row in enumerate(seg.rows[:n]):
+            shape = shapes[row]
+            assert shape is not None
+            one = _Segment(seg.load, seg.first + k, range(row, row + 1))
+            groups.setdefault(shape, []).append((one, 1))
+    return list(groups.items())
+
+
+def _unit_key(unit: _Unit) -> tuple[range, bytes, range]:
+    return (unit.stage.layers, unit.stage.layer_set, unit.heads)
 
 
 def _overlap(a: range, b: range) -> bool:

@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,10 +321,18 @@ class Rig:
         return errors, meta
 
     def check(
-        self, tokens: list[int], blocks: list[int], num_tokens: int, *, alone: bool = True
+        self,
+        tokens: list[int],
+        blocks: list[int],
+        num_tokens: int,
+        *,
+        alone: bool = True,
+        failed: Sequence[int] = (),
     ) -> None:
         """The first `num_tokens` of the request hold exactly the model's KV on every worker
-        and layer, and (if the request ran `alone`) every other slot still holds the sentinel."""
+        and layer, and (if the request ran `alone`) every other slot still holds the sentinel,
+        except in the `failed` blocks: blocks reported as load errors hold whatever was read
+        into them (the engine recomputes them; loads go straight into the blocks)."""
         for _, caches, heads in self.workers:
             for index, name in enumerate(LAYERS):
                 view = self.token_view(caches[name])
@@ -336,6 +344,8 @@ class Rig:
                     b, o = blocks[pos // self.block_size], pos % self.block_size
                     assert torch.equal(view[b, o], want[pos]), (name, heads, pos)
                     touched[b, o] = True
+                for b in failed:
+                    touched[b] = True
                 if alone:
                     untouched = view[~touched]
                     assert bool((untouched == SENTINEL).all()), f"{name}: other slots changed"

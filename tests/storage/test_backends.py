@@ -60,9 +60,9 @@ def test_file_reader_never_sees_a_torn_value(
 ) -> None:
     backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
 
-    def slow_write_local(path: str, value: bytes) -> None:  # local files skip fs.open
+    def slow_write_local(path: str, parts: list[bytes]) -> None:  # local files skip fs.open
         with SlowFile(open(path, "xb")) as f:
-            f.write(value)
+            f.write(b"".join(parts))
 
     monkeypatch.setattr(fsspec_backend, "_write_local", slow_write_local)
     old, new = b"a" * (1 << 20), b"b" * (2 << 20)
@@ -207,7 +207,7 @@ def test_write_failures_are_counted_not_raised(tmp_path: Path, make_rig: MakeRig
         def fail(items: Any) -> None:
             raise OSError("disk full")
 
-        backend.put_many = fail
+        backend.put_many = backend.put_vectored = fail
     rig.prefill("p", list(range(40)))
     stats = rig.workers[0][0].get_kv_connector_stats()
     assert stats is not None and stats.data["save_errors"] == 1  # one per group of blocks

@@ -141,7 +141,8 @@ def test_corruption_is_reported_as_load_errors(
     assert run.num_external == 64  # the header is intact: the scheduler cannot tell
     # Block 1 is bad, so blocks 2 and 3 (a prefix is valid only up to its first bad block).
     assert run.errors == [set(run.block_ids[1:4])]
-    rig.check(tokens, run.block_ids[:1], 16)  # block 0 loaded exactly; nothing else written
+    # Block 0 loaded exactly; nothing written outside the request's failed blocks.
+    rig.check(tokens, run.block_ids[:1], 16, failed=run.block_ids[1:4])
 
 
 def test_a_bad_block_fails_only_its_own_request_in_a_shared_step(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -11,15 +10,20 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from kvx import ConfigError, KVTransferConfig
 from kvx.plugins.storage.blockformat import (
     HEADER,
     BlockFormatError,
     BlockShape,
+    block_order,
+    check_value,
     decode_block,
     encode_block,
+    stored_layout,
 )
+from kvx.layouts import CPU_PACKED, HND, MLA, NHD
 from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import block_keys, chain_seed, shard_counts
 from kvx.topology import physical_head_range as rank_heads
@@ -31,7 +35,7 @@ SHAPE = BlockShape(  # layers 4-5 of 8, heads 2-3 of 8: one stage's value for on
 
 
 def block() -> tuple[torch.Tensor, bytes]:
-    tensor = torch.arange(2 * 16 * 2 * 2 * 32, dtype=torch.float32).view(2, 16, 2, 2, 32)
+    tensor = torch.arange(2 * 2 * 16 * 2 * 32, dtype=torch.float32).view(2, 2, 16, 2, 32)
     tensor = tensor.to(torch.bfloat16)
     return tensor, encode_block("ns/key", SHAPE, tensor)
 
@@ -40,12 +44,24 @@ def test_round_trip_is_exact() -> None:
     tensor, data = block()
     assert HEADER.size == 64  # the payload is aligned for every dtype
     assert len(data) == HEADER.size + 2 * 16 * 2 * 2 * 32 * 2
-    assert data[:4] == b"KVXB" and struct.unpack_from("<H", data, 4) == (2,)
+    assert data[:4] == b"KVXB" and struct.unpack_from("<H", data, 4) == (3,)
+    assert data[12:20] == b"kthdkthd"  # NHD's per-block order, for K and V alike
     assert torch.equal(decode_block("ns/key", data, SHAPE, verify=True), tensor)
-    payload = data[HEADER.size :]
-    assert struct.unpack_from("<I", data, HEADER.size - 4)[0] == zlib.crc32(
-        payload, zlib.crc32(data[: HEADER.size - 4], zlib.crc32(b"ns/key"))
-    )
+    digest = xxhash.xxh3_64(b"ns/key" + data[: HEADER.size - 8] + data[HEADER.size :])
+    assert struct.unpack_from("<Q", data, HEADER.size - 8)[0] == digest.intdigest()
+
+
+def test_the_stored_order_is_the_writers_block_order() -> None:
+    assert block_order(NHD) == ("kthd", "kthd")
+    assert block_order(HND) == ("khtd", "khtd")
+    assert block_order(MLA) == ("td", "td")
+    assert block_order(CPU_PACKED) == ("hktd", "hkdt")  # vLLM-CPU keeps K transposed
+    assert stored_layout("khtd", "khtd").memory == ("blocks", "kv", "heads", "tokens", "head_size")
+    # A reader accepts any order of its dims and learns it from the header.
+    hnd = replace(SHAPE, order="khtd")
+    tensor = torch.zeros(hnd.tensor_shape, dtype=torch.bfloat16)
+    stored, _ = check_value("k", encode_block("k", hnd, tensor), SHAPE, verify=True)
+    assert stored.order == "khtd" and stored.layout.name == "KVX_STORED_khtd"
 
 
 def _with(data: bytes, offset: int, fmt: str, value: object) -> bytes:
@@ -59,15 +75,17 @@ def _with(data: bytes, offset: int, fmt: str, value: object) -> bytes:
         (lambda d: d[:20], "shorter than the header"),
         (lambda d: b"XXXX" + d[4:], "magic"),
         (lambda d: _with(d, 4, "<H", 9), "version is 9"),
-        (lambda d: _with(d, 4, "<H", 1), "version is 1, expected 2"),  # a per-layer v1 value
+        (lambda d: _with(d, 4, "<H", 2), "version is 2, expected 3"),  # a token-major v2 value
         (lambda d: d[:-1], "torn"),
         (lambda d: d + b"\0", "torn"),
         (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum"),
         (lambda d: d[:8] + bytes([1]) + d[9:], "header dtype is 1, expected 3"),
-        (lambda d: _with(d, 32, "<I", 0), "layer_start is 0, expected 4"),
-        (lambda d: _with(d, 40, "<I", 32), "total_layers is 32, expected 8"),
-        (lambda d: _with(d, 44, "8s", b"another!"), "layer_set"),
-        (lambda d: _with(d, HEADER.size - 12, "<Q", 1 << 40), "payload_len"),
+        (lambda d: _with(d, 34, "<H", 0), "layer_start is 0, expected 4"),
+        (lambda d: _with(d, 38, "<H", 32), "total_layers is 32, expected 8"),
+        (lambda d: _with(d, 40, "8s", b"another!"), "layer_set"),
+        (lambda d: _with(d, 48, "<Q", 1 << 40), "payload_len"),
+        (lambda d: _with(d, 12, "4s", b"kkhd"), "order is 'kkhd'"),
+        (lambda d: _with(d, 16, "4s", b"tkhd"), "k_order 'tkhd' does not fit"),
     ],
 )
 def test_bad_values_are_refused_before_the_payload_is_used(

@@ -45,10 +45,15 @@ class FsspecBackend:
         return f"{self.root}/{key}"
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        for key, value in items:
+        self.put_vectored([(key, [value]) for key, value in items])
+
+    def put_vectored(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
+        """Store each key's value: the concatenation of its buffers (local files: one
+        `writev` from the buffers, no joined copy)."""
+        for key, parts in items:
             path = self._path(key)
             if self.atomic_put:
-                self.fs.pipe_file(path, bytes(value))
+                self.fs.pipe_file(path, b"".join(parts))
                 continue
             directory = path.rsplit("/", 1)[0]
             self._makedirs(directory)
@@ -56,16 +61,17 @@ class FsspecBackend:
             try:
                 if self.local:
                     try:
-                        _write_local(tmp, value)
+                        _write_local(tmp, parts)
                     except FileNotFoundError:  # the directory was pruned since it was made
                         with self._dirs_lock:
                             self._dirs.discard(directory)
                         self._makedirs(directory)
-                        _write_local(tmp, value)
+                        _write_local(tmp, parts)
                     os.replace(tmp, path)
                 else:
                     with self.fs.open(tmp, "wb") as f:
-                        f.write(value)
+                        for part in parts:
+                            f.write(part)
                     self.fs.mv(tmp, path)
             except BaseException:
                 self._discard(tmp)
@@ -91,15 +97,28 @@ class FsspecBackend:
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Read each value into its buffer when it is exactly that long: per key the stored
         size (None where absent or unreadable). Local files go straight into the buffer."""
+        return self.get_vectored(keys, [[buf] for buf in buffers])
+
+    def get_vectored(
+        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
+        """Read each value into the concatenation of its buffers when it is exactly that long
+        (otherwise they are untouched): per key the stored size (None where absent or
+        unreadable). Local files: one `preadv` into the buffers."""
         return [
-            self._get_into(self._path(key), buf) for key, buf in zip(keys, buffers, strict=True)
+            self._get_vectored(self._path(key), parts)
+            for key, parts in zip(keys, buffers, strict=True)
         ]
 
-    def _get_into(self, path: str, buf: memoryview) -> int | None:
+    def _get_vectored(self, path: str, parts: Sequence[memoryview]) -> int | None:
+        total = sum(len(part) for part in parts)
         if not self.local:
-            data = self._get(path, len(buf))
-            if data is not None and len(data) == len(buf):
-                buf[:] = data
+            data = self._get(path, total)
+            if data is not None and len(data) == total:
+                at = 0
+                for part in parts:
+                    part[:] = data[at : at + len(part)]
+                    at += len(part)
             return None if data is None else len(data)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -110,13 +129,18 @@ class FsspecBackend:
             return None
         try:
             size = os.fstat(fd).st_size
-            if size != len(buf):
+            if size != total:
                 return size
             got = 0
-            while got < size:
-                n = os.readv(fd, [buf[got:]])
-                if n == 0:
-                    break  # shorter than fstat said: reported as that size
+            for batch in _batches(parts):
+                want = sum(len(part) for part in batch)
+                n = os.preadv(fd, batch, got)
+                while n < want:  # a short read: continue from where it stopped
+                    rest = _after(batch, n)
+                    more = os.preadv(fd, rest, got + n)
+                    if more == 0:
+                        return got + n  # shorter than fstat said: reported as that size
+                    n += more
                 got += n
             return got
         finally:
@@ -143,12 +167,29 @@ class FsspecBackend:
         """Nothing to release: fsspec filesystems hold no per-backend connections here."""
 
 
-def _write_local(path: str, value: bytes | memoryview) -> None:
-    """Create `path` (it must not exist) holding exactly `value`."""
+def _write_local(path: str, parts: Sequence[bytes | memoryview]) -> None:
+    """Create `path` (it must not exist) holding exactly the concatenation of `parts`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(value)
-        while view:
-            view = view[os.write(fd, view) :]
+        for batch in _batches([memoryview(part).cast("B") for part in parts]):
+            while batch:
+                batch = _after(batch, os.writev(fd, batch))
     finally:
         os.close(fd)
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _batches(parts: Sequence[memoryview]) -> list[list[memoryview]]:
+    """`parts` in lists of at most IOV_MAX buffers (one vectored call each)."""
+    return [list(parts[at : at + _IOV_MAX]) for at in range(0, len(parts), _IOV_MAX)]
+
+
+def _after(parts: list[memoryview], n: int) -> list[memoryview]:
+    """What of `parts` is left after their first `n` bytes."""
+    for i, part in enumerate(parts):
+        if n < len(part):
+            return [part[n:], *parts[i + 1 :]]
+        n -= len(part)
+    return []
