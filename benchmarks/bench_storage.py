@@ -533,10 +533,11 @@ def redis_server() -> Iterator[str]:
 
 
 def drop_files(root: Path) -> None:
-    """Delete every stored block directory (keys are never reused: prompts are fresh)."""
+    """Delete every stored value (keys are never reused: prompts are fresh), keeping the
+    fan-out directories (`<namespace>/b16/<2 hex digits>/`), as a store in use has them."""
     if root.exists():
-        for prefix in root.glob("*/*/*"):
-            shutil.rmtree(prefix)
+        for value in root.glob("*/*/*/*"):
+            value.unlink()
 
 
 def drop_keys(url: str, pattern: str) -> None:

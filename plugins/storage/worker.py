@@ -155,14 +155,7 @@ class _CacheBlocks:
         self.flat = memory.reshape(-1).view(torch.uint8).numpy().data
         self.stride = len(self.flat) // self.outer
         self.inner = self.stride // sizes["blocks"]
-        self.ptr = tensor.data_ptr()
-
-    def regions(self, block: int) -> list[memoryview]:
-        at = block * self.inner
-        return [
-            self.flat[o * self.stride + at : o * self.stride + at + self.inner]
-            for o in range(self.outer)
-        ]
+        self.starts = [o * self.stride for o in range(self.outer)]
 
 
 @dataclass
@@ -262,7 +255,12 @@ class StorageWorker:
 
     def _regions(self, block: int) -> list[memoryview]:
         """Engine block `block` of every layer of the stage: a stored value's payload."""
-        return [region for layer in self._blocks for region in layer.regions(block)]
+        out = []
+        for layer in self._blocks:
+            flat, size = layer.flat, layer.inner
+            at = block * size
+            out += [flat[start + at : start + at + size] for start in layer.starts]
+        return out
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -314,9 +312,15 @@ class StorageWorker:
                             take = min(end - at, room // align * align)
                             if take <= 0:
                                 shape = self._shape(stage, heads)
-                                size = min(self._read_bytes, FIRST_READ_BYTES << len(units))
+                                unit = _Unit(stage, heads, shape, 0)
+                                # direct reads need no scatter to start early: big groups
+                                size = (
+                                    READ_BYTES
+                                    if self._is_direct(unit)
+                                    else min(self._read_bytes, FIRST_READ_BYTES << len(units))
+                                )
                                 per = max(1, size // shape.value_bytes)
-                                unit = _Unit(stage, heads, shape, max(align, per // align * align))
+                                unit.capacity = max(align, per // align * align)
                                 open_units[key] = unit
                                 units.append(unit)
                                 continue
@@ -399,36 +403,38 @@ class StorageWorker:
 
     def _fetch_direct(self, unit: _Unit) -> _Fetched:
         """Read a unit's values straight into the engine blocks they load into (an IO thread)
-        and check them there; rows no block needs are not read."""
+        and check each group as soon as it is in (while it is in the CPU's cache); rows no
+        block needs are not read."""
         shape = unit.shape
-        targets = self._targets(unit)
         heads = bytearray(HEADER.size * len(unit.keys))
         names, buffers, rows = [], [], []
-        for row, (key, block) in enumerate(zip(unit.keys, targets, strict=True)):
+        for row, (key, block) in enumerate(zip(unit.keys, self._targets(unit), strict=True)):
             if block is not None:
                 names.append(self.geo.value_key(key, unit.stage, unit.heads))
                 head = memoryview(heads)[row * HEADER.size : (row + 1) * HEADER.size]
                 buffers.append([head, *self._regions(block)])
                 rows.append(row)
-        try:
-            per = max(1, GROUP_BYTES // shape.value_bytes)
-            sizes: list[int | None] = []
-            for at in range(0, len(names), per):
-                sizes.extend(self._read_vectored(names[at : at + per], buffers[at : at + per]))
-        except Exception as exc:
-            return _Fetched(unit, None, None, [], error=exc)
         errors: list[BlockFormatError | None] = [None] * len(unit.keys)
         foreign = False
-        for name, parts, row, size in zip(names, buffers, rows, sizes, strict=True):
+        per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
+        for at in range(0, len(names), per):
+            group = slice(at, at + per)
             try:
-                _check_size(name, size, shape.value_bytes)
-                stored = read_header(name, parts[0], shape)
-                if (stored.order, stored.k_order) != (self.order, self.k_order):
-                    foreign = True
-                elif self.verify and not checksum_ok(name, parts[0], parts[1:]):
-                    raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
-            except BlockFormatError as exc:
-                errors[row] = exc
+                sizes = self._read_vectored(names[group], buffers[group])
+            except Exception as exc:
+                return _Fetched(unit, None, None, [], error=exc)
+            for name, parts, row, size in zip(
+                names[group], buffers[group], rows[group], sizes, strict=True
+            ):
+                try:
+                    _check_size(name, size, shape.value_bytes)
+                    stored = read_header(name, parts[0], shape)
+                    if (stored.order, stored.k_order) != (self.order, self.k_order):
+                        foreign = True
+                    elif self.verify and not checksum_ok(name, parts[0], parts[1:]):
+                        raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
+                except BlockFormatError as exc:
+                    errors[row] = exc
         return _Fetched(unit, None, None, errors, foreign=foreign)
 
     def _targets(self, unit: _Unit) -> list[int | None]:
@@ -679,17 +685,10 @@ class StorageWorker:
         """Checksum and write a group of values (an IO thread)."""
         direct = bool(items) and isinstance(items[0][1], int)
         try:
-            if direct:
-                vectors = []
-                for name, block in items:
-                    assert isinstance(block, int)
-                    payload = self._regions(block)
-                    vectors.append((name, [header(name, shape, payload), *payload]))
-                put_vectored = getattr(self.backend, "put_vectored", None)
-                if put_vectored is not None:
-                    put_vectored(vectors)
-                else:
-                    self.backend.put_many([(name, b"".join(parts)) for name, parts in vectors])
+            if direct:  # per call as many values as are worth a round trip
+                per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
+                for at in range(0, len(items), per):
+                    self._write_direct(items[at : at + per], shape)
             else:
                 buffers = [(name, value) for name, value in items if isinstance(value, memoryview)]
                 for name, value in buffers:
@@ -699,6 +698,19 @@ class StorageWorker:
         finally:
             if not direct:
                 self._budget.release(len(items) * shape.value_bytes)
+
+    def _write_direct(self, items: list[tuple[str, memoryview | int]], shape: BlockShape) -> None:
+        """Write values straight from the engine's blocks (an IO thread)."""
+        vectors = []
+        for name, block in items:
+            assert isinstance(block, int)
+            payload = self._regions(block)
+            vectors.append((name, [header(name, shape, payload), *payload]))
+        put_vectored = getattr(self.backend, "put_vectored", None)
+        if put_vectored is not None:
+            put_vectored(vectors)
+        else:
+            self.backend.put_many([(name, b"".join(parts)) for name, parts in vectors])
 
     def _drop_unfinished_saves(self) -> None:
         """A step whose stage layers were not all saved writes nothing (values are whole)."""

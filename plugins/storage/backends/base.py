@@ -24,7 +24,12 @@ class StorageBackend(Protocol):
     called from several threads at once. A backend may also offer
     `get_into(keys, buffers) -> list[int | None]` (read each value into a preallocated
     buffer when it is exactly that long; per key the stored size, None if absent): the
-    connector then reads without an extra copy (the built-in backends do).
+    connector then reads without an extra copy (the built-in backends do). Vectored IO lets
+    the connector move a value straight between the store and the KV cache's blocks:
+    `put_vectored(items)` stores each `(key, buffers)` as the concatenation of its buffers,
+    `get_vectored(keys, buffers) -> list[int | None]` reads each value into its buffers in
+    order when it is exactly their total length (otherwise they stay untouched), and
+    `group_bytes` says how many bytes of values are worth one call (a round trip).
     """
 
     url: str
