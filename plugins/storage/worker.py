@@ -26,7 +26,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -35,6 +35,7 @@ from kvx.layouts import Layout, convert_blocks, get_layout
 from kvx.plugins.storage.backends.base import StorageBackend
 from kvx.plugins.storage.blockformat import (
     HEADER,
+    KV_ORDER,
     BlockFormatError,
     BlockShape,
     block_order,
@@ -194,6 +195,8 @@ class StorageWorker:
                 "is a cross-layer layout"
             )
         self.order, k_order = block_order(self.layout)
+        if k_order != self.order and geometry.block_size != geometry.engine_block_size:
+            self.order = k_order = KV_ORDER  # a split order is not cut into other block sizes
         self.k_order = "" if k_order == self.order else k_order
         par = ctx.parallel
         self.heads = physical_head_range(geometry.total_heads, par.tp_size, par.tp_rank)
@@ -565,14 +568,23 @@ class StorageWorker:
         )
         for g in layers:
             view = self._layer_view(values, stored, g - unit.stage.layers.start)
+            shape = stored
+            if stored.k_order and bs > ebs:  # K and V orders differ: unsplit, then cut
+                shape = replace(stored, order=KV_ORDER, k_order="")
+                whole = torch.empty((view.shape[0], *shape.tensor_shape[1:]), dtype=view.dtype)
+                ids = range(view.shape[0])
+                convert_blocks(
+                    view, whole, ids, ids, src_layout=stored.layout, dst_layout=shape.layout
+                )
+                view = whole
             for tokens, src, dst, num_tokens in moves.values():
                 if src:
                     convert_blocks(
-                        _tokens(view, stored, tokens),
+                        _tokens(view, shape, tokens),
                         self._by_index[g],
                         src,
                         dst,
-                        src_layout=stored.layout,
+                        src_layout=shape.layout,
                         dst_layout=self.layout,
                         num_tokens=num_tokens,
                         **heads,
@@ -794,14 +806,10 @@ class StorageWorker:
 
 
 def _tokens(view: torch.Tensor, shape: BlockShape, tokens: slice) -> torch.Tensor:
-    """The `tokens` of every stored block in a layer view (a piece of an engine block's size)."""
+    """The `tokens` of every stored block in a layer view (a piece of an engine block's size;
+    the order must not be split)."""
     if tokens == slice(None):
         return view
-    if shape.k_order:
-        raise ValueError(
-            f"a stored order {shape.order!r} with K as {shape.k_order!r} cannot be split into "
-            "engine blocks of another size"
-        )
     index = [slice(None)] * view.dim()
     index[1 + shape.order.index("t")] = tokens
     return view[tuple(index)]

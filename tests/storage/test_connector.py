@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -211,6 +212,10 @@ def test_missing_value_is_a_load_error(tmp_path: Path, make_rig: MakeRig) -> Non
         ({"tp": 4, "heads": 2}, {"tp": 1, "heads": 2}),  # P replicates heads over ranks
         ({"tp": 1, "heads": 2}, {"tp": 4, "heads": 2}),  # D replicates heads over ranks
         ({"layout": "HND"}, {"layout": "CPU_PACKED"}),
+        ({"layout": "CPU_PACKED"}, {"layout": "CPU_PACKED"}),  # direct, K and V orders differ
+        ({"layout": "CPU_PACKED"}, {"layout": "NHD", "block_size": 8}),  # cut a split order
+        ({"layout": "CPU_PACKED", "block_size": 8}, {"layout": "CPU_PACKED", "tp": 2}),
+        ({"mla": True}, {"mla": True}),  # direct MLA
         ({"layout": "FLASHINFER_NHD"}, {"layout": "FLASHINFER_HND", "tp": 2}),
         ({"block_size": 16}, {"block_size": 32}),
         ({"block_size": 32, "tp": 2}, {"block_size": 16}),
@@ -228,10 +233,28 @@ def test_loads_across_tp_layout_and_block_size(
     producer.prefill("p", tokens)
     consumer = make_rig(url, **d)
     run = consumer.prefill("d", tokens, compute=False)
-    expected = (len(tokens) - 1) // consumer.block_size * consumer.block_size
+    whole = math.lcm(16, consumer.block_size)  # whole stored blocks of 16 and engine blocks
+    expected = (len(tokens) - 1) // whole * whole
     assert run.num_external == expected
     assert run.errors == [set()]
     consumer.check(tokens, run.block_ids, expected)
+
+
+@pytest.mark.parametrize("reader", ["NHD", "CPU_PACKED"])
+def test_a_prefix_stored_by_engines_of_different_layouts_loads(
+    reader: str, tmp_path: Path, make_rig: MakeRig
+) -> None:
+    # Blocks 0-2 stored by an NHD engine, block 3 by an HND engine (which loaded 0-2): each
+    # value names its own element order, and a reader converts each from its own.
+    url = f"file://{tmp_path}"
+    tokens = prompt(80, seed=12)
+    make_rig(url).prefill("p1", tokens[:49])
+    second = make_rig(url, layout="HND").prefill("p2", tokens)
+    assert second.num_external == 48
+    rig = make_rig(url, layout=reader)
+    run = rig.prefill("d", tokens, compute=False)
+    assert run.num_external == 64 and run.errors == [set()]
+    rig.check(tokens, run.block_ids, 64)
 
 
 def test_tp2_store_then_tp1_load_redis(redis_url: str, make_rig: MakeRig) -> None:

@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from kvx import ConfigError, KVTransferConfig
+from kvx.layouts import CPU_PACKED, HND, MLA, NHD
 from kvx.plugins.storage.blockformat import (
     HEADER,
     BlockFormatError,
@@ -23,7 +24,6 @@ from kvx.plugins.storage.blockformat import (
     encode_block,
     stored_layout,
 )
-from kvx.layouts import CPU_PACKED, HND, MLA, NHD
 from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import block_keys, chain_seed, shard_counts
 from kvx.topology import physical_head_range as rank_heads
