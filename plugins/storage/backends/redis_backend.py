@@ -1,25 +1,49 @@
-"""Redis backend: `redis://host:port/db` (and `rediss://`) through one redis-py client.
+"""Redis backend: `redis://host:port/db` (and `rediss://`, `unix://`) on a Redis server.
 
-One value per key, each written with a single SET (a value is whole or absent, and is sent
-from the caller's buffer); a batch of keys is one pipelined round trip. Values are read with
-GETRANGE so an oversized value never comes back whole. hiredis parses replies when installed.
+Two clients share the work:
 
-Nothing waits on a dead or hung server beyond `timeout_s` per call: connects and replies are
-bounded by it and calls are not retried (a failed call raises; the connector turns that into
-load errors, lookup misses or save errors).
+- Bulk values (`put_vectored`/`get_vectored`, what the connector saves and loads) go through
+  a small RESP client of our own (`resp.RespConnection`, a few pooled TCP connections): a
+  value made of many buffers in the engine's KV cache is sent from them with `sendmsg` and
+  read back into them with `recvmsg_into`, one kernel copy each way. Through redis-py a save
+  would first join the buffers and a load would pass through hiredis' buffer and a bytes
+  object before being copied into the cache.
+- Everything else (ping, `put_many`, `get_many`/`get_into` with GETRANGE, exists, TTL) goes
+  through one redis-py client, as do the vectored calls for TLS (`rediss://`) and unix-socket
+  URLs, which the RESP client does not speak (there the buffers are joined on save and
+  copied on load).
+
+One value per key, each written with a single SET (a value is whole or absent); a batch of
+keys is one pipelined round trip. Nothing waits on a dead or hung server beyond `timeout_s`
+per socket call, and calls are not retried (a failed call raises; the connector turns that
+into load errors, lookup misses or save errors).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvx.plugins.storage.backends.base import BackendOptions
+from kvx.plugins.storage.backends.resp import RespConnection
 
 KEY_PREFIX = "kvx/"
+POOL_IDLE_MAX = 8  # idle RESP connections kept for reuse
+
+
+def _redacted(url: str) -> str:
+    """`url` without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
 
 
 class RedisBackend:
@@ -28,6 +52,10 @@ class RedisBackend:
     def __init__(self, url: str, options: BackendOptions) -> None:
         self.url = url
         self.ttl_s = options.ttl_s
+        self.timeout_s = options.timeout_s
+        self._idle: list[RespConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
         try:
             self.client = redis.Redis.from_url(
                 url,
@@ -37,16 +65,26 @@ class RedisBackend:
             )
         except ValueError as exc:
             raise ValueError(
-                f"storage_url {url!r} is not a Redis URL ({exc}); use redis://host:port/db"
+                f"storage_url {_redacted(url)!r} is not a Redis URL ({exc}); "
+                "use redis://host:port/db"
             ) from None
         try:
             self.client.ping()
+        except redis.AuthenticationError as exc:
+            self.client.close()
+            raise ConnectionError(
+                f"the Redis server at {_redacted(url)!r} refused the credentials: {exc}. "
+                "Fix the user name or password in storage_url"
+            ) from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.client.close()
             raise ConnectionError(
-                f"cannot reach the Redis server at {url!r}: {exc}. Start one (for example "
-                "`redis-server --port 6379 --bind 127.0.0.1`) or fix storage_url"
+                f"cannot reach the Redis server at {_redacted(url)!r}: {exc}. Start one (for "
+                "example `redis-server --port 6379 --bind 127.0.0.1`) or fix storage_url"
             ) from None
+        pool = self.client.connection_pool
+        self._tcp = pool.connection_class is redis.connection.Connection
+        self._connect_kwargs = pool.connection_kwargs
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         if not items:
@@ -81,6 +119,87 @@ class RedisBackend:
             sizes.append(len(value) if value else None)
         return sizes
 
+    def put_vectored(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> None:
+        """Store each key = the concatenation of its buffers (sent from them, not joined);
+        raise on failure (values already written may stay)."""
+        if not items:
+            return
+        if not self._tcp:
+            self.put_many([(key, b"".join(parts)) for key, parts in items])
+            return
+        conn = self._take()
+        try:
+            conn.set_vectored([(KEY_PREFIX + key, parts) for key, parts in items], self.ttl_s)
+        except BaseException:
+            conn.close()
+            raise
+        self._give(conn)
+
+    def get_vectored(
+        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
+        """Per key its stored size (None where absent); a value exactly as long as the key's
+        buffers together is read into them, in order; otherwise they are untouched."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists; one per key")
+        if not keys:
+            return []
+        if not self._tcp:
+            return self._get_vectored_redis_py(keys, buffers)
+        conn = self._take()
+        try:
+            sizes = conn.get_vectored([KEY_PREFIX + key for key in keys], buffers)
+        except BaseException:
+            conn.close()
+            raise
+        self._give(conn)
+        return sizes
+
+    def _get_vectored_redis_py(
+        self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
+        """get_vectored through redis-py (TLS, unix sockets): GETRANGE, then copy. A value
+        longer than the buffers is reported as their total + 1."""
+        views = [[memoryview(b).cast("B") for b in parts] for parts in buffers]
+        totals = [sum(v.nbytes for v in parts) for parts in views]
+        pipe = self.client.pipeline(transaction=False)
+        for key, total in zip(keys, totals, strict=True):
+            pipe.getrange(KEY_PREFIX + key, 0, total)
+        sizes: list[int | None] = []
+        for parts, total, value in zip(views, totals, pipe.execute(), strict=True):
+            if value and len(value) == total:
+                at = 0
+                for part in parts:
+                    part[:] = value[at : at + part.nbytes]
+                    at += part.nbytes
+            sizes.append(len(value) if value else None)
+        return sizes
+
+    def _take(self) -> RespConnection:
+        """An idle RESP connection, or a new one."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionError(f"the Redis backend for {_redacted(self.url)!r} is closed")
+            if self._idle:
+                return self._idle.pop()
+        kw = self._connect_kwargs
+        return RespConnection(
+            kw.get("host", "localhost"),
+            int(kw.get("port", 6379)),
+            int(kw.get("db", 0)),
+            kw.get("username"),
+            kw.get("password"),
+            self.timeout_s,
+        )
+
+    def _give(self, conn: RespConnection) -> None:
+        """Keep a connection after a successful call (a failed call's is closed instead)."""
+        with self._lock:
+            if not self._closed and len(self._idle) < POOL_IDLE_MAX:
+                self._idle.append(conn)
+                return
+        conn.close()
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
@@ -94,4 +213,9 @@ class RedisBackend:
         return int(self.client.ttl(KEY_PREFIX + key))
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
         self.client.close()
