@@ -53,6 +53,10 @@ class RedisBackend:
         self.url = url
         self.ttl_s = options.ttl_s
         self.timeout_s = options.timeout_s
+        # values per vectored round trip: up to 4 MiB (one 2 MiB value of a 32-layer model, many
+        # small ones), so each is checksummed while it is in the CPU's cache; two IO threads
+        # keep the server busy in between (measured: 16 MiB batches were 1.2-1.5x slower)
+        self.group_bytes = 4 << 20
         self._idle: list[RespConnection] = []
         self._lock = threading.Lock()
         self._closed = False
