@@ -194,6 +194,8 @@ def read_header(key: str, data: bytes | bytearray | memoryview, expect: BlockSha
     if len(view) < HEADER.size:
         raise BlockFormatError(f"{key}: {len(view)} bytes is shorter than the header")
     *fields, _ = HEADER.unpack_from(view)
+    if tuple(fields) == _fields(expect):
+        return expect  # the common case, checked at once
     orders = [fields[i].rstrip(b"\0").decode("ascii", "replace") for i in _ORDER_FIELDS]
     wanted = list(_fields(expect))
     for i, order in zip(_ORDER_FIELDS, orders, strict=True):
@@ -276,11 +278,13 @@ def _digest(key: str, prefix: bytes | memoryview, payload: Iterable[memoryview |
     return int(hasher.intdigest())
 
 
+@cache
 def _prefix(shape: BlockShape) -> bytes:
     """The header before the checksum."""
     return HEADER.pack(*_fields(shape), 0)[: -CHECKSUM.size]
 
 
+@cache
 def _fields(shape: BlockShape) -> tuple[object, ...]:
     if shape.dtype not in DTYPE_CODES:
         raise ValueError(
