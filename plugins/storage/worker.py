@@ -409,12 +409,12 @@ class StorageWorker:
         and check each group as soon as it is in (while it is in the CPU's cache); rows no
         block needs are not read."""
         shape = unit.shape
-        heads = bytearray(HEADER.size * len(unit.keys))
+        headers = memoryview(bytearray(HEADER.size * len(unit.keys)))
         names, buffers, rows = [], [], []
         for row, (key, block) in enumerate(zip(unit.keys, self._targets(unit), strict=True)):
             if block is not None:
                 names.append(self.geo.value_key(key, unit.stage, unit.heads))
-                head = memoryview(heads)[row * HEADER.size : (row + 1) * HEADER.size]
+                head = headers[row * HEADER.size : (row + 1) * HEADER.size]
                 buffers.append([head, *self._regions(block)])
                 rows.append(row)
         errors: list[BlockFormatError | None] = [None] * len(unit.keys)
@@ -518,10 +518,39 @@ class StorageWorker:
         if not good:
             return
         if fetched.values is not None:
-            for layout, part in _by_layout(good, fetched.shapes):
-                self._scatter(unit, fetched.values, part, layout)
+            stored = self._unify_orders(fetched.values, good, fetched.shapes)
+            self._scatter(unit, fetched.values, good, stored)
         rows = sum(n for _, n in good)
         self._count(loaded_bytes=rows * unit.shape.value_bytes)
+
+    def _unify_orders(
+        self,
+        values: torch.Tensor,
+        good: list[tuple[_Segment, int]],
+        shapes: list[BlockShape | None],
+    ) -> BlockShape:
+        """The shape of the first good row, after rewriting (in `values`) every good row
+        stored in another element order into its order: writers of different layouts may
+        have stored one request's blocks."""
+        rows = [row for seg, n in good for row in seg.rows[:n]]
+        target = shapes[rows[0]]
+        assert target is not None
+        others: dict[BlockShape, list[int]] = {}
+        for row in rows:
+            shape = shapes[row]
+            assert shape is not None
+            if shape != target:
+                others.setdefault(shape, []).append(row)
+        for shape, moved in others.items():
+            for position in range(len(shape.layers)):
+                src = self._layer_view(values, shape, position)
+                tmp = torch.empty((len(moved), *target.tensor_shape[1:]), dtype=src.dtype)
+                ids = range(len(moved))
+                convert_blocks(
+                    src, tmp, moved, ids, src_layout=shape.layout, dst_layout=target.layout
+                )
+                self._layer_view(values, target, position)[moved] = tmp
+        return target
 
     def _scatter(
         self,
@@ -823,26 +852,6 @@ def _check_size(name: str, size: int | None, expected: int) -> None:
             f"{name}: value is {size} bytes, expected {expected} (torn, padded or of another "
             "format version)"
         )
-
-
-def _by_layout(
-    good: list[tuple[_Segment, int]], shapes: list[BlockShape | None]
-) -> list[tuple[BlockShape, list[tuple[_Segment, int]]]]:
-    """The good rows grouped by the shape they are stored in (one group unless writers of
-    different layouts stored the unit's blocks: then a segment per row)."""
-    stored = [shapes[row] for seg, n in good for row in seg.rows[:n]]
-    first = stored[0]
-    assert first is not None
-    if all(shape == first for shape in stored):
-        return [(first, good)]
-    groups: dict[BlockShape, list[tuple[_Segment, int]]] = {}
-    for seg, n in good:
-        for k, row in enumerate(seg.rows[:n]):
-            shape = shapes[row]
-            assert shape is not None
-            one = _Segment(seg.load, seg.first + k, range(row, row + 1))
-            groups.setdefault(shape, []).append((one, 1))
-    return list(groups.items())
 
 
 def _unit_key(unit: _Unit) -> tuple[range, bytes, range]:
