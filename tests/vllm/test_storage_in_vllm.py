@@ -170,3 +170,32 @@ def test_checksums_detect_noise_and_recompute_keeps_the_output(
     assert outputs == baseline
     assert rec.stats["load_errors"] == LOADABLE // harness.block  # prompt 0's two blocks
     assert rec.stats["loaded_tokens"] == LOADABLE * 2  # prompts 1 and 2 still loaded
+
+
+def test_stored_blocks_of_the_engines_size_move_straight_between_cache_and_files(
+    harness: Any, baseline: list[list[int]], stored: Stored, tmp_path: Path
+) -> None:
+    # storage_block_size = vLLM-CPU's 128-token block: values are written from and read into
+    # the engine's own blocks (direct IO, K kept transposed as vLLM-CPU stores it).
+    root = tmp_path / "store"
+    kv = storage_json(harness, root, storage_block_size=harness.block)
+    with harness.engine(kv) as llm:
+        rec = harness.record(llm)
+        assert harness.tokens(harness.generate(llm)) == baseline
+    full_blocks = sum(n // harness.block for n in map(len, harness.prompts))
+    assert rec.stats["saved_blocks"] == full_blocks
+    with harness.engine(kv) as llm:
+        rec = harness.record(llm)
+        outputs = harness.generate(llm)
+        index = PromptIndex(outputs)
+        caches = harness.kv_caches(llm)
+        loads = [spec for meta in rec.metadata for spec in meta.loads]
+        assert sorted(index[s.req_id] for s in loads) == [0, 1, 2]
+        for spec in loads:
+            i = index[spec.req_id]
+            for name, cache in caches.items():  # whole blocks: K and V, every head and token
+                want = stored.kv[i][name][: len(spec.block_ids)]
+                assert torch.equal(cache[spec.block_ids], want), f"prompt {i}, layer {name}"
+    assert harness.tokens(outputs) == baseline
+    assert rec.stats["loaded_tokens"] == LOADABLE * 3
+    assert rec.stats.get("load_errors", 0) == 0
