@@ -5,12 +5,14 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import torch
 
 import kvx
 from kvx import KVTransferConfig
@@ -128,6 +130,22 @@ def test_file_writes_survive_a_pruned_store_and_read_into_buffers(tmp_path: Path
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_vectored_io_takes_views_of_any_element_type(scheme: str, tmp_path: Path) -> None:
+    url = f"file://{tmp_path}" if scheme == "file" else f"memory://kvx-vec-{uuid.uuid4().hex}"
+    backend = FsspecBackend(url, BackendOptions())
+    src = torch.arange(1000, dtype=torch.float32)
+    backend.put_vectored([("ns/k", [src[:300].numpy().data, src[300:].numpy().data])])
+    dst = torch.zeros(1000, dtype=torch.float32)
+    parts = [dst[:10].numpy().data, dst[10:].numpy().data]
+    assert backend.get_vectored(["ns/k"], [parts]) == [4000]  # bytes, not elements
+    assert torch.equal(dst, src)
+    short = torch.zeros(999, dtype=torch.float32)
+    (size,) = backend.get_vectored(["ns/k"], [[short.numpy().data]])
+    assert size is not None and size > short.numel() * 4  # longer (remote: read to total + 1)
+    assert not short.any()  # a value of another size leaves the buffers untouched
+
+
 def test_memory_backend_is_shared_within_a_process() -> None:
     a = open_backend("memory://kvx-shared-test", BackendOptions())
     b = open_backend("memory://kvx-shared-test", BackendOptions())

@@ -107,21 +107,22 @@ class FsspecBackend:
     ) -> list[int | None]:
         """Read each value into the concatenation of its buffers when it is exactly that long
         (otherwise they are untouched): per key the stored size (None where absent or
-        unreadable). Local files: one `preadv` into the buffers."""
+        unreadable; a longer value on a remote filesystem is read only to the buffers' total
+        + 1 and reported as that). Local files: one `preadv` into the buffers."""
         return [
             self._get_vectored(self._path(key), parts)
             for key, parts in zip(keys, buffers, strict=True)
         ]
 
     def _get_vectored(self, path: str, parts: Sequence[memoryview]) -> int | None:
-        total = sum(map(len, parts))
+        total = sum(part.nbytes for part in parts)
         if not self.local:
             data = self._get(path, total)
             if data is not None and len(data) == total:
                 at = 0
                 for part in parts:
-                    part[:] = data[at : at + len(part)]
-                    at += len(part)
+                    part.cast("B")[:] = data[at : at + part.nbytes]
+                    at += part.nbytes
             return None if data is None else len(data)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -140,7 +141,7 @@ class FsspecBackend:
                 if n == 0:
                     break  # shorter than fstat said: reported as that size
                 got += n
-                rest = _after(rest, n) if got < total else []
+                rest = _after([part.cast("B") for part in rest], n) if got < total else []
             return got
         finally:
             os.close(fd)
@@ -181,7 +182,7 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def _after(parts: list[memoryview], n: int) -> list[memoryview]:
-    """What of `parts` is left after their first `n` bytes."""
+    """What of `parts` (byte views) is left after their first `n` bytes."""
     for i, part in enumerate(parts):
         if n < len(part):
             return [part[n:], *parts[i + 1 :]]
