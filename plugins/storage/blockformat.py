@@ -217,14 +217,23 @@ def read_header(key: str, data: bytes | bytearray | memoryview, expect: BlockSha
     return replace(expect, order=order, k_order="" if k_order == order else k_order)
 
 
+CHECKSUM_SPAN = (HEADER.size - CHECKSUM.size, HEADER.size)
+"""Where a value keeps its checksum (the checksum covers the key, then every other byte)."""
+
+
+def stored_checksum(head: bytes | bytearray | memoryview) -> int:
+    """The checksum in a value's header."""
+    (stored,) = CHECKSUM.unpack_from(memoryview(head).cast("B"), CHECKSUM_SPAN[0])
+    return int(stored)
+
+
 def checksum_ok(
     key: str, head: bytes | bytearray | memoryview, payload: Iterable[memoryview]
 ) -> bool:
     """True if the checksum in `head` (a value's header) matches `key`, the header and the
     concatenation of `payload`."""
     view = memoryview(head).cast("B")[: HEADER.size]
-    (stored,) = CHECKSUM.unpack_from(view, HEADER.size - CHECKSUM.size)
-    return _digest(key, view[: HEADER.size - CHECKSUM.size], payload) == stored
+    return _digest(key, view[: CHECKSUM_SPAN[0]], payload) == stored_checksum(view)
 
 
 def check_value(

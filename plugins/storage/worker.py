@@ -34,6 +34,7 @@ import kvx
 from kvx.layouts import Layout, convert_blocks, get_layout
 from kvx.plugins.storage.backends.base import StorageBackend
 from kvx.plugins.storage.blockformat import (
+    CHECKSUM_SPAN,
     HEADER,
     KV_ORDER,
     BlockFormatError,
@@ -44,6 +45,7 @@ from kvx.plugins.storage.blockformat import (
     header,
     read_header,
     seal,
+    stored_checksum,
 )
 from kvx.plugins.storage.keys import Geometry, Stage, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
@@ -423,22 +425,39 @@ class StorageWorker:
         for at in range(0, len(names), per):
             group = slice(at, at + per)
             try:
-                sizes = self._read_vectored(names[group], buffers[group])
+                read = self._read_checked(names[group], buffers[group])
             except Exception as exc:
                 return _Fetched(unit, None, None, [], error=exc)
-            for name, parts, row, size in zip(
-                names[group], buffers[group], rows[group], sizes, strict=True
+            for name, parts, row, (size, digest) in zip(
+                names[group], buffers[group], rows[group], read, strict=True
             ):
                 try:
                     _check_size(name, size, shape.value_bytes)
                     stored = read_header(name, parts[0], shape)
                     if (stored.order, stored.k_order) != (self.order, self.k_order):
                         foreign = True
-                    elif self.verify and not checksum_ok(name, parts[0], parts[1:]):
+                    elif self.verify and not (
+                        digest == stored_checksum(parts[0])
+                        if digest is not None
+                        else checksum_ok(name, parts[0], parts[1:])
+                    ):
                         raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
                 except BlockFormatError as exc:
                     errors[row] = exc
         return _Fetched(unit, None, None, errors, foreign=foreign)
+
+    def _read_checked(
+        self, names: list[str], buffers: list[list[memoryview]]
+    ) -> list[tuple[int | None, int | None]]:
+        """Read each value into its buffers: per value its stored size (None if absent) and
+        its checksum when the backend computed it while reading (else None)."""
+        if self.verify and getattr(self.backend, "hashed_reads", False):
+            get_hashed = self.backend.get_vectored_hashed
+            read: list[tuple[int | None, int | None]] = get_hashed(
+                names, buffers, [name.encode() for name in names], CHECKSUM_SPAN
+            )
+            return read
+        return [(size, None) for size in self._read_vectored(names, buffers)]
 
     def _targets(self, unit: _Unit) -> list[int | None]:
         """Per row of a unit (stored block = engine block), the engine block it loads into,

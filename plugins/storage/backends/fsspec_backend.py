@@ -14,6 +14,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from kvx.plugins.storage.backends.base import BackendOptions
 
+try:  # one-pass read + checksum (built when the system has xxhash.h)
+    from kvx.plugins.storage import _fileio
+except ImportError:  # pragma: no cover - every `make` install builds it
+    _fileio = None
+
 logger = logging.getLogger(__name__)
 
 # Object stores and the in-memory filesystem replace a value in one put: no rename is needed
@@ -39,6 +44,8 @@ class FsspecBackend:
         # bytes worth reading per get_vectored call: local files one value at a time (no
         # round trip to save; the caller checks each value while it is in the CPU's cache)
         self.group_bytes = 1 if self.local else 16 << 20
+        # local files are read and checksummed in one pass (`get_vectored_hashed`)
+        self.hashed_reads = self.local and _fileio is not None
         self._dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
         if self.local:
@@ -145,6 +152,42 @@ class FsspecBackend:
             return got
         finally:
             os.close(fd)
+
+    def get_vectored_hashed(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Sequence[memoryview]],
+        seeds: Sequence[bytes],
+        skip: tuple[int, int],
+    ) -> list[tuple[int | None, int | None]]:
+        """`get_vectored` for local files, checksumming each value in the same pass (needs
+        `hashed_reads`): per key its stored size (None if absent) and, when the value was read,
+        XXH3-64 of its seed then the value's bytes except `skip` (else None)."""
+        if not self.hashed_reads:
+            raise RuntimeError(f"{self.url}: one-pass checksummed reads need local files")
+        assert _fileio is not None
+        out: list[tuple[int | None, int | None]] = []
+        for key, parts, seed in zip(keys, buffers, seeds, strict=True):
+            path = self._path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out.append((None, None))
+                continue
+            except OSError as exc:
+                logger.warning("kvx storage: cannot read %s: %s", path, exc)
+                out.append((None, None))
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if size != sum(part.nbytes for part in parts):
+                    out.append((size, None))
+                    continue
+                got, digest = _fileio.read_hashed(fd, seed, *skip, parts)
+                out.append((got, digest if got == size else None))
+            finally:
+                os.close(fd)
+        return out
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(self.fs.exists(self._path(key))) for key in keys]

@@ -1,0 +1,161 @@
+/* Read a stored value from a file into many buffers and checksum it in the same pass.
+ *
+ * The storage connector loads a value (header, then every layer's K and V of one block) into
+ * the engine's KV cache: many scattered regions. Reading them all with one preadv and then
+ * hashing them passes over every byte twice, the second time from memory. Here the regions are
+ * read about 256 KiB at a time and each piece is hashed (XXH3-64) right after, while it is
+ * still in the cache, all without the GIL. The digest covers `seed`, then the bytes read except
+ * `[skip_start, skip_end)` (where the header keeps the checksum), and equals `xxhash.xxh3_64()`
+ * fed the same bytes (the same algorithm, from the system's xxhash header: Debian's
+ * libxxhash-dev).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "_fileio.h"
+
+#define CHUNK_BYTES (256 * 1024) /* read, then hashed while in the L2 cache */
+#define CHUNK_IOVS 64
+
+typedef void (*update_fn)(XXH3_state_t *, const void *, size_t);
+
+static void update_baseline(XXH3_state_t *state, const void *data, size_t len) {
+    XXH3_64bits_update(state, data, len);
+}
+
+static update_fn best_update = update_baseline;
+
+/* Hash `len` bytes of the stream at offset `at` from `data`, leaving out [s0, s1). */
+static void hash_piece(update_fn update, XXH3_state_t *state, const char *data, Py_ssize_t at,
+                       Py_ssize_t len, Py_ssize_t s0, Py_ssize_t s1) {
+    Py_ssize_t end = at + len;
+    if (end <= s0 || at >= s1) {
+        update(state, data, (size_t)len);
+        return;
+    }
+    if (at < s0) update(state, data, (size_t)(s0 - at));
+    if (end > s1) update(state, data + (s1 - at), (size_t)(end - s1));
+}
+
+/* Read from `fd` (offset 0 on) straight into the buffers until they are full or the file
+ * ends, about CHUNK_BYTES per preadv, hashing each chunk right after it is read (while it is
+ * in the cache); the bytes read, or -1 with errno set. */
+static Py_ssize_t read_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
+                                   XXH3_state_t *state, Py_ssize_t s0, Py_ssize_t s1) {
+    struct iovec iov[CHUNK_IOVS];
+    Py_ssize_t index = 0, offset_in = 0, done = 0;
+    while (index < n) {
+        int count = 0;
+        Py_ssize_t batch = 0;
+        for (Py_ssize_t i = index; i < n && count < CHUNK_IOVS && batch < CHUNK_BYTES; i++) {
+            Py_ssize_t skip = i == index ? offset_in : 0;
+            iov[count].iov_base = (char *)views[i].buf + skip;
+            iov[count].iov_len = (size_t)(views[i].len - skip);
+            batch += views[i].len - skip;
+            count++;
+        }
+        if (batch == 0) { /* only empty buffers left */
+            index = n;
+            break;
+        }
+        ssize_t got = preadv(fd, iov, count, (off_t)done);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (got == 0) break; /* the file is shorter than the buffers */
+        for (int k = 0; k < count && got > 0; k++) {
+            Py_ssize_t take = (Py_ssize_t)iov[k].iov_len < got ? (Py_ssize_t)iov[k].iov_len : got;
+            hash_piece(update, state, iov[k].iov_base, done, take, s0, s1);
+            done += take;
+            got -= take;
+            offset_in += take;
+            if (offset_in == views[index].len) {
+                index++;
+                offset_in = 0;
+            }
+        }
+        while (index < n && views[index].len == 0) index++;
+    }
+    return done;
+}
+
+static PyObject *read_hashed(PyObject *self, PyObject *args) {
+    int fd, baseline = 0;
+    Py_buffer seed;
+    Py_ssize_t s0, s1;
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "iy*nnO|p:read_hashed", &fd, &seed, &s0, &s1, &parts, &baseline))
+        return NULL;
+    PyObject *seq = PySequence_Fast(parts, "read_hashed() takes a sequence of buffers");
+    if (seq == NULL) {
+        PyBuffer_Release(&seed);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < n; held++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, held);
+        if (PyObject_GetBuffer(item, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+    }
+    update_fn update = baseline ? update_baseline : best_update;
+    XXH3_state_t state;
+    Py_ssize_t got;
+    int error = 0;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_64bits_reset(&state);
+    XXH3_64bits_update(&state, seed.buf, (size_t)seed.len);
+    got = read_hashed_impl(fd, views, n, update, &state, s0, s1);
+    if (got < 0) error = errno;
+    Py_END_ALLOW_THREADS
+    if (got < 0) {
+        errno = error;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    result = Py_BuildValue("nK", got, (unsigned long long)XXH3_64bits_digest(&state));
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    PyBuffer_Release(&seed);
+    return result;
+}
+
+static PyObject *vector(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(best_update == update_baseline ? "baseline" : "avx2");
+}
+
+static PyMethodDef methods[] = {
+    {"read_hashed", read_hashed, METH_VARARGS,
+     "read_hashed(fd, seed, skip_start, skip_end, buffers, baseline=False) -> (read, digest): "
+     "read the file from offset 0 into the buffers in order until they are full or it ends; "
+     "digest is XXH3-64 of seed, then the bytes read except [skip_start, skip_end). The GIL "
+     "is released while reading; `baseline` forces the baseline build of XXH3 (for tests)."},
+    {"vector", vector, METH_NOARGS, "vector() -> 'avx2' or 'baseline': the XXH3 build in use."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fileio", "Read a stored value and checksum it in one pass.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fileio(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) best_update = kvx_xxh3_update_avx2;
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,99 @@
+"""The native one-pass read + checksum of local files (`kvx.plugins.storage._fileio`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from kvx.plugins.storage import _fileio  # not built: this file fails to import, as it should
+from kvx.plugins.storage.backends import fsspec_backend
+from kvx.plugins.storage.backends.base import BackendOptions
+from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+
+
+def test_the_native_reader_is_built_and_used_for_local_files(tmp_path: Path) -> None:
+    # `make` installs libxxhash-dev before building kvx: every install it makes has it.
+    assert _fileio.vector() in ("avx2", "baseline")
+    assert FsspecBackend(f"file://{tmp_path}", BackendOptions()).hashed_reads
+    assert not FsspecBackend("memory://kvx-fileio", BackendOptions()).hashed_reads
+
+
+def _expected(seed: bytes, data: bytes, skip: tuple[int, int]) -> int:
+    hasher = xxhash.xxh3_64(seed)
+    hasher.update(data[: skip[0]])
+    hasher.update(data[skip[1] :])
+    return int(hasher.intdigest())
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 4097, 300_000, 3_000_001])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reads_into_the_buffers_and_hashes_all_but_the_skipped_bytes(
+    size: int, baseline: bool, tmp_path: Path
+) -> None:
+    data = os.urandom(size)
+    path = tmp_path / "value"
+    path.write_bytes(data)
+    cuts = sorted({0, min(size, 64), min(size, 5000), size // 2, size})
+    buffers = [bytearray(b - a) for a, b in itertools.pairwise(cuts)]
+    buffers.insert(1, bytearray())  # empty buffers are allowed anywhere
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got, digest = _fileio.read_hashed(fd, b"key", 56, 64, buffers, baseline)
+    finally:
+        os.close(fd)
+    assert got == size and b"".join(buffers) == data
+    assert digest == _expected(b"key", data, (56, 64))
+
+
+def test_a_short_file_fills_what_it_has_and_a_bad_descriptor_raises(tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 10)
+    buffer = bytearray(b"\0" * 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got, digest = _fileio.read_hashed(fd, b"", 0, 0, [buffer])
+    finally:
+        os.close(fd)
+    assert (
+        got == 10
+        and buffer == b"x" * 10 + b"\0" * 10
+        and digest == _expected(b"", b"x" * 10, (0, 0))
+    )
+    with pytest.raises(OSError):
+        _fileio.read_hashed(-1, b"", 0, 0, [bytearray(4)])
+    with pytest.raises(BufferError):
+        _fileio.read_hashed(0, b"", 0, 0, [b"read-only"])
+
+
+def test_backend_reports_sizes_and_checksums(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    payload = torch.arange(4096, dtype=torch.float32)
+    backend.put_vectored([("ns/a", [b"h" * 64, payload.numpy().data])])
+    dst = torch.zeros(4096, dtype=torch.float32)
+    head = bytearray(64)
+    wrong = bytearray(10)
+    out = backend.get_vectored_hashed(
+        ["ns/a", "ns/missing", "ns/a"],
+        [[memoryview(head), dst.numpy().data], [memoryview(bytearray(4))], [memoryview(wrong)]],
+        [b"ns/a", b"ns/missing", b"ns/a"],
+        (56, 64),
+    )
+    data = b"h" * 64 + payload.numpy().tobytes()
+    assert out == [(len(data), _expected(b"ns/a", data, (56, 64))), (None, None), (len(data), None)]
+    assert torch.equal(dst, payload) and head == b"h" * 64
+    assert wrong == bytearray(10)  # a value of another size is not read
+
+
+def test_without_the_native_module_the_backend_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fsspec_backend, "_fileio", None)
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    assert not backend.hashed_reads
+    with pytest.raises(RuntimeError, match="one-pass checksummed reads need local files"):
+        backend.get_vectored_hashed(["ns/a"], [[memoryview(bytearray(1))]], [b""], (0, 0))
