@@ -1,4 +1,5 @@
-/* Read a stored value from a file into many buffers and checksum it in the same pass.
+/* Read or write a stored value between a file and many buffers, checksumming it in the same
+ * pass.
  *
  * The storage connector loads a value (header, then every layer's K and V of one block) into
  * the engine's KV cache: many scattered regions. Reading them all with one preadv and then
@@ -133,6 +134,104 @@ done:
     return result;
 }
 
+/* Write the buffers to `fd` from `offset` on, about CHUNK_BYTES per pwritev, hashing each
+ * chunk right before it is written (the write then copies it from the cache); 0, or -1 with
+ * errno set. */
+static int write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
+                             XXH3_state_t *state, Py_ssize_t offset) {
+    struct iovec iov[CHUNK_IOVS];
+    Py_ssize_t index = 0;
+    while (index < n) {
+        int count = 0;
+        Py_ssize_t batch = 0;
+        for (; index < n && count < CHUNK_IOVS && batch < CHUNK_BYTES; index++) {
+            if (views[index].len == 0) continue;
+            iov[count].iov_base = views[index].buf;
+            iov[count].iov_len = (size_t)views[index].len;
+            update(state, views[index].buf, (size_t)views[index].len);
+            batch += views[index].len;
+            count++;
+        }
+        struct iovec *rest = iov;
+        while (count > 0) { /* a short write: go on from where it stopped */
+            ssize_t put = pwritev(fd, rest, count, (off_t)offset);
+            if (put < 0) {
+                if (errno == EINTR) continue;
+                return -1;
+            }
+            offset += put;
+            while (count > 0 && (size_t)put >= rest->iov_len) {
+                put -= (ssize_t)rest->iov_len;
+                rest++;
+                count--;
+            }
+            if (count > 0) {
+                rest->iov_base = (char *)rest->iov_base + put;
+                rest->iov_len -= (size_t)put;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The buffers of a sequence, each held as a contiguous Py_buffer (`flags` adds to that);
+ * NULL with an exception set on failure. `*held` is how many to release. */
+static Py_buffer *hold_buffers(PyObject *seq, Py_ssize_t n, int flags, Py_ssize_t *held) {
+    Py_buffer *views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    *held = 0;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (; *held < n; (*held)++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, *held);
+        if (PyObject_GetBuffer(item, &views[*held], flags | PyBUF_C_CONTIGUOUS) < 0) {
+            for (Py_ssize_t i = 0; i < *held; i++) PyBuffer_Release(&views[i]);
+            PyMem_Free(views);
+            *held = 0;
+            return NULL;
+        }
+    }
+    return views;
+}
+
+static PyObject *write_hashed(PyObject *self, PyObject *args) {
+    int fd, baseline = 0;
+    Py_buffer seed;
+    Py_ssize_t offset, held;
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "iy*nO|p:write_hashed", &fd, &seed, &offset, &parts, &baseline))
+        return NULL;
+    PyObject *result = NULL;
+    PyObject *seq = PySequence_Fast(parts, "write_hashed() takes a sequence of buffers");
+    if (seq != NULL) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        Py_buffer *views = hold_buffers(seq, n, PyBUF_SIMPLE, &held);
+        if (views != NULL) {
+            update_fn update = baseline ? update_baseline : best_update;
+            XXH3_state_t state;
+            int status, error = 0;
+            Py_BEGIN_ALLOW_THREADS
+            XXH3_64bits_reset(&state);
+            XXH3_64bits_update(&state, seed.buf, (size_t)seed.len);
+            status = write_hashed_impl(fd, views, n, update, &state, offset);
+            if (status < 0) error = errno;
+            Py_END_ALLOW_THREADS
+            if (status < 0) {
+                errno = error;
+                PyErr_SetFromErrno(PyExc_OSError);
+            } else {
+                result = PyLong_FromUnsignedLongLong(XXH3_64bits_digest(&state));
+            }
+            for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+            PyMem_Free(views);
+        }
+        Py_DECREF(seq);
+    }
+    PyBuffer_Release(&seed);
+    return result;
+}
+
 static PyObject *vector(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(best_update == update_baseline ? "baseline" : "avx2");
 }
@@ -143,12 +242,16 @@ static PyMethodDef methods[] = {
      "read the file from offset 0 into the buffers in order until they are full or it ends; "
      "digest is XXH3-64 of seed, then the bytes read except [skip_start, skip_end). The GIL "
      "is released while reading; `baseline` forces the baseline build of XXH3 (for tests)."},
+    {"write_hashed", write_hashed, METH_VARARGS,
+     "write_hashed(fd, seed, offset, buffers, baseline=False) -> digest: write the buffers to "
+     "the file from `offset` on; digest is XXH3-64 of seed, then the bytes written. The GIL "
+     "is released while writing."},
     {"vector", vector, METH_NOARGS, "vector() -> 'avx2' or 'baseline': the XXH3 build in use."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fileio", "Read a stored value and checksum it in one pass.", -1,
+    PyModuleDef_HEAD_INIT, "_fileio", "Read or write a stored value and checksum it in one pass.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -171,11 +171,21 @@ def stored_layout(order: str, k_order: str) -> Layout:
     )
 
 
+def checksum_seed(key: str, shape: BlockShape) -> bytes:
+    """What a value's checksum covers before the payload: XXH3-64 of this, then the payload,
+    is the checksum `header_from` takes (for writers that hash as they write)."""
+    return key.encode() + _prefix(shape)
+
+
+def header_from(shape: BlockShape, checksum: int) -> bytes:
+    """The header of a value of `shape` whose checksum is known."""
+    return _prefix(shape) + CHECKSUM.pack(checksum)
+
+
 def header(key: str, shape: BlockShape, payload: Iterable[memoryview | bytes]) -> bytes:
     """The header of the value of `shape` under `key` whose payload is the concatenation of
     `payload`."""
-    prefix = _prefix(shape)
-    return prefix + CHECKSUM.pack(_digest(key, prefix, payload))
+    return header_from(shape, _digest(key, _prefix(shape), payload))
 
 
 def seal(key: str, shape: BlockShape, value: memoryview) -> None:

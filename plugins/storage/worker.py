@@ -42,7 +42,9 @@ from kvx.plugins.storage.blockformat import (
     block_order,
     check_value,
     checksum_ok,
+    checksum_seed,
     header,
+    header_from,
     read_header,
     seal,
     stored_checksum,
@@ -451,7 +453,7 @@ class StorageWorker:
     ) -> list[tuple[int | None, int | None]]:
         """Read each value into its buffers: per value its stored size (None if absent) and
         its checksum when the backend computed it while reading (else None)."""
-        if self.verify and getattr(self.backend, "hashed_reads", False):
+        if self.verify and getattr(self.backend, "hashed_io", False):
             get_hashed = self.backend.get_vectored_hashed
             read: list[tuple[int | None, int | None]] = get_hashed(
                 names, buffers, [name.encode() for name in names], CHECKSUM_SPAN
@@ -761,6 +763,15 @@ class StorageWorker:
 
     def _write_direct(self, items: list[tuple[str, memoryview | int]], shape: BlockShape) -> None:
         """Write values straight from the engine's blocks (an IO thread)."""
+        if getattr(self.backend, "hashed_io", False):  # checksummed as they are written
+            seeded = []
+            for name, block in items:
+                assert isinstance(block, int)
+                seeded.append((name, checksum_seed(name, shape), self._regions(block)))
+            self.backend.put_vectored_hashed(
+                seeded, HEADER.size, lambda _, checksum: header_from(shape, checksum)
+            )
+            return
         vectors = []
         for name, block in items:
             assert isinstance(block, int)

@@ -19,8 +19,8 @@ from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 def test_the_native_reader_is_built_and_used_for_local_files(tmp_path: Path) -> None:
     # `make` installs libxxhash-dev before building kvx: every install it makes has it.
     assert _fileio.vector() in ("avx2", "baseline")
-    assert FsspecBackend(f"file://{tmp_path}", BackendOptions()).hashed_reads
-    assert not FsspecBackend("memory://kvx-fileio", BackendOptions()).hashed_reads
+    assert FsspecBackend(f"file://{tmp_path}", BackendOptions()).hashed_io
+    assert not FsspecBackend("memory://kvx-fileio", BackendOptions()).hashed_io
 
 
 def _expected(seed: bytes, data: bytes, skip: tuple[int, int]) -> int:
@@ -94,6 +94,47 @@ def test_without_the_native_module_the_backend_says_so(
 ) -> None:
     monkeypatch.setattr(fsspec_backend, "_fileio", None)
     backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
-    assert not backend.hashed_reads
-    with pytest.raises(RuntimeError, match="one-pass checksummed reads need local files"):
+    assert not backend.hashed_io
+    with pytest.raises(RuntimeError, match="one-pass checksummed IO needs local files"):
         backend.get_vectored_hashed(["ns/a"], [[memoryview(bytearray(1))]], [b""], (0, 0))
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, 3_000_001])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_writes_the_buffers_after_the_head_and_hashes_them(
+    size: int, baseline: bool, tmp_path: Path
+) -> None:
+    data = os.urandom(size)
+    cuts = sorted({0, min(size, 7), size // 2, size})
+    parts = [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)] + [memoryview(b"")]
+    path = tmp_path / "value"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        digest = _fileio.write_hashed(fd, b"seed", 64, parts, baseline)
+    finally:
+        os.close(fd)
+    # the head is the caller's to write (an empty payload writes nothing at all)
+    assert path.read_bytes() == (b"\0" * 64 + data if size else b"")
+    assert digest == _expected(b"seed", data, (0, 0))
+    with pytest.raises(OSError):
+        _fileio.write_hashed(-1, b"", 0, [b"x"])
+
+
+def test_backend_writes_head_then_payload_atomically(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    payload = [torch.arange(1000, dtype=torch.float32).numpy().data, memoryview(b"tail")]
+    heads: list[tuple[int, int]] = []
+
+    def head(i: int, digest: int) -> bytes:
+        heads.append((i, digest))
+        return digest.to_bytes(8, "little") * 2
+
+    backend.put_vectored_hashed([("ns/a", b"seed", payload)], 16, head)
+    body = bytes(payload[0]) + b"tail"
+    digest = _expected(b"seed", body, (0, 0))
+    assert heads == [(0, digest)]
+    assert (tmp_path / "ns" / "a").read_bytes() == digest.to_bytes(8, "little") * 2 + body
+    assert not list((tmp_path / "ns").glob("*.tmp-*"))
+    with pytest.raises(ValueError, match="head is 3 bytes, not 16"):
+        backend.put_vectored_hashed([("ns/b", b"", payload)], 16, lambda i, d: b"abc")
+    assert not (tmp_path / "ns" / "b").exists() and not list((tmp_path / "ns").glob("*.tmp-*"))

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -44,8 +44,9 @@ class FsspecBackend:
         # bytes worth reading per get_vectored call: local files one value at a time (no
         # round trip to save; the caller checks each value while it is in the CPU's cache)
         self.group_bytes = 1 if self.local else 16 << 20
-        # local files are read and checksummed in one pass (`get_vectored_hashed`)
-        self.hashed_reads = self.local and _fileio is not None
+        # local files are read / written and checksummed in one pass (`get_vectored_hashed`,
+        # `put_vectored_hashed`)
+        self.hashed_io = self.local and _fileio is not None
         self._dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
         if self.local:
@@ -153,6 +154,46 @@ class FsspecBackend:
         finally:
             os.close(fd)
 
+    def put_vectored_hashed(
+        self,
+        items: Sequence[tuple[str, bytes, Sequence[bytes | memoryview]]],
+        head_bytes: int,
+        head: Callable[[int, int], bytes],
+    ) -> None:
+        """Store local files, each `head(i, digest)` (`head_bytes` long) then the payload
+        buffers of `items[i] = (key, seed, payload)`, where digest is XXH3-64 of the seed then
+        the payload, computed as the payload is written (needs `hashed_io`). Atomic per key, as
+        `put_many`."""
+        if not self.hashed_io:
+            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
+        assert _fileio is not None
+        for i, (key, seed, payload) in enumerate(items):
+            path = self._path(key)
+            directory = path.rsplit("/", 1)[0]
+            self._makedirs(directory)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            try:
+                try:
+                    fd = _create_local(tmp)
+                except FileNotFoundError:  # the directory was pruned since it was made
+                    with self._dirs_lock:
+                        self._dirs.discard(directory)
+                    self._makedirs(directory)
+                    fd = _create_local(tmp)
+                try:
+                    digest = _fileio.write_hashed(fd, seed, head_bytes, payload)
+                    first = head(i, digest)
+                    if len(first) != head_bytes:
+                        raise ValueError(f"{key}: head is {len(first)} bytes, not {head_bytes}")
+                    if os.pwrite(fd, first, 0) != head_bytes:
+                        raise OSError(f"{tmp}: short write of the head")
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except BaseException:
+                self._discard(tmp)
+                raise
+
     def get_vectored_hashed(
         self,
         keys: Sequence[str],
@@ -161,10 +202,10 @@ class FsspecBackend:
         skip: tuple[int, int],
     ) -> list[tuple[int | None, int | None]]:
         """`get_vectored` for local files, checksumming each value in the same pass (needs
-        `hashed_reads`): per key its stored size (None if absent) and, when the value was read,
+        `hashed_io`): per key its stored size (None if absent) and, when the value was read,
         XXH3-64 of its seed then the value's bytes except `skip` (else None)."""
-        if not self.hashed_reads:
-            raise RuntimeError(f"{self.url}: one-pass checksummed reads need local files")
+        if not self.hashed_io:
+            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
         assert _fileio is not None
         out: list[tuple[int | None, int | None]] = []
         for key, parts, seed in zip(keys, buffers, seeds, strict=True):
@@ -210,9 +251,14 @@ class FsspecBackend:
         """Nothing to release: fsspec filesystems hold no per-backend connections here."""
 
 
+def _create_local(path: str) -> int:
+    """A new file at `path` (it must not exist), open for writing."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
 def _write_local(path: str, parts: Sequence[bytes | memoryview]) -> None:
     """Create `path` (it must not exist) holding exactly the concatenation of `parts`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = _create_local(path)
     try:
         rest = [memoryview(part).cast("B") for part in parts]
         while rest:
