@@ -232,6 +232,29 @@ static PyObject *write_hashed(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *hash_buffers(PyObject *self, PyObject *args) {
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "O:hash_buffers", &parts)) return NULL;
+    PyObject *seq = PySequence_Fast(parts, "hash_buffers() takes a sequence of buffers");
+    if (seq == NULL) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), held;
+    Py_buffer *views = hold_buffers(seq, n, PyBUF_SIMPLE, &held);
+    if (views != NULL) {
+        XXH3_state_t state;
+        update_fn update = best_update;
+        Py_BEGIN_ALLOW_THREADS
+        XXH3_64bits_reset(&state);
+        for (Py_ssize_t i = 0; i < n; i++) update(&state, views[i].buf, (size_t)views[i].len);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromUnsignedLongLong(XXH3_64bits_digest(&state));
+        for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+        PyMem_Free(views);
+    }
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *vector(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(best_update == update_baseline ? "baseline" : "avx2");
 }
@@ -242,6 +265,9 @@ static PyMethodDef methods[] = {
      "read the file from offset 0 into the buffers in order until they are full or it ends; "
      "digest is XXH3-64 of seed, then the bytes read except [skip_start, skip_end). The GIL "
      "is released while reading; `baseline` forces the baseline build of XXH3 (for tests)."},
+    {"hash_buffers", hash_buffers, METH_VARARGS,
+     "hash_buffers(buffers) -> digest: XXH3-64 of the buffers' bytes in order, computed "
+     "without the GIL (for values read or written some other way)."},
     {"write_hashed", write_hashed, METH_VARARGS,
      "write_hashed(fd, seed, offset, buffers, baseline=False) -> digest: write the buffers to "
      "the file from `offset` on; digest is XXH3-64 of seed, then the bytes written. The GIL "

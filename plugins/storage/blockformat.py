@@ -50,6 +50,11 @@ import xxhash
 
 from kvx.layouts import Layout
 
+try:  # XXH3 over many buffers without the GIL (built when the system has xxhash.h)
+    from kvx.plugins.storage._fileio import hash_buffers as _hash_buffers
+except ImportError:  # pragma: no cover - every `make` install builds it
+    _hash_buffers = None
+
 MAGIC = b"KVXB"
 FORMAT_VERSION = 3
 FLAG_MLA = 1
@@ -290,6 +295,8 @@ def decode_block(
 
 
 def _digest(key: str, prefix: bytes | memoryview, payload: Iterable[memoryview | bytes]) -> int:
+    if _hash_buffers is not None:  # one call, without the GIL: IO threads hash side by side
+        return int(_hash_buffers([key.encode(), prefix, *payload]))
     hasher = xxhash.xxh3_64(key.encode())
     hasher.update(prefix)
     for chunk in payload:

@@ -10,10 +10,14 @@ import pytest
 import torch
 import xxhash
 
-from kvx.plugins.storage import _fileio  # not built: this file fails to import, as it should
+from kvx.plugins.storage import (
+    _fileio,  # not built: this file fails to import, as it should
+    blockformat,
+)
 from kvx.plugins.storage.backends import fsspec_backend
 from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.blockformat import BlockShape
 
 
 def test_the_native_reader_is_built_and_used_for_local_files(tmp_path: Path) -> None:
@@ -138,3 +142,15 @@ def test_backend_writes_head_then_payload_atomically(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="head is 3 bytes, not 16"):
         backend.put_vectored_hashed([("ns/b", b"", payload)], 16, lambda i, d: b"abc")
     assert not (tmp_path / "ns" / "b").exists() and not list((tmp_path / "ns").glob("*.tmp-*"))
+
+
+def test_hash_buffers_matches_xxhash_and_the_format_uses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parts = [os.urandom(5000), b"", bytearray(os.urandom(123)), memoryview(os.urandom(99))[3:]]
+    assert _fileio.hash_buffers(parts) == _expected(b"".join(parts), b"", (0, 0))
+    shape = BlockShape("bfloat16", 16, 2, 8, range(8), 32)
+    payload = [memoryview(os.urandom(shape.payload_bytes))]
+    native = blockformat.header("ns/k", shape, payload)
+    monkeypatch.setattr(blockformat, "_hash_buffers", None)  # the pure-Python path
+    assert blockformat.header("ns/k", shape, payload) == native
