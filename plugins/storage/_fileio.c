@@ -1,14 +1,14 @@
 /* Read or write a stored value between a file and many buffers, checksumming it in the same
- * pass.
+ * pass, without the GIL.
  *
- * The storage connector loads a value (header, then every layer's K and V of one block) into
- * the engine's KV cache: many scattered regions. Reading them all with one preadv and then
- * hashing them passes over every byte twice, the second time from memory. Here the regions are
- * read about 256 KiB at a time and each piece is hashed (XXH3-64) right after, while it is
- * still in the cache, all without the GIL. The digest covers `seed`, then the bytes read except
- * `[skip_start, skip_end)` (where the header keeps the checksum), and equals `xxhash.xxh3_64()`
- * fed the same bytes (the same algorithm, from the system's xxhash header: Debian's
- * libxxhash-dev).
+ * A stored value (header, then every layer's K and V of one block) lives in the engine's KV
+ * cache as many scattered regions. Moving them with one preadv / writev and hashing them in
+ * a separate pass goes over every byte twice, once from memory. Here the regions move about
+ * 256 KiB at a time and each piece is hashed (XXH3-64) right after it is read, or right before
+ * it is written, while it is in the cache. `hash_buffers` hashes regions moved some other way
+ * (Redis). Digests equal `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the
+ * system's xxhash header (Debian: libxxhash-dev), with an AVX2 build (`_fileio_avx2.c`) chosen
+ * at import on CPUs that have it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -85,51 +85,61 @@ static Py_ssize_t read_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, updat
     return done;
 }
 
+/* The buffers of a sequence, each held as a contiguous Py_buffer (`flags` adds to that);
+ * NULL with an exception set on failure. `*held` is how many to release. */
+static Py_buffer *hold_buffers(PyObject *seq, Py_ssize_t n, int flags, Py_ssize_t *held) {
+    Py_buffer *views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    *held = 0;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (; *held < n; (*held)++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, *held);
+        if (PyObject_GetBuffer(item, &views[*held], flags | PyBUF_C_CONTIGUOUS) < 0) {
+            for (Py_ssize_t i = 0; i < *held; i++) PyBuffer_Release(&views[i]);
+            PyMem_Free(views);
+            *held = 0;
+            return NULL;
+        }
+    }
+    return views;
+}
+
 static PyObject *read_hashed(PyObject *self, PyObject *args) {
     int fd, baseline = 0;
     Py_buffer seed;
-    Py_ssize_t s0, s1;
+    Py_ssize_t s0, s1, held;
     PyObject *parts;
     if (!PyArg_ParseTuple(args, "iy*nnO|p:read_hashed", &fd, &seed, &s0, &s1, &parts, &baseline))
         return NULL;
-    PyObject *seq = PySequence_Fast(parts, "read_hashed() takes a sequence of buffers");
-    if (seq == NULL) {
-        PyBuffer_Release(&seed);
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    Py_buffer *views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
-    Py_ssize_t held = 0;
     PyObject *result = NULL;
-    if (views == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    PyObject *seq = PySequence_Fast(parts, "read_hashed() takes a sequence of buffers");
+    if (seq != NULL) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        Py_buffer *views = hold_buffers(seq, n, PyBUF_WRITABLE, &held);
+        if (views != NULL) {
+            update_fn update = baseline ? update_baseline : best_update;
+            XXH3_state_t state;
+            Py_ssize_t got;
+            int error = 0;
+            Py_BEGIN_ALLOW_THREADS
+            XXH3_64bits_reset(&state);
+            XXH3_64bits_update(&state, seed.buf, (size_t)seed.len);
+            got = read_hashed_impl(fd, views, n, update, &state, s0, s1);
+            if (got < 0) error = errno;
+            Py_END_ALLOW_THREADS
+            if (got < 0) {
+                errno = error;
+                PyErr_SetFromErrno(PyExc_OSError);
+            } else {
+                result = Py_BuildValue("nK", got, (unsigned long long)XXH3_64bits_digest(&state));
+            }
+            for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+            PyMem_Free(views);
+        }
+        Py_DECREF(seq);
     }
-    for (; held < n; held++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, held);
-        if (PyObject_GetBuffer(item, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-    }
-    update_fn update = baseline ? update_baseline : best_update;
-    XXH3_state_t state;
-    Py_ssize_t got;
-    int error = 0;
-    Py_BEGIN_ALLOW_THREADS
-    XXH3_64bits_reset(&state);
-    XXH3_64bits_update(&state, seed.buf, (size_t)seed.len);
-    got = read_hashed_impl(fd, views, n, update, &state, s0, s1);
-    if (got < 0) error = errno;
-    Py_END_ALLOW_THREADS
-    if (got < 0) {
-        errno = error;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto done;
-    }
-    result = Py_BuildValue("nK", got, (unsigned long long)XXH3_64bits_digest(&state));
-done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    Py_DECREF(seq);
     PyBuffer_Release(&seed);
     return result;
 }
@@ -172,27 +182,6 @@ static int write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn u
         }
     }
     return 0;
-}
-
-/* The buffers of a sequence, each held as a contiguous Py_buffer (`flags` adds to that);
- * NULL with an exception set on failure. `*held` is how many to release. */
-static Py_buffer *hold_buffers(PyObject *seq, Py_ssize_t n, int flags, Py_ssize_t *held) {
-    Py_buffer *views = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
-    *held = 0;
-    if (views == NULL) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    for (; *held < n; (*held)++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, *held);
-        if (PyObject_GetBuffer(item, &views[*held], flags | PyBUF_C_CONTIGUOUS) < 0) {
-            for (Py_ssize_t i = 0; i < *held; i++) PyBuffer_Release(&views[i]);
-            PyMem_Free(views);
-            *held = 0;
-            return NULL;
-        }
-    }
-    return views;
 }
 
 static PyObject *write_hashed(PyObject *self, PyObject *args) {
