@@ -52,7 +52,8 @@ typecheck: venv
 	$(VENV)/bin/mypy
 
 # Headers the native modules build against: xxhash.h for the storage connector's one-pass
-# read + checksum (Debian's libxxhash-dev). Without it kvx still works, with slower loads.
+# read or write + checksum (Debian's libxxhash-dev). Without it kvx still works, with slower
+# storage IO.
 build-deps:
 	@[ -f /usr/include/xxhash.h ] || { \
 	  echo "installing libxxhash-dev (xxhash.h, for kvx's native storage reads)"; \
