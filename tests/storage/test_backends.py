@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -71,11 +72,11 @@ def test_file_reader_never_sees_a_torn_value(
 ) -> None:
     backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
 
-    def slow_write_local(path: str, parts: list[bytes]) -> None:  # local files skip fs.open
-        with SlowFile(open(path, "xb")) as f:
+    def slow_write_all(fd: int, parts: list[bytes]) -> None:  # local files skip fs.open
+        with SlowFile(open(os.dup(fd), "wb")) as f:
             f.write(b"".join(parts))
 
-    monkeypatch.setattr(fsspec_backend, "_write_local", slow_write_local)
+    monkeypatch.setattr(fsspec_backend, "_write_all", slow_write_all)
     old, new = b"a" * (1 << 20), b"b" * (2 << 20)
     backend.put_many([("ns/k", old)])
     done = threading.Event()

@@ -8,6 +8,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -66,27 +67,44 @@ class FsspecBackend:
             if self.atomic_put:
                 self.fs.pipe_file(path, b"".join(parts))
                 continue
-            directory = path.rsplit("/", 1)[0]
-            self._makedirs(directory)
+            if self.local:
+                self._put_local(path, partial(_write_all, parts=parts))
+                continue
+            self._makedirs(path.rsplit("/", 1)[0])
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             try:
-                if self.local:
-                    try:
-                        _write_local(tmp, parts)
-                    except FileNotFoundError:  # the directory was pruned since it was made
-                        with self._dirs_lock:
-                            self._dirs.discard(directory)
-                        self._makedirs(directory)
-                        _write_local(tmp, parts)
-                    os.replace(tmp, path)
-                else:
-                    with self.fs.open(tmp, "wb") as f:
-                        for part in parts:
-                            f.write(part)
-                    self.fs.mv(tmp, path)
+                with self.fs.open(tmp, "wb") as f:
+                    for part in parts:
+                        f.write(part)
+                self.fs.mv(tmp, path)
             except BaseException:
                 self._discard(tmp)
                 raise
+
+    def _put_local(self, path: str, write: Callable[[int], None]) -> None:
+        """Create the local file `path` atomically: `write(fd)` fills a new temporary file
+        beside it, which is then renamed into place (`os.replace`). A directory pruned since
+        it was made is made again."""
+        directory = path.rsplit("/", 1)[0]
+        self._makedirs(directory)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        create = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a new file, never an existing one
+        try:
+            try:
+                fd = os.open(tmp, create, 0o644)
+            except FileNotFoundError:  # the directory was pruned since it was made
+                with self._dirs_lock:
+                    self._dirs.discard(directory)
+                self._makedirs(directory)
+                fd = os.open(tmp, create, 0o644)
+            try:
+                write(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            self._discard(tmp)
+            raise
 
     def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
         return [self._get(self._path(key), max_bytes) for key in keys]
@@ -166,33 +184,11 @@ class FsspecBackend:
         `put_many`."""
         if not self.hashed_io:
             raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
-        assert _fileio is not None
         for i, (key, seed, payload) in enumerate(items):
-            path = self._path(key)
-            directory = path.rsplit("/", 1)[0]
-            self._makedirs(directory)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            try:
-                try:
-                    fd = _create_local(tmp)
-                except FileNotFoundError:  # the directory was pruned since it was made
-                    with self._dirs_lock:
-                        self._dirs.discard(directory)
-                    self._makedirs(directory)
-                    fd = _create_local(tmp)
-                try:
-                    digest = _fileio.write_hashed(fd, seed, head_bytes, payload)
-                    first = head(i, digest)
-                    if len(first) != head_bytes:
-                        raise ValueError(f"{key}: head is {len(first)} bytes, not {head_bytes}")
-                    if os.pwrite(fd, first, 0) != head_bytes:
-                        raise OSError(f"{tmp}: short write of the head")
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
-            except BaseException:
-                self._discard(tmp)
-                raise
+            write = partial(
+                _write_hashed, key=key, seed=seed, payload=payload, head=partial(head, i)
+            )
+            self._put_local(self._path(key), partial(write, room=head_bytes))
 
     def get_vectored_hashed(
         self,
@@ -251,20 +247,30 @@ class FsspecBackend:
         """Nothing to release: fsspec filesystems hold no per-backend connections here."""
 
 
-def _create_local(path: str) -> int:
-    """A new file at `path` (it must not exist), open for writing."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """Write the concatenation of `parts` to `fd` (vectored, resuming after short writes)."""
+    rest = [memoryview(part).cast("B") for part in parts]
+    while rest:
+        rest = _after(rest, os.writev(fd, rest[:_IOV_MAX]))
 
 
-def _write_local(path: str, parts: Sequence[bytes | memoryview]) -> None:
-    """Create `path` (it must not exist) holding exactly the concatenation of `parts`."""
-    fd = _create_local(path)
-    try:
-        rest = [memoryview(part).cast("B") for part in parts]
-        while rest:
-            rest = _after(rest, os.writev(fd, rest[:_IOV_MAX]))
-    finally:
-        os.close(fd)
+def _write_hashed(
+    fd: int,
+    *,
+    key: str,
+    seed: bytes,
+    payload: Sequence[bytes | memoryview],
+    head: Callable[[int], bytes],
+    room: int,
+) -> None:
+    """Write `payload` to `fd` after `room` bytes, checksumming it as it goes (`_fileio`),
+    then `head(digest)` (`room` bytes long) at the start."""
+    assert _fileio is not None
+    first = head(_fileio.write_hashed(fd, seed, room, payload))
+    if len(first) != room:
+        raise ValueError(f"{key}: head is {len(first)} bytes, not {room}")
+    if os.pwrite(fd, first, 0) != room:
+        raise OSError(f"{key}: short write of the head")
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
