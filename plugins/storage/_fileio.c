@@ -106,51 +106,13 @@ static Py_buffer *hold_buffers(PyObject *seq, Py_ssize_t n, int flags, Py_ssize_
     return views;
 }
 
-static PyObject *read_hashed(PyObject *self, PyObject *args) {
-    int fd, baseline = 0;
-    Py_buffer seed;
-    Py_ssize_t s0, s1, held;
-    PyObject *parts;
-    if (!PyArg_ParseTuple(args, "iy*nnO|p:read_hashed", &fd, &seed, &s0, &s1, &parts, &baseline))
-        return NULL;
-    PyObject *result = NULL;
-    PyObject *seq = PySequence_Fast(parts, "read_hashed() takes a sequence of buffers");
-    if (seq != NULL) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-        Py_buffer *views = hold_buffers(seq, n, PyBUF_WRITABLE, &held);
-        if (views != NULL) {
-            update_fn update = baseline ? update_baseline : best_update;
-            XXH3_state_t state;
-            Py_ssize_t got;
-            int error = 0;
-            Py_BEGIN_ALLOW_THREADS
-            XXH3_64bits_reset(&state);
-            XXH3_64bits_update(&state, seed.buf, (size_t)seed.len);
-            got = read_hashed_impl(fd, views, n, update, &state, s0, s1);
-            if (got < 0) error = errno;
-            Py_END_ALLOW_THREADS
-            if (got < 0) {
-                errno = error;
-                PyErr_SetFromErrno(PyExc_OSError);
-            } else {
-                result = Py_BuildValue("nK", got, (unsigned long long)XXH3_64bits_digest(&state));
-            }
-            for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-            PyMem_Free(views);
-        }
-        Py_DECREF(seq);
-    }
-    PyBuffer_Release(&seed);
-    return result;
-}
-
 /* Write the buffers to `fd` from `offset` on, about CHUNK_BYTES per pwritev, hashing each
- * chunk right before it is written (the write then copies it from the cache); 0, or -1 with
- * errno set. */
-static int write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
-                             XXH3_state_t *state, Py_ssize_t offset) {
+ * chunk right before it is written (the write then copies it from the cache); the bytes
+ * written, or -1 with errno set. `unused` keeps the signature of `read_hashed_impl`. */
+static Py_ssize_t write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
+                                    XXH3_state_t *state, Py_ssize_t offset, Py_ssize_t unused) {
     struct iovec iov[CHUNK_IOVS];
-    Py_ssize_t index = 0;
+    Py_ssize_t index = 0, start = offset;
     while (index < n) {
         int count = 0;
         Py_ssize_t batch = 0;
@@ -181,67 +143,90 @@ static int write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn u
             }
         }
     }
-    return 0;
+    return offset - start;
+}
+
+typedef Py_ssize_t (*move_fn)(int, Py_buffer *, Py_ssize_t, update_fn, XXH3_state_t *,
+                              Py_ssize_t, Py_ssize_t);
+
+/* Hold the buffers of `parts`, then without the GIL: hash `seed` (may be NULL) and, with
+ * `move`, move the buffers to or from `fd` hashing as it goes (`a`, `b`: its arguments), or
+ * without, hash the buffers. 0 with `*moved` and `*digest` set, or -1 with an exception. */
+static int run(PyObject *parts, const char *what, int flags, const Py_buffer *seed, int baseline,
+               move_fn move, int fd, Py_ssize_t a, Py_ssize_t b, Py_ssize_t *moved,
+               XXH64_hash_t *digest) {
+    PyObject *seq = PySequence_Fast(parts, what);
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), held;
+    Py_buffer *views = hold_buffers(seq, n, flags, &held);
+    int status = -1;
+    if (views != NULL) {
+        update_fn update = baseline ? update_baseline : best_update;
+        XXH3_state_t state;
+        Py_ssize_t done = 0;
+        int error = 0;
+        Py_BEGIN_ALLOW_THREADS
+        XXH3_64bits_reset(&state);
+        if (seed != NULL) XXH3_64bits_update(&state, seed->buf, (size_t)seed->len);
+        if (move != NULL) {
+            done = move(fd, views, n, update, &state, a, b);
+            if (done < 0) error = errno;
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) update(&state, views[i].buf, (size_t)views[i].len);
+        }
+        Py_END_ALLOW_THREADS
+        if (done < 0) {
+            errno = error;
+            PyErr_SetFromErrno(PyExc_OSError);
+        } else {
+            *moved = done;
+            *digest = XXH3_64bits_digest(&state);
+            status = 0;
+        }
+        for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+        PyMem_Free(views);
+    }
+    Py_DECREF(seq);
+    return status;
+}
+
+static PyObject *read_hashed(PyObject *self, PyObject *args) {
+    int fd, baseline = 0;
+    Py_buffer seed;
+    Py_ssize_t s0, s1, got;
+    XXH64_hash_t digest;
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "iy*nnO|p:read_hashed", &fd, &seed, &s0, &s1, &parts, &baseline))
+        return NULL;
+    int status = run(parts, "read_hashed() takes a sequence of buffers", PyBUF_WRITABLE, &seed,
+                     baseline, read_hashed_impl, fd, s0, s1, &got, &digest);
+    PyBuffer_Release(&seed);
+    return status < 0 ? NULL : Py_BuildValue("nK", got, (unsigned long long)digest);
 }
 
 static PyObject *write_hashed(PyObject *self, PyObject *args) {
     int fd, baseline = 0;
     Py_buffer seed;
-    Py_ssize_t offset, held;
+    Py_ssize_t offset, written;
+    XXH64_hash_t digest;
     PyObject *parts;
     if (!PyArg_ParseTuple(args, "iy*nO|p:write_hashed", &fd, &seed, &offset, &parts, &baseline))
         return NULL;
-    PyObject *result = NULL;
-    PyObject *seq = PySequence_Fast(parts, "write_hashed() takes a sequence of buffers");
-    if (seq != NULL) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-        Py_buffer *views = hold_buffers(seq, n, PyBUF_SIMPLE, &held);
-        if (views != NULL) {
-            update_fn update = baseline ? update_baseline : best_update;
-            XXH3_state_t state;
-            int status, error = 0;
-            Py_BEGIN_ALLOW_THREADS
-            XXH3_64bits_reset(&state);
-            XXH3_64bits_update(&state, seed.buf, (size_t)seed.len);
-            status = write_hashed_impl(fd, views, n, update, &state, offset);
-            if (status < 0) error = errno;
-            Py_END_ALLOW_THREADS
-            if (status < 0) {
-                errno = error;
-                PyErr_SetFromErrno(PyExc_OSError);
-            } else {
-                result = PyLong_FromUnsignedLongLong(XXH3_64bits_digest(&state));
-            }
-            for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-            PyMem_Free(views);
-        }
-        Py_DECREF(seq);
-    }
+    int status = run(parts, "write_hashed() takes a sequence of buffers", PyBUF_SIMPLE, &seed,
+                     baseline, write_hashed_impl, fd, offset, 0, &written, &digest);
     PyBuffer_Release(&seed);
-    return result;
+    return status < 0 ? NULL : PyLong_FromUnsignedLongLong(digest);
 }
 
 static PyObject *hash_buffers(PyObject *self, PyObject *args) {
+    Py_ssize_t unused;
+    XXH64_hash_t digest;
     PyObject *parts;
     if (!PyArg_ParseTuple(args, "O:hash_buffers", &parts)) return NULL;
-    PyObject *seq = PySequence_Fast(parts, "hash_buffers() takes a sequence of buffers");
-    if (seq == NULL) return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), held;
-    Py_buffer *views = hold_buffers(seq, n, PyBUF_SIMPLE, &held);
-    if (views != NULL) {
-        XXH3_state_t state;
-        update_fn update = best_update;
-        Py_BEGIN_ALLOW_THREADS
-        XXH3_64bits_reset(&state);
-        for (Py_ssize_t i = 0; i < n; i++) update(&state, views[i].buf, (size_t)views[i].len);
-        Py_END_ALLOW_THREADS
-        result = PyLong_FromUnsignedLongLong(XXH3_64bits_digest(&state));
-        for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-        PyMem_Free(views);
-    }
-    Py_DECREF(seq);
-    return result;
+    if (run(parts, "hash_buffers() takes a sequence of buffers", PyBUF_SIMPLE, NULL, 0, NULL,
+            -1, 0, 0, &unused, &digest) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(digest);
 }
 
 static PyObject *vector(PyObject *self, PyObject *unused) {
