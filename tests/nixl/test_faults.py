@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvx.engine.disagg import DisaggregatedPair, baseline_tokens, pd_configs
+from kvx.engine.disagg import DisaggregatedPair, RequestResult, baseline_tokens, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.engine.server import LocalEngine
 
@@ -49,6 +49,20 @@ def step_until(pair: DisaggregatedPair, what: str, done: Any, timeout_s: float =
             time.sleep(0.001)
 
 
+def kill_prefill_after_handoff(
+    pd: DisaggregatedPair, victim: list[int], expected: list[int] | None = None
+) -> RequestResult:
+    """Submit `victim` (5 tokens), kill P once it handed the request to D, and step until D
+    ends the request; its result."""
+    pd.submit("victim", victim, 5, expected)
+    step_until(pd, "P returned params", lambda: pd.results["victim"].status == "decoding")
+    pd.kill("prefill")
+    step_until(
+        pd, "D ended the request", lambda: pd.results["victim"].status != "decoding", timeout_s=60
+    )
+    return pd.results["victim"]
+
+
 @pytest.mark.timeout(180)
 def test_prefill_killed_after_decode_connected_recomputes_exactly() -> None:
     """D has already shaken hands with P's agents; P dies before D's READ: the transfer
@@ -58,16 +72,7 @@ def test_prefill_killed_after_decode_connected_recomputes_exactly() -> None:
     with pair(processes=True) as pd:
         report = pd.run({"warm": warm}, 3)
         assert report.all_identical, report
-        pd.submit("victim", victim, 5, expected)
-        step_until(pd, "P returned params", lambda: pd.results["victim"].status == "decoding")
-        pd.kill("prefill")
-        step_until(
-            pd,
-            "D ended the request",
-            lambda: pd.results["victim"].status != "decoding",
-            timeout_s=60,
-        )
-        result = pd.results["victim"]
+        result = kill_prefill_after_handoff(pd, victim, expected)
         assert result.status == "finished_length_capped"
         assert result.tokens == expected
         assert not pd.kv_mismatches
@@ -79,16 +84,7 @@ def test_prefill_killed_with_policy_fail_ends_in_error() -> None:
     warm, victim = prompt(40, 1), prompt(70, 2)
     with pair(processes=True, policy="fail") as pd:
         pd.run({"warm": warm}, 3)
-        pd.submit("victim", victim, 5)
-        step_until(pd, "P returned params", lambda: pd.results["victim"].status == "decoding")
-        pd.kill("prefill")
-        step_until(
-            pd,
-            "D ended the request",
-            lambda: pd.results["victim"].status != "decoding",
-            timeout_s=60,
-        )
-        assert pd.results["victim"].status == "finished_error"
+        assert kill_prefill_after_handoff(pd, victim).status == "finished_error"
 
 
 @pytest.mark.timeout(120)
