@@ -38,6 +38,14 @@ except ImportError as exc:  # a failure of the whole run, never a skip
 
 from kvx.layouts import CPU_PACKED
 
+ENGINE_OPTIONS: dict[str, Any] = {  # every engine's `vllm.LLM` arguments (nixl_producer.py too)
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_seqs": 4,
+    "seed": 0,
+    "distributed_executor_backend": "uni",
+}
 VOCAB = 512
 BLOCK = 128  # vLLM-CPU's block size
 PROMPT_LENGTHS = (300, 280, 330)  # each spans two full 128-token blocks and part of a third
@@ -131,15 +139,7 @@ def engine(
     config = VllmKVTransferConfig(**kv_transfer) if kv_transfer is not None else None
     try:
         llm = vllm.LLM(
-            model=str(model),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=512,
-            max_num_seqs=4,
-            seed=0,
-            distributed_executor_backend="uni",
-            kv_transfer_config=config,
-            **options,
+            model=str(model), kv_transfer_config=config, **{**ENGINE_OPTIONS, **options}
         )
     except BaseException:
         kv_transfer_state.ensure_kv_transfer_shutdown()

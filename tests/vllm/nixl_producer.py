@@ -11,15 +11,15 @@ block (exit 0) or 120 s passed (exit 3).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+# The test process's engine settings, so both engines' KV caches match; importing conftest also
+# sets vLLM's environment, before vLLM is imported here.
+from conftest import ENGINE_OPTIONS
 
+# isort: split
 import vllm
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
@@ -34,16 +34,7 @@ NIXL = {
 
 def main(model: str, work: Path) -> int:
     prompts = json.loads((work / "prompts.json").read_text())
-    llm = vllm.LLM(
-        model=model,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        max_num_seqs=4,
-        seed=0,
-        distributed_executor_backend="uni",
-        kv_transfer_config=KVTransferConfig(**NIXL),
-    )
+    llm = vllm.LLM(model=model, kv_transfer_config=KVTransferConfig(**NIXL), **ENGINE_OPTIONS)
     try:
         decode_elsewhere = {"kv_transfer_params": {"do_remote_decode": True}}
         params = vllm.SamplingParams(max_tokens=1, temperature=0.0, extra_args=decode_elsewhere)
