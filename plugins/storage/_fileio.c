@@ -1,19 +1,26 @@
-/* Read or write a stored value between a file and many buffers, checksumming it in the same
+/* Write or read stored values between files and the KV cache, checksumming them in the same
  * pass, without the GIL.
  *
  * A stored value (header, then every layer's K and V of one block) lives in the engine's KV
- * cache as many scattered regions. Moving them with one preadv / writev and hashing them in
- * a separate pass goes over every byte twice, once from memory. Here the regions move about
- * 256 KiB at a time and each piece is hashed (XXH3-64) right after it is read, or right before
- * it is written, while it is in the cache. `hash_buffers` hashes regions moved some other way
- * (Redis). Digests equal `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the
- * system's xxhash header (Debian: libxxhash-dev), with an AVX2 build (`_fileio_avx2.c`) chosen
- * at import on CPUs that have it.
+ * cache as many scattered regions. `write_blocks` / `read_blocks` take a batch of values as
+ * paths and block ids plus a small table saying where a block's regions lie, and create (to
+ * a temporary name, renamed into place) or open, move and close every file of the batch
+ * without the GIL and without a Python object per region. Moving the regions with one
+ * pwritev / preadv and hashing them in a separate pass would go over every byte twice, once
+ * from memory: here they move about 256 KiB at a time and each piece is hashed (XXH3-64)
+ * right before it is written or right after it is read, while it is in the cache.
+ * `hash_buffers` hashes regions moved some other way (Redis). Digests equal
+ * `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the system's xxhash header
+ * (Debian: libxxhash-dev), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
+ * that have it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -108,9 +115,9 @@ static Py_buffer *hold_buffers(PyObject *seq, Py_ssize_t n, int flags, Py_ssize_
 
 /* Write the buffers to `fd` from `offset` on, about CHUNK_BYTES per pwritev, hashing each
  * chunk right before it is written (the write then copies it from the cache); the bytes
- * written, or -1 with errno set. `unused` keeps the signature of `read_hashed_impl`. */
+ * written, or -1 with errno set. */
 static Py_ssize_t write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
-                                    XXH3_state_t *state, Py_ssize_t offset, Py_ssize_t unused) {
+                                    XXH3_state_t *state, Py_ssize_t offset) {
     struct iovec iov[CHUNK_IOVS];
     Py_ssize_t index = 0, start = offset;
     while (index < n) {
@@ -146,87 +153,337 @@ static Py_ssize_t write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, upda
     return offset - start;
 }
 
-typedef Py_ssize_t (*move_fn)(int, Py_buffer *, Py_ssize_t, update_fn, XXH3_state_t *,
-                              Py_ssize_t, Py_ssize_t);
-
-/* Hold the buffers of `parts`, then without the GIL: hash `seed` (may be NULL) and, with
- * `move`, move the buffers to or from `fd` hashing as it goes (`a`, `b`: its arguments), or
- * without, hash the buffers. 0 with `*moved` and `*digest` set, or -1 with an exception. */
-static int run(PyObject *parts, const char *what, int flags, const Py_buffer *seed, int baseline,
-               move_fn move, int fd, Py_ssize_t a, Py_ssize_t b, Py_ssize_t *moved,
-               XXH64_hash_t *digest) {
-    PyObject *seq = PySequence_Fast(parts, what);
-    if (seq == NULL) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), held;
-    Py_buffer *views = hold_buffers(seq, n, flags, &held);
-    int status = -1;
-    if (views != NULL) {
-        update_fn update = baseline ? update_baseline : best_update;
-        XXH3_state_t state;
-        Py_ssize_t done = 0;
-        int error = 0;
-        Py_BEGIN_ALLOW_THREADS
-        XXH3_64bits_reset(&state);
-        if (seed != NULL) XXH3_64bits_update(&state, seed->buf, (size_t)seed->len);
-        if (move != NULL) {
-            done = move(fd, views, n, update, &state, a, b);
-            if (done < 0) error = errno;
-        } else {
-            for (Py_ssize_t i = 0; i < n; i++) update(&state, views[i].buf, (size_t)views[i].len);
-        }
-        Py_END_ALLOW_THREADS
-        if (done < 0) {
-            errno = error;
-            PyErr_SetFromErrno(PyExc_OSError);
-        } else {
-            *moved = done;
-            *digest = XXH3_64bits_digest(&state);
-            status = 0;
-        }
-        for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-        PyMem_Free(views);
-    }
-    Py_DECREF(seq);
-    return status;
-}
-
-static PyObject *read_hashed(PyObject *self, PyObject *args) {
-    int fd, baseline = 0;
-    Py_buffer seed;
-    Py_ssize_t s0, s1, got;
-    XXH64_hash_t digest;
-    PyObject *parts;
-    if (!PyArg_ParseTuple(args, "iy*nnO|p:read_hashed", &fd, &seed, &s0, &s1, &parts, &baseline))
-        return NULL;
-    int status = run(parts, "read_hashed() takes a sequence of buffers", PyBUF_WRITABLE, &seed,
-                     baseline, read_hashed_impl, fd, s0, s1, &got, &digest);
-    PyBuffer_Release(&seed);
-    return status < 0 ? NULL : Py_BuildValue("nK", got, (unsigned long long)digest);
-}
-
-static PyObject *write_hashed(PyObject *self, PyObject *args) {
-    int fd, baseline = 0;
-    Py_buffer seed;
-    Py_ssize_t offset, written;
-    XXH64_hash_t digest;
-    PyObject *parts;
-    if (!PyArg_ParseTuple(args, "iy*nO|p:write_hashed", &fd, &seed, &offset, &parts, &baseline))
-        return NULL;
-    int status = run(parts, "write_hashed() takes a sequence of buffers", PyBUF_SIMPLE, &seed,
-                     baseline, write_hashed_impl, fd, offset, 0, &written, &digest);
-    PyBuffer_Release(&seed);
-    return status < 0 ? NULL : PyLong_FromUnsignedLongLong(digest);
-}
-
+/* hash_buffers(buffers) -> XXH3-64 of their bytes in order, without the GIL. */
 static PyObject *hash_buffers(PyObject *self, PyObject *args) {
-    Py_ssize_t unused;
-    XXH64_hash_t digest;
     PyObject *parts;
     if (!PyArg_ParseTuple(args, "O:hash_buffers", &parts)) return NULL;
-    if (run(parts, "hash_buffers() takes a sequence of buffers", PyBUF_SIMPLE, NULL, 0, NULL,
-            -1, 0, 0, &unused, &digest) < 0)
+    PyObject *seq = PySequence_Fast(parts, "hash_buffers() takes a sequence of buffers");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), held;
+    Py_buffer *views = hold_buffers(seq, n, PyBUF_SIMPLE, &held);
+    Py_DECREF(seq);
+    if (views == NULL) return NULL;
+    XXH3_state_t state;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_64bits_reset(&state);
+    for (Py_ssize_t i = 0; i < n; i++) best_update(&state, views[i].buf, (size_t)views[i].len);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    return PyLong_FromUnsignedLongLong(XXH3_64bits_digest(&state));
+}
+
+/* Block values: a value is a header, then one region of the KV cache per table entry for one
+ * engine block, so the regions of every value of a batch follow from a small table and the
+ * block ids; a whole batch of files is then opened, moved, hashed and closed without the GIL
+ * and without a Python object per region. */
+
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t start, size, step; /* block b's region: view.buf[start + b * step, + size) */
+} region_t;
+
+typedef struct {
+    Py_ssize_t n;
+    region_t *regions;
+} table_t;
+
+static void release_table(table_t *table) {
+    for (Py_ssize_t i = 0; i < table->n; i++) PyBuffer_Release(&table->regions[i].view);
+    PyMem_Free(table->regions);
+    table->regions = NULL;
+    table->n = 0;
+}
+
+/* Hold `spec`, a sequence of (buffer, start, size, step); 0, or -1 with an exception. */
+static int hold_table(PyObject *spec, int flags, table_t *table) {
+    table->n = 0;
+    table->regions = NULL;
+    PyObject *seq = PySequence_Fast(spec, "the region table must be a sequence");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    table->regions = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(region_t));
+    if (table->regions == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        region_t *r = &table->regions[i];
+        PyObject *buffer;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Onnn;a region is (buffer, start, "
+                              "size, step)", &buffer, &r->start, &r->size, &r->step) ||
+            PyObject_GetBuffer(buffer, &r->view, flags | PyBUF_C_CONTIGUOUS) < 0) {
+            release_table(table);
+            Py_DECREF(seq);
+            return -1;
+        }
+        table->n = i + 1;
+        if (r->start < 0 || r->size < 0 || r->step < 0) {
+            PyErr_Format(PyExc_ValueError, "region %zd: start, size and step must be >= 0", i);
+            release_table(table);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* Block ids as C integers, each checked to lie inside every region's buffer; NULL with an
+ * exception on failure. */
+static Py_ssize_t *block_ids(PyObject *blocks, Py_ssize_t n, const table_t *table) {
+    Py_ssize_t *ids = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_ssize_t));
+    if (ids == NULL) {
+        PyErr_NoMemory();
         return NULL;
-    return PyLong_FromUnsignedLongLong(digest);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ids[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(blocks, i));
+        if (ids[i] == -1 && PyErr_Occurred()) break;
+        for (Py_ssize_t k = 0; k < table->n; k++) {
+            const region_t *r = &table->regions[k];
+            if (ids[i] < 0 || (r->step > 0 && ids[i] > (r->view.len - r->start - r->size) / r->step) ||
+                r->start + r->size > r->view.len) {
+                PyErr_Format(PyExc_ValueError, "block %zd is outside region %zd's buffer", ids[i], k);
+                break;
+            }
+        }
+        if (PyErr_Occurred()) break;
+    }
+    if (PyErr_Occurred()) {
+        PyMem_Free(ids);
+        return NULL;
+    }
+    return ids;
+}
+
+/* Per value: its path (a bytes object from PyUnicode_FSConverter) and a held buffer. */
+typedef struct {
+    Py_ssize_t n;
+    PyObject **paths;
+    Py_buffer *buffers;
+} batch_t;
+
+static void release_batch(batch_t *batch) {
+    for (Py_ssize_t i = 0; i < batch->n; i++) {
+        Py_XDECREF(batch->paths[i]);
+        if (batch->buffers[i].obj != NULL) PyBuffer_Release(&batch->buffers[i]);
+    }
+    PyMem_Free(batch->paths);
+    PyMem_Free(batch->buffers);
+    batch->n = 0;
+    batch->paths = NULL;
+    batch->buffers = NULL;
+}
+
+/* Hold `n` paths and, unless `buffers` is NULL, `n` buffers (`flags`); 0, or -1 with an
+ * exception. */
+static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flags, batch_t *batch) {
+    batch->n = 0;
+    batch->paths = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(PyObject *));
+    batch->buffers = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
+    if (batch->paths == NULL || batch->buffers == NULL) {
+        PyMem_Free(batch->paths);
+        PyMem_Free(batch->buffers);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        batch->n = i + 1;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(paths, i), &batch->paths[i]) ||
+            (buffers != NULL &&
+             PyObject_GetBuffer(PySequence_Fast_GET_ITEM(buffers, i), &batch->buffers[i],
+                                flags | PyBUF_C_CONTIGUOUS) < 0)) {
+            release_batch(batch);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The regions of `block` as views (only .buf and .len are used). */
+static void fill_parts(Py_buffer *parts, const table_t *table, Py_ssize_t block) {
+    for (Py_ssize_t k = 0; k < table->n; k++) {
+        const region_t *r = &table->regions[k];
+        parts[k].buf = (char *)r->view.buf + r->start + block * r->step;
+        parts[k].len = r->size;
+    }
+}
+
+/* Sequences of equal length `n`, as fast sequences in `out` (to DECREF); -1 with an
+ * exception if one is not a sequence or the lengths differ. */
+static int same_length(PyObject **seqs, PyObject **out, int count, Py_ssize_t *n) {
+    for (int i = 0; i < count; i++) out[i] = NULL;
+    for (int i = 0; i < count; i++) {
+        out[i] = PySequence_Fast(seqs[i], "paths, buffers and blocks must be sequences");
+        if (out[i] == NULL) return -1;
+        Py_ssize_t len = PySequence_Fast_GET_SIZE(out[i]);
+        if (i == 0) *n = len;
+        else if (len != *n) {
+            PyErr_Format(PyExc_ValueError, "argument %d has %zd items, not %zd", i + 1, len, *n);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *write_blocks(PyObject *self, PyObject *args) {
+    PyObject *paths, *tmps, *seeds, *spec, *blocks, *seqs[4], *fast[4];
+    Py_buffer prefix;
+    int baseline = 0;
+    if (!PyArg_ParseTuple(args, "OOOy*OO|p:write_blocks", &paths, &tmps, &seeds, &prefix, &spec,
+                          &blocks, &baseline))
+        return NULL;
+    update_fn update = baseline ? update_baseline : best_update;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0;
+    table_t table = {0, NULL};
+    batch_t named = {0, NULL, NULL}, temps = {0, NULL, NULL};
+    Py_ssize_t *ids = NULL;
+    int *errors = NULL;
+    Py_buffer *parts = NULL;
+    seqs[0] = paths, seqs[1] = tmps, seqs[2] = seeds, seqs[3] = blocks;
+    if (same_length(seqs, fast, 4, &n) < 0 || hold_table(spec, PyBUF_SIMPLE, &table) < 0 ||
+        hold_batch(fast[0], fast[2], n, PyBUF_SIMPLE, &named) < 0)
+        goto done;
+    if (hold_batch(fast[1], NULL, n, PyBUF_SIMPLE, &temps) < 0) goto done;
+    if ((ids = block_ids(fast[3], n, &table)) == NULL) goto done;
+    errors = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
+    parts = PyMem_Calloc(table.n > 0 ? (size_t)table.n : 1, sizeof(Py_buffer));
+    unsigned char *head = PyMem_Malloc((size_t)prefix.len + 8);
+    if (errors == NULL || parts == NULL || head == NULL) {
+        PyMem_Free(head);
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(head, prefix.buf, (size_t)prefix.len);
+    Py_ssize_t head_len = prefix.len + 8;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *tmp = PyBytes_AS_STRING(temps.paths[i]);
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        if (fd < 0) {
+            errors[i] = errno;
+            continue;
+        }
+        XXH3_state_t state;
+        XXH3_64bits_reset(&state);
+        XXH3_64bits_update(&state, named.buffers[i].buf, (size_t)named.buffers[i].len);
+        fill_parts(parts, &table, ids[i]);
+        int error = 0;
+        if (write_hashed_impl(fd, parts, table.n, update, &state, head_len) < 0) {
+            error = errno;
+        } else {
+            XXH64_hash_t digest = XXH3_64bits_digest(&state);
+            for (int b = 0; b < 8; b++) head[prefix.len + b] = (unsigned char)(digest >> (8 * b));
+            Py_ssize_t put = 0;
+            while (put < head_len && !error) {
+                ssize_t got = pwrite(fd, head + put, (size_t)(head_len - put), (off_t)put);
+                if (got < 0 && errno != EINTR) error = errno;
+                if (got > 0) put += got;
+            }
+        }
+        if (close(fd) < 0 && !error) error = errno;
+        if (!error && rename(tmp, PyBytes_AS_STRING(named.paths[i])) < 0) error = errno;
+        if (error) {
+            unlink(tmp);
+            errors[i] = error;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(head);
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++)
+        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+done:
+    PyMem_Free(parts);
+    PyMem_Free(errors);
+    PyMem_Free(ids);
+    release_batch(&temps);
+    release_batch(&named);
+    release_table(&table);
+    for (int i = 0; i < 4; i++) Py_XDECREF(fast[i]);
+    PyBuffer_Release(&prefix);
+    return result;
+}
+
+static PyObject *read_blocks(PyObject *self, PyObject *args) {
+    PyObject *paths, *seeds, *heads, *spec, *blocks, *seqs[4], *fast[4];
+    Py_ssize_t s0, s1;
+    int baseline = 0;
+    if (!PyArg_ParseTuple(args, "OOnnOOO|p:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
+                          &blocks, &baseline))
+        return NULL;
+    update_fn update = baseline ? update_baseline : best_update;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0;
+    table_t table = {0, NULL};
+    batch_t named = {0, NULL, NULL}, tops = {0, NULL, NULL};
+    Py_ssize_t *ids = NULL, *sizes = NULL;
+    XXH64_hash_t *digests = NULL;
+    Py_buffer *parts = NULL;
+    seqs[0] = paths, seqs[1] = seeds, seqs[2] = heads, seqs[3] = blocks;
+    if (same_length(seqs, fast, 4, &n) < 0 || hold_table(spec, PyBUF_WRITABLE, &table) < 0 ||
+        hold_batch(fast[0], fast[1], n, PyBUF_SIMPLE, &named) < 0 ||
+        hold_batch(fast[0], fast[2], n, PyBUF_WRITABLE, &tops) < 0)
+        goto done;
+    if ((ids = block_ids(fast[3], n, &table)) == NULL) goto done;
+    sizes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_ssize_t));
+    digests = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(XXH64_hash_t));
+    parts = PyMem_Calloc((size_t)table.n + 1, sizeof(Py_buffer));
+    if (sizes == NULL || digests == NULL || parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int fd = open(PyBytes_AS_STRING(named.paths[i]), O_RDONLY | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) < 0) {
+            sizes[i] = -(Py_ssize_t)errno - 1; /* -1 - errno: not read */
+            if (fd >= 0) close(fd);
+            continue;
+        }
+        parts[0].buf = tops.buffers[i].buf;
+        parts[0].len = tops.buffers[i].len;
+        fill_parts(parts + 1, &table, ids[i]);
+        Py_ssize_t total = 0;
+        for (Py_ssize_t k = 0; k <= table.n; k++) total += parts[k].len;
+        sizes[i] = (Py_ssize_t)st.st_size;
+        if (sizes[i] == total) {
+            XXH3_state_t state;
+            XXH3_64bits_reset(&state);
+            XXH3_64bits_update(&state, named.buffers[i].buf, (size_t)named.buffers[i].len);
+            Py_ssize_t got = read_hashed_impl(fd, parts, table.n + 1, update, &state, s0, s1);
+            if (got < 0) sizes[i] = -(Py_ssize_t)errno - 1;
+            else if (got != total) sizes[i] = got; /* shrank since fstat: no digest */
+            else digests[i] = XXH3_64bits_digest(&state);
+        }
+        close(fd);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        Py_ssize_t total = tops.buffers[i].len;
+        for (Py_ssize_t k = 0; k < table.n; k++) total += table.regions[k].size;
+        PyObject *item = sizes[i] < 0 ? Py_BuildValue("(OOi)", Py_None, Py_None, (int)(-1 - sizes[i]))
+                         : sizes[i] == total
+                             ? Py_BuildValue("(nKi)", sizes[i], (unsigned long long)digests[i], 0)
+                             : Py_BuildValue("(nOi)", sizes[i], Py_None, 0);
+        if (item == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, item);
+    }
+done:
+    PyMem_Free(parts);
+    PyMem_Free(digests);
+    PyMem_Free(sizes);
+    PyMem_Free(ids);
+    release_batch(&tops);
+    release_batch(&named);
+    release_table(&table);
+    for (int i = 0; i < 4; i++) Py_XDECREF(fast[i]);
+    return result;
 }
 
 static PyObject *vector(PyObject *self, PyObject *unused) {
@@ -234,18 +491,24 @@ static PyObject *vector(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"read_hashed", read_hashed, METH_VARARGS,
-     "read_hashed(fd, seed, skip_start, skip_end, buffers, baseline=False) -> (read, digest): "
-     "read the file from offset 0 into the buffers in order until they are full or it ends; "
-     "digest is XXH3-64 of seed, then the bytes read except [skip_start, skip_end). The GIL "
-     "is released while reading; `baseline` forces the baseline build of XXH3 (for tests)."},
     {"hash_buffers", hash_buffers, METH_VARARGS,
      "hash_buffers(buffers) -> digest: XXH3-64 of the buffers' bytes in order, computed "
      "without the GIL (for values read or written some other way)."},
-    {"write_hashed", write_hashed, METH_VARARGS,
-     "write_hashed(fd, seed, offset, buffers, baseline=False) -> digest: write the buffers to "
-     "the file from `offset` on; digest is XXH3-64 of seed, then the bytes written. The GIL "
-     "is released while writing."},
+    {"write_blocks", write_blocks, METH_VARARGS,
+     "write_blocks(paths, tmp_paths, seeds, prefix, regions, blocks, baseline=False) -> errnos: per value i, "
+     "create tmp_paths[i] (which must not exist), write the regions of blocks[i] after a "
+     "header of len(prefix) + 8 bytes, then the header: prefix and XXH3-64 (little-endian) of "
+     "seeds[i] then the regions, and rename it to paths[i]. `regions` is a sequence of "
+     "(buffer, start, size, step): block b's region is buffer[start + b * step:][:size]. "
+     "Per value 0, or the errno that stopped it (its temporary file removed). Without the GIL."},
+    {"read_blocks", read_blocks, METH_VARARGS,
+     "read_blocks(paths, seeds, skip_start, skip_end, heads, regions, blocks, baseline=False) "
+     "-> per value "
+     "(size, digest, errno): when the file is as long as heads[i] and the regions of "
+     "blocks[i] (`regions` as for write_blocks), read it into them and digest is XXH3-64 of "
+     "seeds[i] then the bytes except [skip_start, skip_end); otherwise nothing is read, "
+     "digest is None and size the file's size, or None with the errno that stopped it. "
+     "Without the GIL; `baseline` as for write_blocks."},
     {"vector", vector, METH_NOARGS, "vector() -> 'avx2' or 'baseline': the XXH3 build in use."},
     {NULL, NULL, 0, NULL},
 };

@@ -178,8 +178,13 @@ def stored_layout(order: str, k_order: str) -> Layout:
 
 def checksum_seed(key: str, shape: BlockShape) -> bytes:
     """What a value's checksum covers before the payload: XXH3-64 of this, then the payload,
-    is the checksum `header_from` takes (for writers that hash as they write)."""
+    is the checksum (for writers that hash as they write; see `header_prefix`)."""
     return key.encode() + _prefix(shape)
+
+
+def header_prefix(shape: BlockShape) -> bytes:
+    """A value's header up to its checksum, which follows as 8 little-endian bytes."""
+    return _prefix(shape)
 
 
 def header_from(shape: BlockShape, checksum: int) -> bytes:

@@ -44,7 +44,7 @@ from kvx.plugins.storage.blockformat import (
     checksum_ok,
     checksum_seed,
     header,
-    header_from,
+    header_prefix,
     read_header,
     seal,
     stored_checksum,
@@ -210,6 +210,7 @@ class StorageWorker:
         self.stage: Stage | None = None
         self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
         self._blocks: list[_CacheBlocks] = []  # the stage's layers in order, for direct IO
+        self._table: list[tuple[memoryview, int, int, int]] = []  # the same, as a RegionTable
         self.direct = False
         self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
@@ -259,6 +260,11 @@ class StorageWorker:
                 ]
             except ValueError:  # a GPU cache, or a strided one: through buffers
                 self.direct, self._blocks = False, []
+        self._table = [
+            (layer.flat, start, layer.inner, layer.inner)
+            for layer in self._blocks
+            for start in layer.starts
+        ]
 
     def _regions(self, block: int) -> list[memoryview]:
         """Engine block `block` of every layer of the stage: a stored value's payload."""
@@ -410,55 +416,63 @@ class StorageWorker:
 
     def _fetch_direct(self, unit: _Unit) -> _Fetched:
         """Read a unit's values straight into the engine blocks they load into (an IO thread)
-        and check each group as soon as it is in (while it is in the CPU's cache); rows no
-        block needs are not read."""
+        and check them (local files: the whole unit in one native call, checksummed as read);
+        rows no block needs are not read."""
         shape = unit.shape
         headers = memoryview(bytearray(HEADER.size * len(unit.keys)))
-        names, buffers, rows = [], [], []
+        names, heads, blocks, rows = [], [], [], []
         for row, (key, block) in enumerate(zip(unit.keys, self._targets(unit), strict=True)):
             if block is not None:
                 names.append(self.geo.value_key(key, unit.stage, unit.heads))
-                head = headers[row * HEADER.size : (row + 1) * HEADER.size]
-                buffers.append([head, *self._regions(block)])
+                heads.append(headers[row * HEADER.size : (row + 1) * HEADER.size])
+                blocks.append(block)
                 rows.append(row)
         errors: list[BlockFormatError | None] = [None] * len(unit.keys)
         foreign = False
-        per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
+        if self._native_io():
+            per = max(1, len(names))
+        else:
+            per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
         for at in range(0, len(names), per):
             group = slice(at, at + per)
             try:
-                read = self._read_checked(names[group], buffers[group])
+                read = self._read_checked(names[group], heads[group], blocks[group])
             except Exception as exc:
                 return _Fetched(unit, None, None, [], error=exc)
-            for name, parts, row, (size, digest) in zip(
-                names[group], buffers[group], rows[group], read, strict=True
+            for name, head, block, row, (size, digest) in zip(
+                names[group], heads[group], blocks[group], rows[group], read, strict=True
             ):
                 try:
                     _check_size(name, size, shape.value_bytes)
-                    stored = read_header(name, parts[0], shape)
+                    stored = read_header(name, head, shape)
                     if (stored.order, stored.k_order) != (self.order, self.k_order):
                         foreign = True
                     elif self.verify and not (
-                        digest == stored_checksum(parts[0])
+                        digest == stored_checksum(head)
                         if digest is not None
-                        else checksum_ok(name, parts[0], parts[1:])
+                        else checksum_ok(name, head, self._regions(block))
                     ):
                         raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
                 except BlockFormatError as exc:
                     errors[row] = exc
         return _Fetched(unit, None, None, errors, foreign=foreign)
 
+    def _native_io(self) -> bool:
+        """Whether direct values move through the backend's native block IO (local files),
+        checksummed in the same pass."""
+        return self.verify and getattr(self.backend, "hashed_io", False)
+
     def _read_checked(
-        self, names: list[str], buffers: list[list[memoryview]]
+        self, names: list[str], heads: list[memoryview], blocks: list[int]
     ) -> list[tuple[int | None, int | None]]:
-        """Read each value into its buffers: per value its stored size (None if absent) and
-        its checksum when the backend computed it while reading (else None)."""
-        if self.verify and getattr(self.backend, "hashed_io", False):
-            get_hashed = self.backend.get_vectored_hashed
-            read: list[tuple[int | None, int | None]] = get_hashed(
-                names, buffers, [name.encode() for name in names], CHECKSUM_SPAN
+        """Read each value into its head and engine block: per value its stored size (None if
+        absent) and its checksum when the backend computed it while reading (else None)."""
+        if self._native_io():
+            read: list[tuple[int | None, int | None]] = self.backend.get_blocks_hashed(
+                names, [name.encode() for name in names], CHECKSUM_SPAN, heads, self._table, blocks
             )
             return read
+        buffers = [[head, *self._regions(block)] for head, block in zip(heads, blocks, strict=True)]
         return [(size, None) for size in self._read_vectored(names, buffers)]
 
     def _targets(self, unit: _Unit) -> list[int | None]:
@@ -747,10 +761,8 @@ class StorageWorker:
         """Checksum and write a group of values (an IO thread)."""
         direct = bool(items) and isinstance(items[0][1], int)
         try:
-            if direct:  # per call as many values as are worth a round trip
-                per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
-                for at in range(0, len(items), per):
-                    self._write_direct(items[at : at + per], shape)
+            if direct:
+                self._write_direct(items, shape)
             else:
                 buffers = [(name, value) for name, value in items if isinstance(value, memoryview)]
                 for name, value in buffers:
@@ -762,26 +774,26 @@ class StorageWorker:
                 self._budget.release(len(items) * shape.value_bytes)
 
     def _write_direct(self, items: list[tuple[str, memoryview | int]], shape: BlockShape) -> None:
-        """Write values straight from the engine's blocks (an IO thread)."""
-        if getattr(self.backend, "hashed_io", False):  # checksummed as they are written
-            seeded = []
-            for name, block in items:
-                assert isinstance(block, int)
-                seeded.append((name, checksum_seed(name, shape), self._regions(block)))
-            self.backend.put_vectored_hashed(
-                seeded, HEADER.size, lambda _, checksum: header_from(shape, checksum)
-            )
+        """Write values straight from the engine's blocks (an IO thread): local files in one
+        native call, checksummed as they are written; otherwise as many per call as are worth
+        a round trip."""
+        names = [name for name, _ in items]
+        blocks = [block for _, block in items if isinstance(block, int)]
+        if getattr(self.backend, "hashed_io", False):
+            seeds = [checksum_seed(name, shape) for name in names]
+            self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self._table, blocks)
             return
-        vectors = []
-        for name, block in items:
-            assert isinstance(block, int)
-            payload = self._regions(block)
-            vectors.append((name, [header(name, shape, payload), *payload]))
-        put_vectored = getattr(self.backend, "put_vectored", None)
-        if put_vectored is not None:
-            put_vectored(vectors)
-        else:
-            self.backend.put_many([(name, b"".join(parts)) for name, parts in vectors])
+        per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
+        for at in range(0, len(items), per):
+            vectors = []
+            for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
+                payload = self._regions(block)
+                vectors.append((name, [header(name, shape, payload), *payload]))
+            put_vectored = getattr(self.backend, "put_vectored", None)
+            if put_vectored is not None:
+                put_vectored(vectors)
+            else:
+                self.backend.put_many([(name, b"".join(parts)) for name, parts in vectors])
 
     def _drop_unfinished_saves(self) -> None:
         """A step whose stage layers were not all saved writes nothing (values are whole)."""

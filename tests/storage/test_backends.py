@@ -246,7 +246,7 @@ def test_write_failures_are_counted_not_raised(tmp_path: Path, make_rig: MakeRig
         def fail(*args: Any) -> None:
             raise OSError("disk full")
 
-        backend.put_many = backend.put_vectored = backend.put_vectored_hashed = fail
+        backend.put_many = backend.put_vectored = backend.put_blocks_hashed = fail
     rig.prefill("p", list(range(40)))
     stats = rig.workers[0][0].get_kv_connector_stats()
     assert stats is not None and stats.data["save_errors"] == 1  # one per group of blocks

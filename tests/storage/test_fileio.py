@@ -1,13 +1,15 @@
-"""The native one-pass read + checksum of local files (`kvx.plugins.storage._fileio`)."""
+"""The native one-pass write / read + checksum of local files (`kvx.plugins.storage._fileio`)."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 import xxhash
 
 from kvx.plugins.storage import (
@@ -34,63 +36,171 @@ def _expected(seed: bytes, data: bytes, skip: tuple[int, int]) -> int:
     return int(hasher.intdigest())
 
 
+def _pieces(size: int, cut: int) -> tuple[bytearray, list[tuple[bytearray, int, int, int]]]:
+    """A head of up to `cut` bytes and a region table (block 0 only) of buffers whose sizes
+    add up to `size`, with empty regions among them."""
+    cuts = sorted({0, min(size, cut), min(size, 5000), size // 2, size})
+    head = bytearray(cuts[1] if len(cuts) > 1 else 0)
+    table = [(bytearray(b - a), 0, b - a, 0) for a, b in itertools.pairwise(cuts[1:])]
+    table.insert(0, (bytearray(), 0, 0, 0))
+    return head, table
+
+
 @pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 4097, 300_000, 3_000_001])
 @pytest.mark.parametrize("baseline", [False, True])
-def test_reads_into_the_buffers_and_hashes_all_but_the_skipped_bytes(
+def test_reads_into_head_and_regions_and_hashes_all_but_the_skipped_bytes(
     size: int, baseline: bool, tmp_path: Path
 ) -> None:
     data = os.urandom(size)
     path = tmp_path / "value"
     path.write_bytes(data)
-    cuts = sorted({0, min(size, 64), min(size, 5000), size // 2, size})
-    buffers = [bytearray(b - a) for a, b in itertools.pairwise(cuts)]
-    buffers.insert(1, bytearray())  # empty buffers are allowed anywhere
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got, digest = _fileio.read_hashed(fd, b"key", 56, 64, buffers, baseline)
-    finally:
-        os.close(fd)
-    assert got == size and b"".join(buffers) == data
-    assert digest == _expected(b"key", data, (56, 64))
+    head, table = _pieces(size, 64)
+    out = _fileio.read_blocks([str(path)], [b"key"], 56, 64, [head], table, [0], baseline)
+    assert out == [(size, _expected(b"key", data, (56, 64)), 0)]
+    assert bytes(head) + b"".join(bytes(buf) for buf, *_ in table) == data
 
 
-def test_a_short_file_fills_what_it_has_and_a_bad_descriptor_raises(tmp_path: Path) -> None:
-    path = tmp_path / "short"
-    path.write_bytes(b"x" * 10)
-    buffer = bytearray(b"\0" * 20)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got, digest = _fileio.read_hashed(fd, b"", 0, 0, [buffer])
-    finally:
-        os.close(fd)
-    assert (
-        got == 10
-        and buffer == b"x" * 10 + b"\0" * 10
-        and digest == _expected(b"", b"x" * 10, (0, 0))
+def _cache(blocks: int, size: int) -> tuple[bytearray, list[tuple[bytearray, int, int, int]]]:
+    """A cache of `blocks` blocks laid out K of every block, then V of every block (`size`
+    bytes each), filled with a pattern; its table: K then V of a block."""
+    cache = bytearray(bytes(range(256)) * (2 * blocks * size // 256 + 1))[: 2 * blocks * size]
+    return cache, [(cache, 0, size, size), (cache, blocks * size, size, size)]
+
+
+def test_block_addressing_touches_only_the_blocks_given(tmp_path: Path) -> None:
+    src, table = _cache(6, 1000)
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    tmps = [f"{path}.tmp" for path in paths]
+    seeds = [b"s1" + b"P" * 8, b"s2" + b"P" * 8]  # as the format's: key, then the prefix
+    assert _fileio.write_blocks(paths, tmps, seeds, b"P" * 8, table, [4, 1]) == [0, 0]
+    for path, block, seed in zip(paths, [4, 1], seeds, strict=True):
+        body = src[block * 1000 : (block + 1) * 1000] + src[(6 + block) * 1000 :][:1000]
+        digest = _expected(seed, bytes(body), (0, 0))
+        assert Path(path).read_bytes() == b"P" * 8 + digest.to_bytes(8, "little") + body
+    assert not list(tmp_path.glob("*.tmp"))
+    dst, dst_table = _cache(6, 1000)
+    dst[:] = b"\xee" * len(dst)
+    heads = [bytearray(16), bytearray(16)]
+    out = _fileio.read_blocks(paths, [b"s1", b"s2"], 8, 16, heads, dst_table, [0, 5])
+    assert [(size, error) for size, _, error in out] == [(2016, 0), (2016, 0)]
+    for (_, digest, _), head in zip(out, heads, strict=True):
+        assert digest == int.from_bytes(head[8:], "little")  # the stored checksum
+    for block in range(6):  # blocks 0 and 5 hold what blocks 4 and 1 held; the rest untouched
+        for half in (0, 6):
+            got = dst[(half + block) * 1000 :][:1000]
+            want = {0: 4, 5: 1}.get(block)
+            expected = src[(half + want) * 1000 :][:1000] if want is not None else b"\xee" * 1000
+            assert got == expected, (block, half)
+
+
+def test_values_of_another_size_are_not_read_and_failures_are_reported(tmp_path: Path) -> None:
+    (tmp_path / "short").write_bytes(b"x" * 10)
+    head, region = bytearray(4), bytearray(b"\0" * 20)
+    table = [(region, 0, 20, 0)]
+    out = _fileio.read_blocks(
+        [str(tmp_path / "short"), str(tmp_path / "missing")],
+        [b"", b""],
+        0,
+        0,
+        [head, bytearray(4)],
+        table,
+        [0, 0],
     )
-    with pytest.raises(OSError):
-        _fileio.read_hashed(-1, b"", 0, 0, [bytearray(4)])
+    assert out == [(10, None, 0), (None, None, errno.ENOENT)]
+    assert region == b"\0" * 20 and head == bytearray(4)  # nothing read
     with pytest.raises(BufferError):
-        _fileio.read_hashed(0, b"", 0, 0, [b"read-only"])
+        _fileio.read_blocks(["x"], [b""], 0, 0, [b"head"], table, [0])
+    with pytest.raises(BufferError):
+        _fileio.read_blocks(["x"], [b""], 0, 0, [bytearray(4)], [(b"read-only", 0, 1, 0)], [0])
+    with pytest.raises(ValueError, match="block 3 is outside region 0"):
+        _fileio.read_blocks(["x"], [b""], 0, 0, [bytearray(4)], [(region, 0, 10, 5)], [3])
+    with pytest.raises(ValueError, match="block -1 is outside"):
+        _fileio.write_blocks(["x"], ["x.tmp"], [b""], b"", [(region, 0, 10, 5)], [-1])
+    with pytest.raises(ValueError, match="argument 3 has 2 items, not 1"):
+        _fileio.write_blocks(["x"], ["x.tmp"], [b"", b""], b"", table, [0])
+    with pytest.raises(TypeError, match="a region is"):
+        _fileio.write_blocks(["x"], ["x.tmp"], [b""], b"", [(region, 0)], [0])
+    assert not (tmp_path / "x").exists()
 
 
-def test_backend_reports_sizes_and_checksums(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
-    payload = torch.arange(4096, dtype=torch.float32)
-    backend.put_vectored([("ns/a", [b"h" * 64, payload.numpy().data])])
-    dst = torch.zeros(4096, dtype=torch.float32)
-    head = bytearray(64)
-    wrong = bytearray(10)
-    out = backend.get_vectored_hashed(
-        ["ns/a", "ns/missing", "ns/a"],
-        [[memoryview(head), dst.numpy().data], [memoryview(bytearray(4))], [memoryview(wrong)]],
-        [b"ns/a", b"ns/missing", b"ns/a"],
-        (56, 64),
+@pytest.mark.parametrize("size", [0, 1, 4097, 3_000_001])
+@pytest.mark.parametrize("baseline", [False, True])
+def test_writes_prefix_checksum_then_regions_and_renames(
+    size: int, baseline: bool, tmp_path: Path
+) -> None:
+    data = os.urandom(size)
+    _, table = _pieces(size, 7)
+    table.insert(1, (bytearray(data[: min(size, 7)]), 0, min(size, 7), 0))
+    data = b"".join(bytes(buf) for buf, *_ in table)
+    path, tmp = tmp_path / "value", tmp_path / "value.tmp-1"
+    assert _fileio.write_blocks(
+        [str(path)], [str(tmp)], [b"seed"], b"HDR", table, [0], baseline
+    ) == [0]
+    digest = _expected(b"seed", data, (0, 0))
+    assert path.read_bytes() == b"HDR" + digest.to_bytes(8, "little") + data
+    assert not tmp.exists()
+
+
+def test_a_write_that_cannot_start_reports_its_errno_and_leaves_no_file(tmp_path: Path) -> None:
+    table = [(bytearray(b"payload"), 0, 7, 0)]
+    taken = tmp_path / "taken.tmp"
+    taken.write_bytes(b"someone else's")
+    out = _fileio.write_blocks(
+        [str(tmp_path / "a"), str(tmp_path / "gone" / "b"), str(tmp_path / "c")],
+        [str(taken), str(tmp_path / "gone" / "b.tmp"), str(tmp_path / "c.tmp")],
+        [b"", b"", b""],
+        b"",
+        table,
+        [0, 0, 0],
     )
-    data = b"h" * 64 + payload.numpy().tobytes()
-    assert out == [(len(data), _expected(b"ns/a", data, (56, 64))), (None, None), (len(data), None)]
-    assert torch.equal(dst, payload) and head == b"h" * 64
-    assert wrong == bytearray(10)  # a value of another size is not read
+    assert out == [errno.EEXIST, errno.ENOENT, 0]  # the others are still written
+    assert taken.read_bytes() == b"someone else's" and not (tmp_path / "a").exists()
+    assert (tmp_path / "c").read_bytes()[8:] == b"payload"
+
+
+def test_backend_round_trip_sizes_and_checksums(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    src, table = _cache(3, 4096)
+    seeds = [b"ns/a" + b"p" * 56, b"ns/b" + b"p" * 56]
+    backend.put_blocks_hashed(["ns/a", "ns/b"], seeds, b"p" * 56, table, [2, 0])
+    assert not list((tmp_path / "ns").glob("*.tmp-*"))
+    dst, dst_table = _cache(3, 4096)
+    dst[:] = bytes(len(dst))
+    heads = [bytearray(64) for _ in range(3)]
+    (tmp_path / "ns" / "short").write_bytes(b"x")
+    out = backend.get_blocks_hashed(
+        ["ns/a", "ns/missing", "ns/short"],
+        [b"ns/a", b"", b""],
+        (56, 64),
+        heads,
+        dst_table,
+        [1, 0, 2],
+    )
+    body = src[2 * 4096 :][:4096] + src[5 * 4096 :][:4096]
+    assert out == [
+        (64 + 8192, _expected(b"ns/a", b"p" * 56 + bytes(8) + body, (56, 64))),
+        (None, None),
+        (1, None),
+    ]
+    assert out[0][1] == int.from_bytes(heads[0][56:], "little")
+    assert (
+        dst[4096:8192] == src[2 * 4096 :][:4096]
+        and dst[4 * 4096 :][:4096] == src[5 * 4096 :][:4096]
+    )
+    assert dst[:4096] == bytes(4096) and dst[2 * 4096 : 4 * 4096] == bytes(8192)
+
+
+def test_backend_remakes_a_pruned_directory_and_raises_other_errors(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    table = [(bytearray(b"data"), 0, 4, 0)]
+    backend.put_blocks_hashed(["ns/x/a"], [b""], b"", table, [0])
+    shutil.rmtree(tmp_path / "ns")  # pruned by someone else: made again
+    backend.put_blocks_hashed(["ns/x/b"], [b""], b"", table, [0])
+    assert (tmp_path / "ns" / "x" / "b").read_bytes()[8:] == b"data"
+    (tmp_path / "ns" / "x" / "c").mkdir()  # a directory where the value goes: rename fails
+    with pytest.raises(OSError, match=r"cannot store .*ns/x/c: Is a directory"):
+        backend.put_blocks_hashed(["ns/x/c"], [b""], b"", table, [0])
+    assert not list((tmp_path / "ns" / "x").glob("*.tmp-*"))  # its temporary file removed
 
 
 def test_without_the_native_module_the_backend_says_so(
@@ -100,48 +210,7 @@ def test_without_the_native_module_the_backend_says_so(
     backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
     assert not backend.hashed_io
     with pytest.raises(RuntimeError, match="one-pass checksummed IO needs local files"):
-        backend.get_vectored_hashed(["ns/a"], [[memoryview(bytearray(1))]], [b""], (0, 0))
-
-
-@pytest.mark.parametrize("size", [0, 1, 4097, 3_000_001])
-@pytest.mark.parametrize("baseline", [False, True])
-def test_writes_the_buffers_after_the_head_and_hashes_them(
-    size: int, baseline: bool, tmp_path: Path
-) -> None:
-    data = os.urandom(size)
-    cuts = sorted({0, min(size, 7), size // 2, size})
-    parts = [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)] + [memoryview(b"")]
-    path = tmp_path / "value"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        digest = _fileio.write_hashed(fd, b"seed", 64, parts, baseline)
-    finally:
-        os.close(fd)
-    # the head is the caller's to write (an empty payload writes nothing at all)
-    assert path.read_bytes() == (b"\0" * 64 + data if size else b"")
-    assert digest == _expected(b"seed", data, (0, 0))
-    with pytest.raises(OSError):
-        _fileio.write_hashed(-1, b"", 0, [b"x"])
-
-
-def test_backend_writes_head_then_payload_atomically(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
-    payload = [torch.arange(1000, dtype=torch.float32).numpy().data, memoryview(b"tail")]
-    heads: list[tuple[int, int]] = []
-
-    def head(i: int, digest: int) -> bytes:
-        heads.append((i, digest))
-        return digest.to_bytes(8, "little") * 2
-
-    backend.put_vectored_hashed([("ns/a", b"seed", payload)], 16, head)
-    body = bytes(payload[0]) + b"tail"
-    digest = _expected(b"seed", body, (0, 0))
-    assert heads == [(0, digest)]
-    assert (tmp_path / "ns" / "a").read_bytes() == digest.to_bytes(8, "little") * 2 + body
-    assert not list((tmp_path / "ns").glob("*.tmp-*"))
-    with pytest.raises(ValueError, match="head is 3 bytes, not 16"):
-        backend.put_vectored_hashed([("ns/b", b"", payload)], 16, lambda i, d: b"abc")
-    assert not (tmp_path / "ns" / "b").exists() and not list((tmp_path / "ns").glob("*.tmp-*"))
+        backend.get_blocks_hashed(["ns/a"], [b""], (0, 0), [memoryview(bytearray(1))], [], [0])
 
 
 def test_hash_buffers_matches_xxhash_and_the_format_uses_it(
@@ -154,3 +223,23 @@ def test_hash_buffers_matches_xxhash_and_the_format_uses_it(
     native = blockformat.header("ns/k", shape, payload)
     monkeypatch.setattr(blockformat, "_hash_buffers", None)  # the pure-Python path
     assert blockformat.header("ns/k", shape, payload) == native
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("native_writer", [True, False])
+def test_native_and_python_paths_load_each_others_values(
+    native_writer: bool, tmp_path: Path, make_rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = [(7 * i) % 1000 for i in range(50)]
+    url = f"file://{tmp_path}"
+    monkeypatch.setattr(fsspec_backend, "_fileio", _fileio if native_writer else None)
+    producer = make_rig(url)
+    producer.prefill("p", tokens)
+    monkeypatch.setattr(fsspec_backend, "_fileio", None if native_writer else _fileio)
+    consumer = make_rig(url)
+    for rig, native in ((producer, native_writer), (consumer, not native_writer)):
+        worker = rig.workers[0][0].worker
+        assert worker.direct and worker.backend.hashed_io == native
+    loaded = consumer.prefill("d", tokens, compute=False)
+    assert loaded.num_external == 48 and loaded.errors == [set()]
+    consumer.check(tokens, loaded.block_ids, 48)

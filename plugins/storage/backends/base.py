@@ -17,6 +17,12 @@ class BackendOptions:
     timeout_s: float = 10.0
 
 
+RegionTable = Sequence[tuple[memoryview, int, int, int]]
+"""Where engine blocks lie in the KV cache: per region of a block (buffer, start, size, step),
+block b's bytes of that region being `buffer[start + b * step:][:size]`; a block's value
+payload is its regions in table order."""
+
+
 class StorageBackend(Protocol):
     """A flat key -> bytes store. Keys are `/`-separated strings of safe characters.
 
@@ -29,7 +35,9 @@ class StorageBackend(Protocol):
     `put_vectored(items)` stores each `(key, buffers)` as the concatenation of its buffers,
     `get_vectored(keys, buffers) -> list[int | None]` reads each value into its buffers in
     order when it is exactly their total length (otherwise they stay untouched), and
-    `group_bytes` says how many bytes of values are worth one call (a round trip).
+    `group_bytes` says how many bytes of values are worth one call (a round trip). Local files
+    (`hashed_io`) also move whole batches of values between files and engine blocks given by a
+    `RegionTable`, checksummed in the same pass (`put_blocks_hashed`, `get_blocks_hashed`).
     """
 
     url: str

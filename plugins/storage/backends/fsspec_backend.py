@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvx.plugins.storage.backends.base import BackendOptions
+from kvx.plugins.storage.backends.base import BackendOptions, RegionTable
 
 try:  # one-pass read + checksum (built when the system has xxhash.h)
     from kvx.plugins.storage import _fileio
@@ -45,11 +48,13 @@ class FsspecBackend:
         # bytes worth reading per get_vectored call: local files one value at a time (no
         # round trip to save; the caller checks each value while it is in the CPU's cache)
         self.group_bytes = 1 if self.local else 16 << 20
-        # local files are read / written and checksummed in one pass (`get_vectored_hashed`,
-        # `put_vectored_hashed`)
+        # local files are read / written and checksummed in one pass (`get_blocks_hashed`,
+        # `put_blocks_hashed`)
         self.hashed_io = self.local and _fileio is not None
         self._dirs: set[str] = set()
         self._dirs_lock = threading.Lock()
+        self._tmp_tag = uuid.uuid4().hex  # temporary names: unique per backend, then a serial
+        self._tmp_serial = itertools.count()
         if self.local:
             os.makedirs(self.root, exist_ok=True)
 
@@ -172,59 +177,74 @@ class FsspecBackend:
         finally:
             os.close(fd)
 
-    def put_vectored_hashed(
-        self,
-        items: Sequence[tuple[str, bytes, Sequence[bytes | memoryview]]],
-        head_bytes: int,
-        head: Callable[[int, int], bytes],
-    ) -> None:
-        """Store local files, each `head(i, digest)` (`head_bytes` long) then the payload
-        buffers of `items[i] = (key, seed, payload)`, where digest is XXH3-64 of the seed then
-        the payload, computed as the payload is written (needs `hashed_io`). Atomic per key, as
-        `put_many`."""
-        if not self.hashed_io:
-            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
-        for i, (key, seed, payload) in enumerate(items):
-            write = partial(
-                _write_hashed, key=key, seed=seed, payload=payload, head=partial(head, i)
-            )
-            self._put_local(self._path(key), partial(write, room=head_bytes))
-
-    def get_vectored_hashed(
+    def put_blocks_hashed(
         self,
         keys: Sequence[str],
-        buffers: Sequence[Sequence[memoryview]],
+        seeds: Sequence[bytes],
+        prefix: bytes,
+        regions: RegionTable,
+        blocks: Sequence[int],
+    ) -> None:
+        """Store local files, key i holding a header (`prefix`, then XXH3-64 of `seeds[i]` and
+        the payload, little-endian) and the payload: the regions of engine block `blocks[i]`
+        (`regions`: per region (buffer, start, size, step), block b's bytes being
+        `buffer[start + b * step:][:size]`). Checksummed as written, all in native code
+        without the GIL (needs `hashed_io`). Atomic per key, as `put_many`."""
+        native = self._native()
+        paths = [self._path(key) for key in keys]
+        todo = list(range(len(keys)))
+        for attempt in range(2):
+            directories = {paths[i].rsplit("/", 1)[0] for i in todo}
+            if attempt:  # pruned since they were made: made again
+                with self._dirs_lock:
+                    self._dirs.difference_update(directories)
+            for directory in directories:
+                self._makedirs(directory)
+            errors = native.write_blocks(
+                [paths[i] for i in todo],
+                [f"{paths[i]}.tmp-{self._tmp_tag}-{next(self._tmp_serial)}" for i in todo],
+                [seeds[i] for i in todo],
+                prefix,
+                regions,
+                [blocks[i] for i in todo],
+            )
+            failed = [(i, e) for i, e in zip(todo, errors, strict=True) if e]
+            todo = [i for i, e in failed if e == errno.ENOENT]
+            if not failed or len(todo) < len(failed) or attempt:
+                break
+        if failed:
+            i, error = failed[0]
+            raise OSError(error, f"cannot store {paths[i]}: {os.strerror(error)}")
+
+    def get_blocks_hashed(
+        self,
+        keys: Sequence[str],
         seeds: Sequence[bytes],
         skip: tuple[int, int],
+        heads: Sequence[memoryview],
+        regions: RegionTable,
+        blocks: Sequence[int],
     ) -> list[tuple[int | None, int | None]]:
-        """`get_vectored` for local files, checksumming each value in the same pass (needs
-        `hashed_io`): per key its stored size (None if absent) and, when the value was read,
-        XXH3-64 of its seed then the value's bytes except `skip` (else None)."""
+        """Read local files written by `put_blocks_hashed`: key i into `heads[i]` and the
+        regions of engine block `blocks[i]`, when it has exactly their size (otherwise nothing
+        is read), checksumming it in the same pass without the GIL (needs `hashed_io`). Per key
+        its stored size (None if absent or unreadable) and, when it was read, XXH3-64 of
+        `seeds[i]` then its bytes except `skip` (else None)."""
+        native = self._native()
+        paths = [self._path(key) for key in keys]
+        out: list[tuple[int | None, int | None]] = []
+        for path, (size, digest, error) in zip(
+            paths, native.read_blocks(paths, seeds, *skip, heads, regions, blocks), strict=True
+        ):
+            if error and error != errno.ENOENT:
+                logger.warning("kvx storage: cannot read %s: %s", path, os.strerror(error))
+            out.append((size, digest))
+        return out
+
+    def _native(self) -> Any:
         if not self.hashed_io:
             raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
-        assert _fileio is not None
-        out: list[tuple[int | None, int | None]] = []
-        for key, parts, seed in zip(keys, buffers, seeds, strict=True):
-            path = self._path(key)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                out.append((None, None))
-                continue
-            except OSError as exc:
-                logger.warning("kvx storage: cannot read %s: %s", path, exc)
-                out.append((None, None))
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                if size != sum(part.nbytes for part in parts):
-                    out.append((size, None))
-                    continue
-                got, digest = _fileio.read_hashed(fd, seed, *skip, parts)
-                out.append((got, digest if got == size else None))
-            finally:
-                os.close(fd)
-        return out
+        return _fileio
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(self.fs.exists(self._path(key))) for key in keys]
@@ -252,25 +272,6 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     rest = [memoryview(part).cast("B") for part in parts]
     while rest:
         rest = _after(rest, os.writev(fd, rest[:_IOV_MAX]))
-
-
-def _write_hashed(
-    fd: int,
-    *,
-    key: str,
-    seed: bytes,
-    payload: Sequence[bytes | memoryview],
-    head: Callable[[int], bytes],
-    room: int,
-) -> None:
-    """Write `payload` to `fd` after `room` bytes, checksumming it as it goes (`_fileio`),
-    then `head(digest)` (`room` bytes long) at the start."""
-    assert _fileio is not None
-    first = head(_fileio.write_hashed(fd, seed, room, payload))
-    if len(first) != room:
-        raise ValueError(f"{key}: head is {len(first)} bytes, not {room}")
-    if os.pwrite(fd, first, 0) != room:
-        raise OSError(f"{key}: short write of the head")
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
