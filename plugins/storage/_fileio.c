@@ -138,6 +138,10 @@ static Py_ssize_t write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, upda
                 if (errno == EINTR) continue;
                 return -1;
             }
+            if (put == 0) { /* no progress: never loop on it */
+                errno = EIO;
+                return -1;
+            }
             offset += put;
             while (count > 0 && (size_t)put >= rest->iov_len) {
                 put -= (ssize_t)rest->iov_len;
@@ -284,8 +288,7 @@ static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flag
     batch->paths = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(PyObject *));
     batch->buffers = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
     if (batch->paths == NULL || batch->buffers == NULL) {
-        PyMem_Free(batch->paths);
-        PyMem_Free(batch->buffers);
+        release_batch(batch);
         PyErr_NoMemory();
         return -1;
     }
@@ -381,6 +384,7 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
             while (put < head_len && !error) {
                 ssize_t got = pwrite(fd, head + put, (size_t)(head_len - put), (off_t)put);
                 if (got < 0 && errno != EINTR) error = errno;
+                if (got == 0) error = EIO; /* no progress: never loop on it */
                 if (got > 0) put += got;
             }
         }
