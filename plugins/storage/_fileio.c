@@ -14,6 +14,7 @@
  * (Debian: libxxhash-dev), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
  * that have it.
  */
+#define _GNU_SOURCE /* fallocate() */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -331,6 +332,17 @@ static int same_length(PyObject **seqs, PyObject **out, int count, Py_ssize_t *n
     return 0;
 }
 
+/* Allocate a new file's `size` bytes in one go: on ext4 one extent instead of a delayed
+ * allocation per 4 KiB block as the data goes in, 10-20% of a write's time. 0, or the errno of
+ * a real failure (a filesystem without fallocate is not one). */
+static int preallocate(int fd, Py_ssize_t size) {
+#ifdef __linux__
+    if (size > 0 && fallocate(fd, 0, 0, (off_t)size) < 0)
+        return errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL ? 0 : errno;
+#endif
+    return 0;
+}
+
 static PyObject *write_blocks(PyObject *self, PyObject *args) {
     PyObject *paths, *tmps, *seeds, *spec, *blocks, *seqs[4], *fast[4];
     Py_buffer prefix;
@@ -361,7 +373,8 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
         goto done;
     }
     memcpy(head, prefix.buf, (size_t)prefix.len);
-    Py_ssize_t head_len = prefix.len + 8;
+    Py_ssize_t head_len = prefix.len + 8, payload = 0;
+    for (Py_ssize_t k = 0; k < table.n; k++) payload += table.regions[k].size;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *tmp = PyBytes_AS_STRING(temps.paths[i]);
@@ -370,14 +383,14 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
             errors[i] = errno;
             continue;
         }
+        fill_parts(parts, &table, ids[i]);
+        int error = preallocate(fd, head_len + payload);
         XXH3_state_t state;
         XXH3_64bits_reset(&state);
         XXH3_64bits_update(&state, named.buffers[i].buf, (size_t)named.buffers[i].len);
-        fill_parts(parts, &table, ids[i]);
-        int error = 0;
-        if (write_hashed_impl(fd, parts, table.n, update, &state, head_len) < 0) {
+        if (!error && write_hashed_impl(fd, parts, table.n, update, &state, head_len) < 0)
             error = errno;
-        } else {
+        if (!error) {
             XXH64_hash_t digest = XXH3_64bits_digest(&state);
             for (int b = 0; b < 8; b++) head[prefix.len + b] = (unsigned char)(digest >> (8 * b));
             Py_ssize_t put = 0;
