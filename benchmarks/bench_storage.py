@@ -317,9 +317,10 @@ def block_regions(caches: dict[str, torch.Tensor], block: int) -> list[memoryvie
 
 class RawBlockFiles:
     """For reference, not a target: the connector's file IO and nothing else. One plain file
-    per block holding every layer, written straight from the source blocks (`pwritev`) and
-    read straight into the destination blocks (`preadv`) on `threads` threads (the
-    connector's default `io_threads`): no header, checksum, temporary name or rename."""
+    per block holding every layer, allocated whole (`fallocate`) and written straight from the
+    source blocks (`pwritev`), read straight into the destination blocks (`preadv`), on
+    `threads` threads (the connector's default `io_threads`): no header, checksum, temporary
+    name or rename."""
 
     def __init__(self, kv: KV, root: Path, threads: int) -> None:
         self.src = [block_regions(kv.src, b) for b in kv.all_src]
@@ -350,6 +351,7 @@ class RawBlockFiles:
     def _write(self, i: int) -> None:
         fd = os.open(self._path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            os.posix_fallocate(fd, 0, self.nbytes)  # as the connector allocates a new file
             if os.pwritev(fd, self.src[i], 0) != self.nbytes:
                 raise SystemExit(f"raw file per block: short write of block {i}")
         finally:
