@@ -409,8 +409,10 @@ class RawRedis:
 
 
 class SafetensorsPerLayer:
-    """One safetensors file per layer per request under a folder named by the prompt's hash;
-    KV is gathered / scattered per token through the slot mapping, as vLLM's example does."""
+    """One safetensors file per layer per request under a folder named by the hash of the
+    prompt's token ids; KV is gathered / scattered per token through the slot mapping, and the
+    folder's name is computed (MD5 of the token ids' bytes) and the folder made for every
+    layer's file, all as vLLM's example does (`_generate_filename_debug`)."""
 
     def __init__(self, kv: KV, root: Path) -> None:
         from safetensors.torch import load_file, save_file
@@ -429,27 +431,33 @@ class SafetensorsPerLayer:
         for folder in self.root.iterdir():
             shutil.rmtree(folder)
         self.round += 1
-        self.prompts = self.kv.prompts(self.round)
+        bs = self.kv.block_size
+        # the request metadata's token ids, built when scheduling (untimed): the prompt up to
+        # its last full block before the last token (vLLM's `align_to_block_size`)
+        self.token_ids = {
+            req: torch.tensor(prompt)[: (len(prompt) - 1) // bs * bs]
+            for req, prompt in self.kv.prompts(self.round).items()
+        }
 
-    def _folder(self, prompt: list[int]) -> Path:
-        digest = hashlib.md5(str(prompt[:-1]).encode(), usedforsecurity=False).hexdigest()
-        folder = self.root / digest
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
+    def _filename(self, name: str, token_ids: torch.Tensor) -> str:
+        digest = hashlib.md5(token_ids.numpy().tobytes(), usedforsecurity=False).hexdigest()
+        folder = os.path.join(self.root, digest)
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, f"{name}.safetensors")
 
     def save(self) -> None:
-        for req_id, prompt in self.prompts.items():
-            folder, slots = self._folder(prompt), self.src_slots[req_id]
+        for req_id, token_ids in self.token_ids.items():
+            slots = self.src_slots[req_id]
             for name in self.kv.layers:
                 layer = self.kv.src[name]
                 tokens = layer.reshape(2, -1, self.kv.heads * self.kv.head_size)[:, slots]
-                self.save_file({"kv_cache": tokens}, str(folder / f"{name}.safetensors"))
+                self.save_file({"kv_cache": tokens}, self._filename(name, token_ids))
 
     def load(self) -> None:
-        for req_id, prompt in self.prompts.items():
-            folder, slots = self._folder(prompt), self.dst_slots[req_id]
+        for req_id, token_ids in self.token_ids.items():
+            slots = self.dst_slots[req_id]
             for name in self.kv.layers:
-                tokens = self.load_file(str(folder / f"{name}.safetensors"))["kv_cache"]
+                tokens = self.load_file(self._filename(name, token_ids))["kv_cache"]
                 layer = self.kv.dst[name]
                 layer.view(2, -1, self.kv.heads * self.kv.head_size)[:, slots] = tokens
 
