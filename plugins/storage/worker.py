@@ -779,17 +779,18 @@ class StorageWorker:
         a round trip."""
         names = [name for name, _ in items]
         blocks = [block for _, block in items if isinstance(block, int)]
+        assert len(blocks) == len(items), "direct writes name engine blocks"
         if getattr(self.backend, "hashed_io", False):
             seeds = [checksum_seed(name, shape) for name in names]
             self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self._table, blocks)
             return
         per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
+        put_vectored = getattr(self.backend, "put_vectored", None)
         for at in range(0, len(items), per):
             vectors = []
             for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
                 payload = self._regions(block)
                 vectors.append((name, [header(name, shape, payload), *payload]))
-            put_vectored = getattr(self.backend, "put_vectored", None)
             if put_vectored is not None:
                 put_vectored(vectors)
             else:
