@@ -12,7 +12,10 @@ layers) are saved and loaded, at the connector level (the worker side: `register
   and pipelined redis-py SET / GET of values of the connector's granularity (one per block,
   every layer), 16 MiB of values per pipeline as the connector groups them,
 - the ExampleConnector scheme, written below: one safetensors file per layer per request,
-  KV gathered and scattered through a per-token slot mapping,
+  KV gathered and scattered through a per-token slot mapping, the folder (named by the MD5 of
+  the prompt's token ids) named and made for every file, as vLLM's example does,
+- for scale, not a target: the connector's file IO alone (a plain file per block from / into
+  the blocks' regions on the connector's IO threads, no header, checksum or rename),
 - OffloadingConnector's CPU tier (store and load of every block) against one plain
   `Tensor.copy_` of the same bytes per layer ("memcpy").
 
