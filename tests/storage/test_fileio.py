@@ -128,9 +128,9 @@ def test_values_of_another_size_are_not_read_and_failures_are_reported(tmp_path:
 def test_writes_prefix_checksum_then_regions_and_renames(
     size: int, baseline: bool, tmp_path: Path
 ) -> None:
-    data = os.urandom(size)
-    _, table = _pieces(size, 7)
-    table.insert(1, (bytearray(data[: min(size, 7)]), 0, min(size, 7), 0))
+    _, table = _pieces(size, 7)  # regions of all but the first 7 bytes
+    for buf, *_ in table:
+        buf[:] = os.urandom(len(buf))
     data = b"".join(bytes(buf) for buf, *_ in table)
     path, tmp = tmp_path / "value", tmp_path / "value.tmp-1"
     assert _fileio.write_blocks(

@@ -242,6 +242,8 @@ class FsspecBackend:
         return out
 
     def _native(self) -> Any:
+        """The `_fileio` module, or a clear error where it cannot serve (not local files, or
+        not built)."""
         if not self.hashed_io:
             raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
         return _fileio
