@@ -282,8 +282,8 @@ static void release_batch(batch_t *batch) {
     batch->buffers = NULL;
 }
 
-/* Hold `n` paths and, unless `buffers` is NULL, `n` buffers (`flags`); 0, or -1 with an
- * exception. */
+/* Hold per value a path (unless `paths` is NULL) and a buffer (`flags`, unless `buffers` is
+ * NULL); 0, or -1 with an exception. */
 static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flags, batch_t *batch) {
     batch->n = 0;
     batch->paths = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(PyObject *));
@@ -295,7 +295,8 @@ static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flag
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         batch->n = i + 1;
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(paths, i), &batch->paths[i]) ||
+        if ((paths != NULL &&
+             !PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(paths, i), &batch->paths[i])) ||
             (buffers != NULL &&
              PyObject_GetBuffer(PySequence_Fast_GET_ITEM(buffers, i), &batch->buffers[i],
                                 flags | PyBUF_C_CONTIGUOUS) < 0)) {
@@ -316,8 +317,10 @@ static void fill_parts(Py_buffer *parts, const table_t *table, Py_ssize_t block)
 }
 
 /* Sequences of equal length `n`, as fast sequences in `out` (to DECREF); -1 with an
- * exception if one is not a sequence or the lengths differ. */
-static int same_length(PyObject **seqs, PyObject **out, int count, Py_ssize_t *n) {
+ * exception naming the argument (its position in `where`) that is not a sequence or is of
+ * another length. */
+static int same_length(PyObject **seqs, const int *where, PyObject **out, int count,
+                       Py_ssize_t *n) {
     for (int i = 0; i < count; i++) out[i] = NULL;
     for (int i = 0; i < count; i++) {
         out[i] = PySequence_Fast(seqs[i], "paths, buffers and blocks must be sequences");
@@ -325,10 +328,45 @@ static int same_length(PyObject **seqs, PyObject **out, int count, Py_ssize_t *n
         Py_ssize_t len = PySequence_Fast_GET_SIZE(out[i]);
         if (i == 0) *n = len;
         else if (len != *n) {
-            PyErr_Format(PyExc_ValueError, "argument %d has %zd items, not %zd", i + 1, len, *n);
+            PyErr_Format(PyExc_ValueError, "argument %d has %zd items, not %zd", where[i], len,
+                         *n);
             return -1;
         }
     }
+    return 0;
+}
+
+/* What write_blocks and read_blocks share, held: per value a path and a checksum seed
+ * (`named`), the block ids, the region table, and the fast sequences of the arguments (paths,
+ * the caller's own per-value sequence, seeds, blocks). */
+typedef struct {
+    Py_ssize_t n, payload; /* values; bytes of a block's regions */
+    PyObject *fast[4];
+    table_t table;
+    batch_t named;
+    Py_ssize_t *ids;
+} call_t;
+
+static void release_call(call_t *call) {
+    PyMem_Free(call->ids);
+    call->ids = NULL;
+    release_batch(&call->named);
+    release_table(&call->table);
+    for (int i = 0; i < 4; i++) Py_CLEAR(call->fast[i]);
+}
+
+/* Hold the shared arguments (`where`: their positions, for errors); 0, or -1 with an
+ * exception. Release with release_call either way. */
+static int hold_call(PyObject *paths, PyObject *own, PyObject *seeds, PyObject *blocks,
+                     PyObject *spec, int table_flags, const int *where, call_t *call) {
+    PyObject *seqs[4] = {paths, own, seeds, blocks};
+    *call = (call_t){0, 0, {NULL, NULL, NULL, NULL}, {0, NULL}, {0, NULL, NULL}, NULL};
+    if (same_length(seqs, where, call->fast, 4, &call->n) < 0 ||
+        hold_table(spec, table_flags, &call->table) < 0 ||
+        hold_batch(call->fast[0], call->fast[2], call->n, PyBUF_SIMPLE, &call->named) < 0 ||
+        (call->ids = block_ids(call->fast[3], call->n, &call->table)) == NULL)
+        return -1;
+    for (Py_ssize_t k = 0; k < call->table.n; k++) call->payload += call->table.regions[k].size;
     return 0;
 }
 
@@ -344,28 +382,26 @@ static int preallocate(int fd, Py_ssize_t size) {
 }
 
 static PyObject *write_blocks(PyObject *self, PyObject *args) {
-    PyObject *paths, *tmps, *seeds, *spec, *blocks, *seqs[4], *fast[4];
+    PyObject *paths, *tmps, *seeds, *spec, *blocks;
     Py_buffer prefix;
     int baseline = 0;
     if (!PyArg_ParseTuple(args, "OOOy*OO|p:write_blocks", &paths, &tmps, &seeds, &prefix, &spec,
                           &blocks, &baseline))
         return NULL;
     update_fn update = baseline ? update_baseline : best_update;
+    static const int where[4] = {1, 2, 3, 6};
     PyObject *result = NULL;
-    Py_ssize_t n = 0;
-    table_t table = {0, NULL};
-    batch_t named = {0, NULL, NULL}, temps = {0, NULL, NULL};
-    Py_ssize_t *ids = NULL;
+    call_t call;
+    batch_t temps = {0, NULL, NULL};
     int *errors = NULL;
     Py_buffer *parts = NULL;
-    seqs[0] = paths, seqs[1] = tmps, seqs[2] = seeds, seqs[3] = blocks;
-    if (same_length(seqs, fast, 4, &n) < 0 || hold_table(spec, PyBUF_SIMPLE, &table) < 0 ||
-        hold_batch(fast[0], fast[2], n, PyBUF_SIMPLE, &named) < 0)
+    if (hold_call(paths, tmps, seeds, blocks, spec, PyBUF_SIMPLE, where, &call) < 0 ||
+        hold_batch(call.fast[1], NULL, call.n, PyBUF_SIMPLE, &temps) < 0)
         goto done;
-    if (hold_batch(fast[1], NULL, n, PyBUF_SIMPLE, &temps) < 0) goto done;
-    if ((ids = block_ids(fast[3], n, &table)) == NULL) goto done;
+    Py_ssize_t n = call.n;
+    const table_t *table = &call.table;
     errors = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
-    parts = PyMem_Calloc(table.n > 0 ? (size_t)table.n : 1, sizeof(Py_buffer));
+    parts = PyMem_Calloc(table->n > 0 ? (size_t)table->n : 1, sizeof(Py_buffer));
     unsigned char *head = PyMem_Malloc((size_t)prefix.len + 8);
     if (errors == NULL || parts == NULL || head == NULL) {
         PyMem_Free(head);
@@ -373,8 +409,7 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
         goto done;
     }
     memcpy(head, prefix.buf, (size_t)prefix.len);
-    Py_ssize_t head_len = prefix.len + 8, payload = 0;
-    for (Py_ssize_t k = 0; k < table.n; k++) payload += table.regions[k].size;
+    Py_ssize_t head_len = prefix.len + 8;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *tmp = PyBytes_AS_STRING(temps.paths[i]);
@@ -383,12 +418,12 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
             errors[i] = errno;
             continue;
         }
-        fill_parts(parts, &table, ids[i]);
-        int error = preallocate(fd, head_len + payload);
+        fill_parts(parts, table, call.ids[i]);
+        int error = preallocate(fd, head_len + call.payload);
         XXH3_state_t state;
         XXH3_64bits_reset(&state);
-        XXH3_64bits_update(&state, named.buffers[i].buf, (size_t)named.buffers[i].len);
-        if (!error && write_hashed_impl(fd, parts, table.n, update, &state, head_len) < 0)
+        XXH3_64bits_update(&state, call.named.buffers[i].buf, (size_t)call.named.buffers[i].len);
+        if (!error && write_hashed_impl(fd, parts, table->n, update, &state, head_len) < 0)
             error = errno;
         if (!error) {
             XXH64_hash_t digest = XXH3_64bits_digest(&state);
@@ -402,7 +437,7 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
             }
         }
         if (close(fd) < 0 && !error) error = errno;
-        if (!error && rename(tmp, PyBytes_AS_STRING(named.paths[i])) < 0) error = errno;
+        if (!error && rename(tmp, PyBytes_AS_STRING(call.named.paths[i])) < 0) error = errno;
         if (error) {
             unlink(tmp);
             errors[i] = error;
@@ -416,46 +451,42 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(parts);
     PyMem_Free(errors);
-    PyMem_Free(ids);
     release_batch(&temps);
-    release_batch(&named);
-    release_table(&table);
-    for (int i = 0; i < 4; i++) Py_XDECREF(fast[i]);
+    release_call(&call);
     PyBuffer_Release(&prefix);
     return result;
 }
 
 static PyObject *read_blocks(PyObject *self, PyObject *args) {
-    PyObject *paths, *seeds, *heads, *spec, *blocks, *seqs[4], *fast[4];
+    PyObject *paths, *seeds, *heads, *spec, *blocks;
     Py_ssize_t s0, s1;
     int baseline = 0;
     if (!PyArg_ParseTuple(args, "OOnnOOO|p:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
                           &blocks, &baseline))
         return NULL;
     update_fn update = baseline ? update_baseline : best_update;
+    static const int where[4] = {1, 5, 2, 7};
     PyObject *result = NULL;
-    Py_ssize_t n = 0;
-    table_t table = {0, NULL};
-    batch_t named = {0, NULL, NULL}, tops = {0, NULL, NULL};
-    Py_ssize_t *ids = NULL, *sizes = NULL;
+    call_t call;
+    batch_t tops = {0, NULL, NULL};
+    Py_ssize_t *sizes = NULL;
     XXH64_hash_t *digests = NULL;
     Py_buffer *parts = NULL;
-    seqs[0] = paths, seqs[1] = seeds, seqs[2] = heads, seqs[3] = blocks;
-    if (same_length(seqs, fast, 4, &n) < 0 || hold_table(spec, PyBUF_WRITABLE, &table) < 0 ||
-        hold_batch(fast[0], fast[1], n, PyBUF_SIMPLE, &named) < 0 ||
-        hold_batch(fast[0], fast[2], n, PyBUF_WRITABLE, &tops) < 0)
+    if (hold_call(paths, heads, seeds, blocks, spec, PyBUF_WRITABLE, where, &call) < 0 ||
+        hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0)
         goto done;
-    if ((ids = block_ids(fast[3], n, &table)) == NULL) goto done;
+    Py_ssize_t n = call.n;
+    const table_t *table = &call.table;
     sizes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_ssize_t));
     digests = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(XXH64_hash_t));
-    parts = PyMem_Calloc((size_t)table.n + 1, sizeof(Py_buffer));
+    parts = PyMem_Calloc((size_t)table->n + 1, sizeof(Py_buffer));
     if (sizes == NULL || digests == NULL || parts == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        int fd = open(PyBytes_AS_STRING(named.paths[i]), O_RDONLY | O_CLOEXEC);
+        int fd = open(PyBytes_AS_STRING(call.named.paths[i]), O_RDONLY | O_CLOEXEC);
         struct stat st;
         if (fd < 0 || fstat(fd, &st) < 0) {
             sizes[i] = -(Py_ssize_t)errno - 1; /* -1 - errno: not read */
@@ -464,15 +495,15 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         }
         parts[0].buf = tops.buffers[i].buf;
         parts[0].len = tops.buffers[i].len;
-        fill_parts(parts + 1, &table, ids[i]);
-        Py_ssize_t total = 0;
-        for (Py_ssize_t k = 0; k <= table.n; k++) total += parts[k].len;
+        fill_parts(parts + 1, table, call.ids[i]);
+        Py_ssize_t total = tops.buffers[i].len + call.payload;
         sizes[i] = (Py_ssize_t)st.st_size;
         if (sizes[i] == total) {
             XXH3_state_t state;
             XXH3_64bits_reset(&state);
-            XXH3_64bits_update(&state, named.buffers[i].buf, (size_t)named.buffers[i].len);
-            Py_ssize_t got = read_hashed_impl(fd, parts, table.n + 1, update, &state, s0, s1);
+            XXH3_64bits_update(&state, call.named.buffers[i].buf,
+                               (size_t)call.named.buffers[i].len);
+            Py_ssize_t got = read_hashed_impl(fd, parts, table->n + 1, update, &state, s0, s1);
             if (got < 0) sizes[i] = -(Py_ssize_t)errno - 1;
             else if (got != total) sizes[i] = got; /* shrank since fstat: no digest */
             else digests[i] = XXH3_64bits_digest(&state);
@@ -482,8 +513,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        Py_ssize_t total = tops.buffers[i].len;
-        for (Py_ssize_t k = 0; k < table.n; k++) total += table.regions[k].size;
+        Py_ssize_t total = tops.buffers[i].len + call.payload;
         PyObject *item = sizes[i] < 0 ? Py_BuildValue("(OOi)", Py_None, Py_None, (int)(-1 - sizes[i]))
                          : sizes[i] == total
                              ? Py_BuildValue("(nKi)", sizes[i], (unsigned long long)digests[i], 0)
@@ -495,11 +525,8 @@ done:
     PyMem_Free(parts);
     PyMem_Free(digests);
     PyMem_Free(sizes);
-    PyMem_Free(ids);
     release_batch(&tops);
-    release_batch(&named);
-    release_table(&table);
-    for (int i = 0; i < 4; i++) Py_XDECREF(fast[i]);
+    release_call(&call);
     return result;
 }
 
