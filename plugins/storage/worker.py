@@ -209,8 +209,8 @@ class StorageWorker:
         self.caches: dict[str, torch.Tensor] = {}
         self.stage: Stage | None = None
         self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
-        self._blocks: list[_CacheBlocks] = []  # the stage's layers in order, for direct IO
-        self._table: list[tuple[memoryview, int, int, int]] = []  # the same, as a RegionTable
+        # direct IO: where an engine block's regions lie, the stage's layers in order
+        self._table: list[tuple[memoryview, int, int, int]] = []  # a RegionTable
         self.direct = False
         self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
@@ -251,29 +251,26 @@ class StorageWorker:
         index = {name: i for i, name in enumerate(self.geo.layer_names)}
         self._by_index = {index[name]: tensor for name, tensor in kv_caches.items()}
         self.caches = dict(kv_caches)
-        self._blocks = []
+        self._table = []
         self.direct = self.geo.block_size == self.geo.engine_block_size
         if self.direct:
             try:
-                self._blocks = [
-                    _CacheBlocks(self._by_index[g], self.layout) for g in self.stage.layers
-                ]
+                layers = [_CacheBlocks(self._by_index[g], self.layout) for g in self.stage.layers]
             except ValueError:  # a GPU cache, or a strided one: through buffers
-                self.direct, self._blocks = False, []
-        self._table = [
-            (layer.flat, start, layer.inner, layer.inner)
-            for layer in self._blocks
-            for start in layer.starts
-        ]
+                self.direct = False
+            else:
+                self._table = [
+                    (layer.flat, start, layer.inner, layer.inner)
+                    for layer in layers
+                    for start in layer.starts
+                ]
 
     def _regions(self, block: int) -> list[memoryview]:
         """Engine block `block` of every layer of the stage: a stored value's payload."""
-        out = []
-        for layer in self._blocks:
-            flat, size = layer.flat, layer.inner
-            at = block * size
-            out += [flat[start + at : start + at + size] for start in layer.starts]
-        return out
+        return [
+            buf[start + block * step : start + block * step + size]
+            for buf, start, size, step in self._table
+        ]
 
     # -- loads -----------------------------------------------------------------------------
 
