@@ -576,12 +576,8 @@ class StorageWorker:
         for shape, moved in others.items():
             for position in range(len(shape.layers)):
                 src = self._layer_view(values, shape, position)
-                tmp = torch.empty((len(moved), *target.tensor_shape[1:]), dtype=src.dtype)
-                ids = range(len(moved))
-                convert_blocks(
-                    src, tmp, moved, ids, src_layout=shape.layout, dst_layout=target.layout
-                )
-                self._layer_view(values, target, position)[moved] = tmp
+                converted = _converted(src, moved, shape, target)
+                self._layer_view(values, target, position)[moved] = converted
         return target
 
     def _scatter(
@@ -632,12 +628,7 @@ class StorageWorker:
             shape = stored
             if stored.k_order and bs > ebs:  # K and V orders differ: unsplit, then cut
                 shape = replace(stored, order=KV_ORDER, k_order="")
-                whole = torch.empty((view.shape[0], *shape.tensor_shape[1:]), dtype=view.dtype)
-                ids = range(view.shape[0])
-                convert_blocks(
-                    view, whole, ids, ids, src_layout=stored.layout, dst_layout=shape.layout
-                )
-                view = whole
+                view = _converted(view, range(view.shape[0]), stored, shape)
             for tokens, src, dst, num_tokens in moves.values():
                 if src:
                     convert_blocks(
@@ -704,11 +695,8 @@ class StorageWorker:
         self._items = []
         if self.direct:  # stored block = engine block
             for spec in stores:
-                for r, block in enumerate(spec.block_ids):
-                    j = spec.block_ids_start // bs + r - spec.first_block
-                    if 0 <= j < len(spec.keys):
-                        name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
-                        self._items.append((name, block))
+                for r, name in self._complete_rows(spec, len(spec.block_ids)):
+                    self._items.append((name, spec.block_ids[r]))
             return
         rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
         self._budget.acquire(sum(rows) * shape.value_bytes)
@@ -727,14 +715,22 @@ class StorageWorker:
                 dst.extend(range(first_row, first_row + len(ids)) if k > 1 else [])
             if k == 1:  # engine blocks fill whole rows in order
                 pieces[0][2].extend(range(first_row, first_row + n))
-            for r in range(n):
-                j = spec.block_ids_start // bs + r - spec.first_block
-                if 0 <= j < len(spec.keys):  # a complete stored block of the spec's keys
-                    name = self.geo.value_key(spec.keys[j], self.stage, self.heads)
-                    self._items.append((name, values[first_row + r].numpy().data))
+            for r, name in self._complete_rows(spec, n):
+                self._items.append((name, values[first_row + r].numpy().data))
             first_row += n
         self._step_values = values
         self._step_pieces = [piece for piece in pieces if piece[1]]
+
+    def _complete_rows(self, spec: StoreSpec, rows: int) -> list[tuple[int, str]]:
+        """(row, value name) of each of a store's first `rows` rows (stored blocks from its
+        first engine block on) that is a complete stored block of its keys."""
+        assert self.stage is not None
+        first = spec.block_ids_start // self.geo.block_size - spec.first_block
+        return [
+            (r, self.geo.value_key(spec.keys[first + r], self.stage, self.heads))
+            for r in range(rows)
+            if 0 <= first + r < len(spec.keys)
+        ]
 
     def _submit_writes(self) -> None:
         """Write the step's complete stored blocks, a group of values per IO-thread job."""
@@ -882,6 +878,17 @@ def _tokens(view: torch.Tensor, shape: BlockShape, tokens: slice) -> torch.Tenso
     index = [slice(None)] * view.dim()
     index[1 + shape.order.index("t")] = tokens
     return view[tuple(index)]
+
+
+def _converted(
+    view: torch.Tensor, rows: Sequence[int], shape: BlockShape, target: BlockShape
+) -> torch.Tensor:
+    """Stored blocks `rows` of a layer view of `shape`, as new blocks of `target`'s order."""
+    out = torch.empty((len(rows), *target.tensor_shape[1:]), dtype=view.dtype)
+    convert_blocks(
+        view, out, rows, range(len(rows)), src_layout=shape.layout, dst_layout=target.layout
+    )
+    return out
 
 
 def _check_size(name: str, size: int | None, expected: int) -> None:
