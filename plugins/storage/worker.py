@@ -32,7 +32,7 @@ import torch
 
 import kvx
 from kvx.layouts import Layout, convert_blocks, get_layout
-from kvx.plugins.storage.backends.base import StorageBackend
+from kvx.plugins.storage.backends.base import StorageBackend, copy_into
 from kvx.plugins.storage.blockformat import (
     CHECKSUM_SPAN,
     HEADER,
@@ -515,10 +515,7 @@ class StorageWorker:
             out = self._read_into(names, rows)
             for row, parts, size in zip(rows, buffers, out, strict=True):
                 if size == total:
-                    at = 0
-                    for part in parts:
-                        part[:] = row[at : at + len(part)]
-                        at += len(part)
+                    copy_into(parts, row)
             return out
         finally:
             self._read_buffers.give(flat)

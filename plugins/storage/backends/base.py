@@ -56,6 +56,15 @@ class StorageBackend(Protocol):
         """Release connections and threads."""
 
 
+def copy_into(parts: Sequence[memoryview], data: bytes | memoryview) -> None:
+    """Copy `data` into `parts` in order (vectored reads that had to go through one bytes
+    object): the parts' sizes add up to its length."""
+    at = 0
+    for part in parts:
+        part.cast("B")[:] = data[at : at + part.nbytes]
+        at += part.nbytes
+
+
 def open_backend(url: str, options: BackendOptions) -> StorageBackend:
     """The backend registered (`kvx_storage_backends`) for `url`'s scheme, opened on `url`."""
     registry = kvx.get_registry()

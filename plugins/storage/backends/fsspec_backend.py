@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvx.plugins.storage.backends.base import BackendOptions, RegionTable
+from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, copy_into
 
 try:  # one-pass read + checksum (built when the system has xxhash.h)
     from kvx.plugins.storage import _fileio
@@ -150,10 +150,7 @@ class FsspecBackend:
         if not self.local:
             data = self._get(path, total)
             if data is not None and len(data) == total:
-                at = 0
-                for part in parts:
-                    part.cast("B")[:] = data[at : at + part.nbytes]
-                    at += part.nbytes
+                copy_into(parts, data)
             return None if data is None else len(data)
         try:
             fd = os.open(path, os.O_RDONLY)

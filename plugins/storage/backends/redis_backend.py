@@ -29,7 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvx.plugins.storage.backends.base import BackendOptions
+from kvx.plugins.storage.backends.base import BackendOptions, copy_into
 from kvx.plugins.storage.backends.resp import RespConnection
 
 KEY_PREFIX = "kvx/"
@@ -172,10 +172,7 @@ class RedisBackend:
         sizes: list[int | None] = []
         for parts, total, value in zip(views, totals, pipe.execute(), strict=True):
             if value and len(value) == total:
-                at = 0
-                for part in parts:
-                    part[:] = value[at : at + part.nbytes]
-                    at += part.nbytes
+                copy_into(parts, value)
             sizes.append(len(value) if value else None)
         return sizes
 
