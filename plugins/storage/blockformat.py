@@ -179,23 +179,18 @@ def stored_layout(order: str, k_order: str) -> Layout:
 def checksum_seed(key: str, shape: BlockShape) -> bytes:
     """What a value's checksum covers before the payload: XXH3-64 of this, then the payload,
     is the checksum (for writers that hash as they write; see `header_prefix`)."""
-    return key.encode() + _prefix(shape)
-
-
-def header_prefix(shape: BlockShape) -> bytes:
-    """A value's header up to its checksum, which follows as 8 little-endian bytes."""
-    return _prefix(shape)
+    return key.encode() + header_prefix(shape)
 
 
 def header_from(shape: BlockShape, checksum: int) -> bytes:
     """The header of a value of `shape` whose checksum is known."""
-    return _prefix(shape) + CHECKSUM.pack(checksum)
+    return header_prefix(shape) + CHECKSUM.pack(checksum)
 
 
 def header(key: str, shape: BlockShape, payload: Iterable[memoryview | bytes]) -> bytes:
     """The header of the value of `shape` under `key` whose payload is the concatenation of
     `payload`."""
-    return header_from(shape, _digest(key, _prefix(shape), payload))
+    return header_from(shape, _digest(key, header_prefix(shape), payload))
 
 
 def seal(key: str, shape: BlockShape, value: memoryview) -> None:
@@ -310,8 +305,8 @@ def _digest(key: str, prefix: bytes | memoryview, payload: Iterable[memoryview |
 
 
 @cache
-def _prefix(shape: BlockShape) -> bytes:
-    """The header before the checksum."""
+def header_prefix(shape: BlockShape) -> bytes:
+    """A value's header up to its checksum, which follows as 8 little-endian bytes."""
     return HEADER.pack(*_fields(shape), 0)[: -CHECKSUM.size]
 
 
