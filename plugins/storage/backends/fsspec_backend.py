@@ -17,6 +17,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, copy_into
+from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 
 try:  # one-pass read + checksum (built when the system has xxhash.h)
     from kvx.plugins.storage import _fileio
@@ -163,13 +164,13 @@ class FsspecBackend:
             size = os.fstat(fd).st_size
             if size != total:
                 return size
-            got, rest = 0, list(parts)
-            while got < total:
-                n = os.preadv(fd, rest[:_IOV_MAX], got)
+            views, i, got = byte_views(parts), 0, 0
+            while i < len(views):
+                n = os.preadv(fd, views[i : i + _IOV_MAX], got)
                 if n == 0:
                     break  # shorter than fstat said: reported as that size
                 got += n
-                rest = _after([part.cast("B") for part in rest], n) if got < total else []
+                i = advance(views, i, n)
             return got
         finally:
             os.close(fd)
@@ -268,18 +269,9 @@ class FsspecBackend:
 
 def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     """Write the concatenation of `parts` to `fd` (vectored, resuming after short writes)."""
-    rest = [memoryview(part).cast("B") for part in parts]
-    while rest:
-        rest = _after(rest, os.writev(fd, rest[:_IOV_MAX]))
+    views, i = byte_views(parts), 0
+    while i < len(views):
+        i = advance(views, i, os.writev(fd, views[i : i + _IOV_MAX]))
 
 
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def _after(parts: list[memoryview], n: int) -> list[memoryview]:
-    """What of `parts` (byte views) is left after their first `n` bytes."""
-    for i, part in enumerate(parts):
-        if n < len(part):
-            return [part[n:], *parts[i + 1 :]]
-        n -= len(part)
-    return []
+_IOV_MAX = iov_max()

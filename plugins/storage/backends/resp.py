@@ -13,10 +13,11 @@ connection is closed, never reused (the stream may be out of sync).
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 
 LINE_MAX = 64 << 10  # longest reply line accepted (without its CRLF)
 BULK_MAX = 512 << 20  # Redis' limit on a string value
@@ -37,42 +38,6 @@ class RespProtocolError(ConnectionError):
     """The server's bytes are not the RESP reply expected (the connection is closed)."""
 
 
-def _iov_max() -> int:
-    """How many buffers one sendmsg/recvmsg_into may take (IOV_MAX; 1024 if unknown)."""
-    try:
-        n = os.sysconf("SC_IOV_MAX")
-    except (ValueError, OSError):
-        n = -1
-    return n if n > 0 else 1024
-
-
-def _byte_views(buffers: Sequence[memoryview]) -> list[memoryview]:
-    """Flat unsigned-byte views of `buffers` (empty ones dropped); each must be contiguous."""
-    views = []
-    for i, buf in enumerate(buffers):
-        view = memoryview(buf)
-        if not view.c_contiguous:
-            raise ValueError(f"buffer {i} is not C-contiguous; only contiguous buffers are sent")
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if view.nbytes:
-            views.append(view)
-    return views
-
-
-def _advance(views: list[memoryview], i: int, count: int) -> int:
-    """Consume `count` bytes of `views` from index `i` (trimming a partly used view in
-    place); the index of the first view with bytes left."""
-    while count:
-        size = views[i].nbytes
-        if count < size:
-            views[i] = views[i][count:]
-            return i
-        count -= size
-        i += 1
-    return i
-
-
 def _quote(text: bytes) -> str:
     return text[:ERROR_TEXT_MAX].decode("utf-8", errors="replace")
 
@@ -91,7 +56,7 @@ class RespConnection:
     ) -> None:
         self.address = f"{host}:{port}"
         self.timeout_s = timeout_s
-        self._iov_max = _iov_max()
+        self._iov_max = iov_max()
         self._buf = bytearray(LINE_MAX + 2)  # read-ahead: a reply line and what follows it
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
@@ -160,7 +125,7 @@ class RespConnection:
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists; one per key")
         if not keys:
             return []
-        targets = [_byte_views(parts) for parts in buffers]
+        targets = [byte_views(parts) for parts in buffers]
         if any(v.readonly for views in targets for v in views):
             raise ValueError("get_vectored needs writable buffers; a read-only one was given")
         request = b"".join(
@@ -220,7 +185,7 @@ class RespConnection:
         parts: list[memoryview] = []
         framing = bytearray()
         for key, buffers in items:
-            views = _byte_views(buffers)
+            views = byte_views(buffers)
             k = key.encode()
             total = sum(v.nbytes for v in views)
             framing += b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(k), k, total)
@@ -238,7 +203,7 @@ class RespConnection:
         i = 0
         while i < len(parts):
             sent = sock.sendmsg(parts[i : i + self._iov_max])
-            i = _advance(parts, i, sent)
+            i = advance(parts, i, sent)
 
     # -- replies -------------------------------------------------------------------------------
 
@@ -294,7 +259,7 @@ class RespConnection:
             n = min(views[i].nbytes, self._end - self._start)
             views[i][:n] = self._view[self._start : self._start + n]
             self._start += n
-            i = _advance(views, i, n)
+            i = advance(views, i, n)
         return i
 
     def _recv_into(self, sock: socket.socket, views: list[memoryview]) -> None:
@@ -313,7 +278,7 @@ class RespConnection:
             if not n:
                 raise ConnectionError("the server closed the connection")
             wanted = sum(v.nbytes for v in batch[:-1]) if last else n
-            i = _advance(views, i, min(n, wanted))
+            i = advance(views, i, min(n, wanted))
             self._end = max(0, n - wanted)
 
     def _discard(self, sock: socket.socket, size: int) -> None:
