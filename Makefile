@@ -47,6 +47,7 @@ demo: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
 	$(VENV)/bin/mypy

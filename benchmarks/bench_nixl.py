@@ -329,9 +329,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 MiB, for CI")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
-    parser.add_argument(
-        "--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated"
-    )
+    parser.add_argument("--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated")
     args = parser.parse_args()
     cases = [tuple(int(n) for n in case.split(":")) for case in args.cases.split(",")]
     shape = Shape(8, 8, 128, 16, 8, 1024)

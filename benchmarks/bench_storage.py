@@ -304,9 +304,7 @@ class RawFiles:
 def per_block(kv: KV) -> list[bytes]:
     """The bytes as one value per block holding every layer (the connector's granularity)."""
     data = payload(kv)
-    return [
-        _bytes(torch.stack([data[n][:, i] for n in kv.layers])) for i in range(len(kv.all_src))
-    ]
+    return [_bytes(torch.stack([data[n][:, i] for n in kv.layers])) for i in range(len(kv.all_src))]
 
 
 def block_regions(caches: dict[str, torch.Tensor], block: int) -> list[memoryview]:

@@ -27,9 +27,22 @@ def test_plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(PLUGIN_SOURCE, build)
     site = tmp_path_factory.mktemp("plugin-site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(site), str(build)],
-        check=True, timeout=180, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(build),
+        ],
+        check=True,
+        timeout=180,
+        capture_output=True,
     )
     assert (site / TEST_PLUGIN_MODULE / "plugin.py").exists()
     return site
@@ -44,8 +57,10 @@ def _forget_test_plugin_modules() -> None:
 def plugin_env(test_plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The test plugin visible to this process and to child processes."""
     monkeypatch.syspath_prepend(str(test_plugin_site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(test_plugin_site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(test_plugin_site), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     monkeypatch.delenv("KVX_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     monkeypatch.delenv("KVX_BLOCKED_PLUGINS", raising=False)
     _forget_test_plugin_modules()

@@ -204,6 +204,10 @@ def warn_unverified_kernels(dtype: Any, block_size: int, head_size: int) -> str:
             "kvx: vLLM-CPU uses its %r attention kernels for dtype %s, head size %d; kvx verified "
             "the %s layout for %s only. Whole-block transfers between vLLM-CPU engines stay "
             "exact; conversions to other layouts, block sizes or engines may misorder K.",
-            isa, dtype, head_size, CPU_LAYOUT, list(VERIFIED_ATTN_ISAS),
+            isa,
+            dtype,
+            head_size,
+            CPU_LAYOUT,
+            list(VERIFIED_ATTN_ISAS),
         )
     return isa

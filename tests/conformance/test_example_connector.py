@@ -18,9 +18,17 @@ CONFIG = {
     "kv_connector": "ExamplePDConnector",
     "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 5},
 }
-UNCLAIMED = {"store_and_reuse", "corrupted_bytes_detected", "offload_and_reload", "hetero_tp",
-             "block_size_mismatch", "layout_conversion", "stored_hetero_tp",
-             "stored_block_size_mismatch", "stored_layout_conversion"}
+UNCLAIMED = {
+    "store_and_reuse",
+    "corrupted_bytes_detected",
+    "offload_and_reload",
+    "hetero_tp",
+    "block_size_mismatch",
+    "layout_conversion",
+    "stored_hetero_tp",
+    "stored_block_size_mismatch",
+    "stored_layout_conversion",
+}
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 
 

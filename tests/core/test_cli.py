@@ -44,54 +44,82 @@ def test_list_json(plugin_env: Path) -> None:
     doc = json.loads(result.stdout)
     connectors = {c["name"]: c for c in doc["connectors"]}
     assert connectors["EchoConnector"] == {
-        "name": "EchoConnector", "aliases": ["TestEcho"], "source": "kvx-test-plugin 0.0.1",
-        "plugin": "kvx_test_plugin", "importable": True, "install_hint": None,
-        "summary": "does nothing, answers every hook"}
+        "name": "EchoConnector",
+        "aliases": ["TestEcho"],
+        "source": "kvx-test-plugin 0.0.1",
+        "plugin": "kvx_test_plugin",
+        "importable": True,
+        "install_hint": None,
+        "summary": "does nothing, answers every hook",
+    }
     assert connectors["NeedsMissingDependency"]["importable"] is False
-    assert {"plugin": "kvx_test_plugin_broken",
-            "message": "RuntimeError: this plugin is broken on purpose"} in doc["plugin_problems"]
-    assert set(doc) == {"connectors", "layouts", "transforms", "storage backends",
-                        "plugin_problems"}
+    assert {
+        "plugin": "kvx_test_plugin_broken",
+        "message": "RuntimeError: this plugin is broken on purpose",
+    } in doc["plugin_problems"]
+    assert set(doc) == {
+        "connectors",
+        "layouts",
+        "transforms",
+        "storage backends",
+        "plugin_problems",
+    }
 
 
 def test_validate_prints_normalised_config(plugin_env: Path) -> None:
-    config = {"kv_connector": "TestEcho", "kv_role": "kv_producer", "engine_id": "p0",
-              "kv_connector_extra_config": {"mode": "async"}}
+    config = {
+        "kv_connector": "TestEcho",
+        "kv_role": "kv_producer",
+        "engine_id": "p0",
+        "kv_connector_extra_config": {"mode": "async"},
+    }
     result = kvx_cmd("validate", "--kv-transfer-config", json.dumps(config))
     assert result.returncode == 0, result.stderr
     normalised = json.loads(result.stdout)
     assert normalised["engine_id"] == "p0"
     assert normalised["kv_load_failure_policy"] == "fail"
     assert normalised["kv_connector_extra_config"] == {
-        "storage_path": "/tmp/echo", "num_threads": 4, "mode": "async", "tags": []}
+        "storage_path": "/tmp/echo",
+        "num_threads": 4,
+        "mode": "async",
+        "tags": [],
+    }
     assert result.stderr == ""
 
 
-def test_validate_reads_a_file_and_notes_missing_extras(plugin_env: Path,
-                                                        tmp_path: Path) -> None:
+def test_validate_reads_a_file_and_notes_missing_extras(plugin_env: Path, tmp_path: Path) -> None:
     path = tmp_path / "kv.json"
-    path.write_text(json.dumps({"kv_connector": "NeedsMissingDependency",
-                                "kv_role": "kv_consumer"}))
+    path.write_text(
+        json.dumps({"kv_connector": "NeedsMissingDependency", "kv_role": "kv_consumer"})
+    )
     result = kvx_cmd("validate", "--kv-transfer-config", f"@{path}")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kv_role"] == "kv_consumer"
     assert result.stderr.strip() == (
         "note: connector 'NeedsMissingDependency' needs kvx_test_never_installed_dependency to "
-        "run: pip install 'kvx[fake-extra]'")
+        "run: pip install 'kvx[fake-extra]'"
+    )
 
 
 def test_validate_errors_exit_2_without_traceback(plugin_env: Path) -> None:
-    config = {"kv_connector": "CompositeConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"connectors": [
-                  {"kv_connector": "EchoConnector"}, {"kv_connector": "EchoConnector",
-                                                      "kv_role": "kv_prodcer"}]}}
+    config = {
+        "kv_connector": "CompositeConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "EchoConnector"},
+                {"kv_connector": "EchoConnector", "kv_role": "kv_prodcer"},
+            ]
+        },
+    }
     result = kvx_cmd("validate", "--kv-transfer-config", json.dumps(config))
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.strip() == (
-        'error: invalid KV transfer config: kv_connector_extra_config.connectors[1].kv_role: '
+        "error: invalid KV transfer config: kv_connector_extra_config.connectors[1].kv_role: "
         '"kv_prodcer" (string) is not allowed; allowed: "kv_both", "kv_consumer", "kv_producer" '
-        '(did you mean "kv_producer"?)')
+        '(did you mean "kv_producer"?)'
+    )
 
 
 @pytest.mark.parametrize(

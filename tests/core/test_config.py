@@ -19,8 +19,11 @@ def problems_of(data: object, registry: Registry) -> dict[str, str]:
 
 
 def echo(**extra: object) -> dict[str, object]:
-    return {"kv_connector": "EchoConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "EchoConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
 
 
 # -- vLLM's rules ---------------------------------------------------------------------------
@@ -28,8 +31,10 @@ def echo(**extra: object) -> dict[str, object]:
 
 def test_connector_without_role_is_refused(plugin_registry: Registry) -> None:
     found = problems_of({"kv_connector": "EchoConnector"}, plugin_registry)
-    assert found == {"kv_role": 'required when kv_connector is set ("EchoConnector"); '
-                                'allowed: "kv_producer", "kv_consumer", "kv_both"'}
+    assert found == {
+        "kv_role": 'required when kv_connector is set ("EchoConnector"); '
+        'allowed: "kv_producer", "kv_consumer", "kv_both"'
+    }
 
 
 def test_programmatic_construction_applies_the_same_rules() -> None:
@@ -42,10 +47,11 @@ def test_programmatic_construction_applies_the_same_rules() -> None:
 
 
 def test_invalid_role_names_value_allowed_values_and_suggestion(plugin_registry: Registry) -> None:
-    found = problems_of({"kv_connector": "EchoConnector", "kv_role": "kv_consmer"},
-                        plugin_registry)
-    assert found == {"kv_role": '"kv_consmer" (string) is not allowed; allowed: "kv_both", '
-                                '"kv_consumer", "kv_producer" (did you mean "kv_consumer"?)'}
+    found = problems_of({"kv_connector": "EchoConnector", "kv_role": "kv_consmer"}, plugin_registry)
+    assert found == {
+        "kv_role": '"kv_consmer" (string) is not allowed; allowed: "kv_both", '
+        '"kv_consumer", "kv_producer" (did you mean "kv_consumer"?)'
+    }
 
 
 def test_role_without_connector_is_allowed_and_not_a_transfer_instance() -> None:
@@ -68,10 +74,12 @@ def test_engine_id_is_a_fresh_uuid_unless_given(plugin_registry: Registry) -> No
     ("role", "producer", "consumer"),
     [("kv_producer", True, False), ("kv_consumer", False, True), ("kv_both", True, True)],
 )
-def test_role_properties(plugin_registry: Registry, role: str, producer: bool,
-                         consumer: bool) -> None:
-    config = KVTransferConfig.from_dict({"kv_connector": "EchoConnector", "kv_role": role},
-                                        registry=plugin_registry)
+def test_role_properties(
+    plugin_registry: Registry, role: str, producer: bool, consumer: bool
+) -> None:
+    config = KVTransferConfig.from_dict(
+        {"kv_connector": "EchoConnector", "kv_role": role}, registry=plugin_registry
+    )
     assert config.is_kv_transfer_instance
     assert (config.is_kv_producer, config.is_kv_consumer) == (producer, consumer)
 
@@ -89,18 +97,30 @@ def test_defaults_match_vllm() -> None:
 def test_recompute_policy_is_accepted(plugin_registry: Registry) -> None:
     data = {**echo(), "kv_load_failure_policy": "recompute"}
     assert KVTransferConfig.from_dict(data, registry=plugin_registry).kv_load_failure_policy == (
-        "recompute")
+        "recompute"
+    )
     found = problems_of({**echo(), "kv_load_failure_policy": "recompte"}, plugin_registry)
-    assert found == {"kv_load_failure_policy": '"recompte" (string) is not allowed; allowed: '
-                                               '"fail", "recompute" (did you mean "recompute"?)'}
+    assert found == {
+        "kv_load_failure_policy": '"recompte" (string) is not allowed; allowed: '
+        '"fail", "recompute" (did you mean "recompute"?)'
+    }
 
 
 def test_legacy_fields_are_accepted(plugin_registry: Registry) -> None:
-    data = {**echo(), "kv_buffer_size": 5e9, "kv_rank": 1, "kv_parallel_size": 2,
-            "kv_ip": "127.0.0.2"}
+    data = {
+        **echo(),
+        "kv_buffer_size": 5e9,
+        "kv_rank": 1,
+        "kv_parallel_size": 2,
+        "kv_ip": "127.0.0.2",
+    }
     config = KVTransferConfig.from_dict(data, registry=plugin_registry)
     assert (config.kv_buffer_size, config.kv_rank, config.kv_parallel_size, config.kv_ip) == (
-        5e9, 1, 2, "127.0.0.2")
+        5e9,
+        1,
+        2,
+        "127.0.0.2",
+    )
 
 
 def test_get_from_extra_config_and_has_connector(plugin_registry: Registry) -> None:
@@ -108,9 +128,11 @@ def test_get_from_extra_config_and_has_connector(plugin_registry: Registry) -> N
     assert config.get_from_extra_config("mode", "x") == "async"
     assert config.get_from_extra_config("absent", 7) == 7
     assert config.has_connector("EchoConnector")
-    multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
-                             kv_connector_extra_config={"connectors": [
-                                 {"kv_connector": "NixlConnector"}]})
+    multi = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector"}]},
+    )
     assert multi.has_connector("NixlConnector")
     assert not multi.has_connector("LMCacheConnectorV1")
 
@@ -126,8 +148,15 @@ def test_unknown_top_level_key_gets_did_you_mean(plugin_registry: Registry) -> N
 
 
 def test_type_errors_name_expected_type_and_value(plugin_registry: Registry) -> None:
-    found = problems_of({**echo(), "kv_port": "14579", "enable_permute_local_kv": 1,
-                         "kv_connector_extra_config": []}, plugin_registry)
+    found = problems_of(
+        {
+            **echo(),
+            "kv_port": "14579",
+            "enable_permute_local_kv": 1,
+            "kv_connector_extra_config": [],
+        },
+        plugin_registry,
+    )
     assert found == {
         "kv_port": 'expected an integer >= 0 and <= 65535, got "14579" (string)',
         "enable_permute_local_kv": "expected true or false, got 1 (integer)",
@@ -137,30 +166,44 @@ def test_type_errors_name_expected_type_and_value(plugin_registry: Registry) -> 
 
 def test_out_of_range_port(plugin_registry: Registry) -> None:
     assert problems_of({**echo(), "kv_port": 70000}, plugin_registry) == {
-        "kv_port": "70000 (integer) is out of range; allowed: an integer >= 0 and <= 65535"}
+        "kv_port": "70000 (integer) is out of range; allowed: an integer >= 0 and <= 65535"
+    }
 
 
 def test_every_problem_is_reported_at_once(plugin_registry: Registry) -> None:
-    found = problems_of({"kv_connector": "EchoConnector", "kv_port": -1, "bogus": 1,
-                         "kv_connector_extra_config": {"num_threads": 0, "mdoe": "sync"}},
-                        plugin_registry)
-    assert set(found) == {"kv_role", "kv_port", "bogus",
-                          "kv_connector_extra_config.num_threads",
-                          "kv_connector_extra_config.mdoe"}
+    found = problems_of(
+        {
+            "kv_connector": "EchoConnector",
+            "kv_port": -1,
+            "bogus": 1,
+            "kv_connector_extra_config": {"num_threads": 0, "mdoe": "sync"},
+        },
+        plugin_registry,
+    )
+    assert set(found) == {
+        "kv_role",
+        "kv_port",
+        "bogus",
+        "kv_connector_extra_config.num_threads",
+        "kv_connector_extra_config.mdoe",
+    }
 
 
 def test_unknown_connector_gets_did_you_mean_and_known_names(plugin_registry: Registry) -> None:
     found = problems_of({"kv_connector": "EchoConector", "kv_role": "kv_both"}, plugin_registry)
     message = found["kv_connector"]
-    assert message.startswith('"EchoConector" is not a registered connector '
-                              '(did you mean "EchoConnector"?); known: ')
+    assert message.startswith(
+        '"EchoConector" is not a registered connector (did you mean "EchoConnector"?); known: '
+    )
     assert '"TestEcho"' in message and "kv_connector_module_path" in message
 
 
 def test_empty_connector_name_and_module_path_are_refused(plugin_registry: Registry) -> None:
     found = problems_of({**echo(), "kv_connector_module_path": ""}, plugin_registry)
-    assert found == {"kv_connector_module_path": '"" (string) is not allowed; give an '
-                                                 "importable module path or leave it out"}
+    assert found == {
+        "kv_connector_module_path": '"" (string) is not allowed; give an '
+        "importable module path or leave it out"
+    }
     found = problems_of({"kv_connector": "", "kv_role": "kv_both"}, plugin_registry)
     assert found == {"kv_connector": '"" (string) is not allowed; give a connector name'}
 
@@ -171,48 +214,70 @@ def test_empty_connector_name_and_module_path_are_refused(plugin_registry: Regis
 def test_extra_config_is_normalised_with_schema_defaults(plugin_registry: Registry) -> None:
     config = KVTransferConfig.from_dict(echo(mode="async"), registry=plugin_registry)
     assert config.kv_connector_extra_config == {
-        "storage_path": "/tmp/echo", "num_threads": 4, "mode": "async", "tags": []}
+        "storage_path": "/tmp/echo",
+        "num_threads": 4,
+        "mode": "async",
+        "tags": [],
+    }
 
 
 def test_extra_config_unknown_key_did_you_mean(plugin_registry: Registry) -> None:
     found = problems_of(echo(num_thread=2), plugin_registry)
-    assert found == {"kv_connector_extra_config.num_thread":
-                     'unknown key (did you mean "num_threads"?); allowed keys: "mode", '
-                     '"num_threads", "storage_path", "tags"'}
+    assert found == {
+        "kv_connector_extra_config.num_thread": (
+            'unknown key (did you mean "num_threads"?); allowed keys: "mode", '
+            '"num_threads", "storage_path", "tags"'
+        )
+    }
 
 
 def test_extra_config_types_ranges_and_literals(plugin_registry: Registry) -> None:
-    found = problems_of(echo(num_threads=100, mode="asnyc", tags=["a", 3], storage_path=None),
-                        plugin_registry)
+    found = problems_of(
+        echo(num_threads=100, mode="asnyc", tags=["a", 3], storage_path=None), plugin_registry
+    )
     assert found == {
-        "kv_connector_extra_config.num_threads":
-            "100 (integer) is out of range; allowed: an integer >= 1 and <= 64",
-        "kv_connector_extra_config.mode":
-            '"asnyc" (string) is not allowed; allowed: "async", "sync" (did you mean "async"?)',
+        "kv_connector_extra_config.num_threads": (
+            "100 (integer) is out of range; allowed: an integer >= 1 and <= 64"
+        ),
+        "kv_connector_extra_config.mode": (
+            '"asnyc" (string) is not allowed; allowed: "async", "sync" (did you mean "async"?)'
+        ),
         "kv_connector_extra_config.tags[1]": "expected a string, got 3 (integer)",
         "kv_connector_extra_config.storage_path": "expected a string, got null (null)",
     }
 
 
 def test_connector_without_schema_takes_no_extra_keys(plugin_registry: Registry) -> None:
-    data = {"kv_connector": "EchoHMAConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"anything": 1}}
+    data = {
+        "kv_connector": "EchoHMAConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"anything": 1},
+    }
     assert problems_of(data, plugin_registry) == {
-        "kv_connector_extra_config.anything":
-            "unknown key; EchoHMAConnector takes no extra config keys"}
+        "kv_connector_extra_config.anything": (
+            "unknown key; EchoHMAConnector takes no extra config keys"
+        )
+    }
 
 
 def test_alias_resolves_for_validation(plugin_registry: Registry) -> None:
-    data = {"kv_connector": "TestEcho", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"mode": "async"}}
+    data = {
+        "kv_connector": "TestEcho",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"mode": "async"},
+    }
     config = KVTransferConfig.from_dict(data, registry=plugin_registry)
     assert config.kv_connector == "TestEcho"
     assert config.kv_connector_extra_config["num_threads"] == 4
 
 
 def composite(*children: object, **extra: object) -> dict[str, object]:
-    return {"kv_connector": "CompositeConnector", "kv_role": "kv_producer", "engine_id": "eng-1",
-            "kv_connector_extra_config": {"connectors": list(children), **extra}}
+    return {
+        "kv_connector": "CompositeConnector",
+        "kv_role": "kv_producer",
+        "engine_id": "eng-1",
+        "kv_connector_extra_config": {"connectors": list(children), **extra},
+    }
 
 
 def test_nested_child_configs_are_validated_recursively(plugin_registry: Registry) -> None:
@@ -226,20 +291,24 @@ def test_nested_child_configs_are_validated_recursively(plugin_registry: Registr
     found = problems_of(data, plugin_registry)
     base = "kv_connector_extra_config"
     assert found[f"{base}.connectors[0].kv_connector_extra_config.num_threads"] == (
-        'expected an integer >= 1 and <= 64, got "8" (string)')
+        'expected an integer >= 1 and <= 64, got "8" (string)'
+    )
     assert found[f"{base}.connectors[1].kv_role"] == (
-        '"decoder" (string) is not allowed; allowed: "kv_both", "kv_consumer", "kv_producer"')
+        '"decoder" (string) is not allowed; allowed: "kv_both", "kv_consumer", "kv_producer"'
+    )
     assert '(did you mean "EchoConnector"?)' in found[f"{base}.connectors[2].kv_connector"]
     assert found[f"{base}.connectors[3].kv_conector"].startswith(
-        'unknown key (did you mean "kv_connector"?)')
-    assert found[f"{base}.prefer_frist"].startswith(
-        'unknown key (did you mean "prefer_first"?)')
+        'unknown key (did you mean "kv_connector"?)'
+    )
+    assert found[f"{base}.prefer_frist"].startswith('unknown key (did you mean "prefer_first"?)')
     assert len(found) == 5
 
 
 def test_nested_children_inherit_engine_id_and_role(plugin_registry: Registry) -> None:
-    data = composite({"kv_connector": "EchoConnector"},
-                     {"kv_connector": "EchoHMAConnector", "engine_id": "own", "kv_role": "kv_both"})
+    data = composite(
+        {"kv_connector": "EchoConnector"},
+        {"kv_connector": "EchoHMAConnector", "engine_id": "own", "kv_role": "kv_both"},
+    )
     config = KVTransferConfig.from_dict(data, registry=plugin_registry)
     first, second = config.kv_connector_extra_config["connectors"]
     assert (first["engine_id"], first["kv_role"]) == ("eng-1", "kv_producer")
@@ -250,28 +319,40 @@ def test_nested_children_inherit_engine_id_and_role(plugin_registry: Registry) -
 
 def test_composite_needs_a_non_empty_children_list(plugin_registry: Registry) -> None:
     found = problems_of(composite(), plugin_registry)
-    assert found == {"kv_connector_extra_config.connectors":
-                     "expected a non-empty list of connector configs, got [] (array)"}
+    assert found == {
+        "kv_connector_extra_config.connectors": (
+            "expected a non-empty list of connector configs, got [] (array)"
+        )
+    }
     found = problems_of(composite("EchoConnector"), plugin_registry)
-    assert found == {"kv_connector_extra_config.connectors[0]":
-                     'expected a JSON object, got "EchoConnector" (string)'}
+    assert found == {
+        "kv_connector_extra_config.connectors[0]": (
+            'expected a JSON object, got "EchoConnector" (string)'
+        )
+    }
 
 
 # -- module path -----------------------------------------------------------------------------
 
 
 def test_module_path_config_is_checked_against_the_module(plugin_registry: Registry) -> None:
-    ok = {"kv_connector": "ExternalConnector", "kv_role": "kv_both",
-          "kv_connector_module_path": "kvx_test_plugin.connectors",
-          "kv_connector_extra_config": {"free": "form"}}
+    ok = {
+        "kv_connector": "ExternalConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvx_test_plugin.connectors",
+        "kv_connector_extra_config": {"free": "form"},
+    }
     config = KVTransferConfig.from_dict(ok, registry=plugin_registry)
     assert config.kv_connector_extra_config == {"free": "form"}
-    found = problems_of({**ok, "kv_connector_module_path": "kvx_test_plugin.nowhere"},
-                        plugin_registry)
+    found = problems_of(
+        {**ok, "kv_connector_module_path": "kvx_test_plugin.nowhere"}, plugin_registry
+    )
     assert "cannot import 'kvx_test_plugin.nowhere'" in found["kv_connector_module_path"]
     found = problems_of({**ok, "kv_connector": "Missing"}, plugin_registry)
-    assert "'kvx_test_plugin.connectors' has no attribute 'Missing'" in found[
-        "kv_connector_module_path"]
+    assert (
+        "'kvx_test_plugin.connectors' has no attribute 'Missing'"
+        in found["kv_connector_module_path"]
+    )
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -280,7 +361,8 @@ def test_module_path_config_is_checked_against_the_module(plugin_registry: Regis
 def test_parse_json_string_and_file(plugin_registry: Registry, tmp_path: Path) -> None:
     text = json.dumps(echo(mode="async"))
     assert KVTransferConfig.from_json(text, registry=plugin_registry).kv_connector == (
-        "EchoConnector")
+        "EchoConnector"
+    )
     path = tmp_path / "kv.json"
     path.write_text(text)
     config = KVTransferConfig.from_cli(f"@{path}", registry=plugin_registry)
@@ -303,8 +385,11 @@ def test_parse_errors(plugin_registry: Registry, text: str, message: str) -> Non
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"cannot read config file .*absent\.json.*"
-                                          r"FileNotFoundError"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cannot read config file .*absent\.json.*"
+        r"FileNotFoundError",
+    ):
         KVTransferConfig.from_cli(f"@{tmp_path / 'absent.json'}")
 
 

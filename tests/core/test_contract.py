@@ -80,21 +80,34 @@ METHOD_TABLE: dict[str, tuple[str, ...]] = {
     "shutdown": (),
     "supports_sleep_mode": ("config",),
 }
-ABSTRACT = {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-            "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"}
-CTX = EngineContext(engine_id="e", model_name="m",
-                    cache=KVCacheSpec(layer_names=("l0", "l1"), num_kv_heads=4, head_size=8,
-                                      block_size=16, dtype="bfloat16"))
+ABSTRACT = {
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+}
+CTX = EngineContext(
+    engine_id="e",
+    model_name="m",
+    cache=KVCacheSpec(
+        layer_names=("l0", "l1"), num_kv_heads=4, head_size=8, block_size=16, dtype="bfloat16"
+    ),
+)
 
 
 class Minimal(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
     def wait_for_layer_load(self, layer_name: str) -> None: ...
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None: ...
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None: ...
     def wait_for_save(self) -> None: ...
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         return 0, False
+
     def update_state_after_alloc(self, request: Any, blocks: Any, n: int) -> None: ...
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
@@ -134,7 +147,10 @@ def test_defaults() -> None:
     assert Minimal.build_kv_connector_stats() is None
     results = c.get_transfer_results({"r1"})
     assert (results.finished_sending, results.finished_recving, results.failed_recving) == (
-        set(), set(), set())
+        set(),
+        set(),
+        set(),
+    )
 
 
 def test_required_layout_on_the_base_class_is_a_type_error() -> None:
@@ -218,12 +234,18 @@ def test_yield_req_data_marks_full_tables() -> None:
     out = SchedulerOutput(
         scheduled_new_reqs=[NewRequestData("new", [1, 2], ([4, 5],), 0)],
         scheduled_cached_reqs=CachedRequestData(
-            req_ids=["running", "resumed"], resumed_req_ids={"resumed"},
-            new_block_ids=[([6],), ([7, 8, 9],)], num_computed_tokens=[16, 0]),
+            req_ids=["running", "resumed"],
+            resumed_req_ids={"resumed"},
+            new_block_ids=[([6],), ([7, 8, 9],)],
+            num_computed_tokens=[16, 0],
+        ),
         num_scheduled_tokens={"new": 2, "running": 1, "resumed": 40},
     )
     assert list(yield_req_data(out)) == [
-        ("new", ([4, 5],), True), ("running", ([6],), False), ("resumed", ([7, 8, 9],), True)]
+        ("new", ([4, 5],), True),
+        ("running", ([6],), False),
+        ("resumed", ([7, 8, 9],), True),
+    ]
     assert out.total_num_scheduled_tokens == 43
 
 
@@ -235,7 +257,10 @@ def test_types() -> None:
     assert KVCacheBlocks.empty(2).get_block_ids() == ([], [])
     request = Request("r", [1, 2, 3], output_token_ids=[4])
     assert (request.all_token_ids, request.num_tokens, request.num_prompt_tokens) == (
-        [1, 2, 3, 4], 4, 3)
+        [1, 2, 3, 4],
+        4,
+        3,
+    )
     assert not request.is_finished()
     import torch
 

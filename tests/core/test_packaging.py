@@ -13,8 +13,12 @@ import pytest
 import kvx
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_ROOTS = {"kvx": "kvx", "kvx.plugins": "plugins", "kvx.layouts": "layouts",
-                 "kvx.conformance": "conformance"}
+PACKAGE_ROOTS = {
+    "kvx": "kvx",
+    "kvx.plugins": "plugins",
+    "kvx.layouts": "layouts",
+    "kvx.conformance": "conformance",
+}
 
 
 def source_packages() -> set[str]:
@@ -46,9 +50,21 @@ def test_version_has_one_source() -> None:
 @pytest.mark.timeout(180)
 def test_wheel_contains_every_package(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(tmp_path), str(ROOT)],
-        check=True, timeout=170, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=170,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("kvx-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -22,14 +22,21 @@ from kvx import (
 )
 from kvx.registry import Registry
 
-CTX = EngineContext(engine_id="e0", model_name="tiny",
-                    cache=KVCacheSpec(layer_names=("layer.0",), num_kv_heads=2, head_size=4,
-                                      block_size=16))
+CTX = EngineContext(
+    engine_id="e0",
+    model_name="tiny",
+    cache=KVCacheSpec(layer_names=("layer.0",), num_kv_heads=2, head_size=4, block_size=16),
+)
 
 
 def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_entry_point_discovery_names_source_distribution(plugin_registry: Registry) -> None:
@@ -71,7 +78,8 @@ def test_missing_declared_dependency_names_the_extra(plugin_registry: Registry) 
         plugin_registry.load_connector_class("NeedsMissingDependency")
     assert str(info.value) == (
         "connector 'NeedsMissingDependency' needs 'kvx_test_never_installed_dependency', which "
-        "is not installed: pip install 'kvx[fake-extra]'")
+        "is not installed: pip install 'kvx[fake-extra]'"
+    )
 
 
 def test_missing_import_inside_module_names_the_extra(plugin_registry: Registry) -> None:
@@ -79,19 +87,24 @@ def test_missing_import_inside_module_names_the_extra(plugin_registry: Registry)
         plugin_registry.load_connector_class("ImportsMissingDependency")
     assert str(info.value) == (
         "connector 'ImportsMissingDependency' needs 'kvx_test_never_installed_dependency', "
-        "which is not installed: pip install 'kvx[fake-extra]'")
+        "which is not installed: pip install 'kvx[fake-extra]'"
+    )
     assert isinstance(info.value, ImportError)
 
 
 def test_alias_loads_the_same_class(plugin_registry: Registry) -> None:
     assert plugin_registry.connector("TestEcho").name == "EchoConnector"
-    assert (plugin_registry.load_connector_class("TestEcho")
-            is plugin_registry.load_connector_class("EchoConnector"))
+    assert plugin_registry.load_connector_class("TestEcho") is plugin_registry.load_connector_class(
+        "EchoConnector"
+    )
 
 
 def test_unknown_name_suggests_and_lists(plugin_registry: Registry) -> None:
-    with pytest.raises(RegistryError, match=r"'EchoConector' is not a registered connector "
-                                            r"\(did you mean \"EchoConnector\"\?\); known: "):
+    with pytest.raises(
+        RegistryError,
+        match=r"'EchoConector' is not a registered connector "
+        r"\(did you mean \"EchoConnector\"\?\); known: ",
+    ):
         plugin_registry.connector("EchoConector")
 
 
@@ -101,20 +114,29 @@ def test_module_path_wins_over_registry(plugin_registry: Registry) -> None:
     class Impostor:
         @kvx.hookimpl
         def kvx_connectors(self) -> list[ConnectorSpec]:
-            return [ConnectorSpec(name="ExternalConnector",
-                                  target="kvx_test_plugin.connectors:EchoConnector")]
+            return [
+                ConnectorSpec(
+                    name="ExternalConnector", target="kvx_test_plugin.connectors:EchoConnector"
+                )
+            ]
 
     plugin_registry.register_plugin(Impostor(), name="impostor")
     plain = KVTransferConfig(kv_connector="ExternalConnector", kv_role="kv_both")
     assert plugin_registry.resolve_connector_class(plain) is connectors.EchoConnector
-    external = KVTransferConfig(kv_connector="ExternalConnector", kv_role="kv_both",
-                                kv_connector_module_path="kvx_test_plugin.connectors")
+    external = KVTransferConfig(
+        kv_connector="ExternalConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="kvx_test_plugin.connectors",
+    )
     assert plugin_registry.resolve_connector_class(external) is connectors.ExternalConnector
 
 
 def test_two_argument_constructor_is_refused(plugin_registry: Registry) -> None:
-    config = KVTransferConfig(kv_connector="TwoArgConnector", kv_role="kv_both",
-                              kv_connector_module_path="kvx_test_plugin.connectors")
+    config = KVTransferConfig(
+        kv_connector="TwoArgConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="kvx_test_plugin.connectors",
+    )
     with pytest.raises(RegistryError, match=r"must accept \(config, role, ctx\); .*2-argument"):
         plugin_registry.resolve_connector_class(config)
 
@@ -124,14 +146,14 @@ def test_duplicate_entry_point_is_refused_and_recorded(plugin_registry: Registry
     assert problems["kvx_test_plugin_duplicate"] == (
         "RegistryError: connector name 'EchoConnector' from plugin 'kvx_test_plugin_duplicate' "
         "(kvx-test-plugin 0.0.1) is already registered by plugin 'kvx_test_plugin' "
-        "(kvx-test-plugin 0.0.1); set override=True in the spec to replace it deliberately")
+        "(kvx-test-plugin 0.0.1); set override=True in the spec to replace it deliberately"
+    )
     assert plugin_registry.connector("EchoConnector").plugin == "kvx_test_plugin"
 
 
 def test_broken_plugin_is_recorded_not_fatal(plugin_registry: Registry) -> None:
     problems = {p.plugin: p.message for p in plugin_registry.problems}
-    assert problems["kvx_test_plugin_broken"] == (
-        "RuntimeError: this plugin is broken on purpose")
+    assert problems["kvx_test_plugin_broken"] == ("RuntimeError: this plugin is broken on purpose")
 
 
 def test_hand_registered_duplicate_fails_unless_override(plugin_registry: Registry) -> None:
@@ -148,8 +170,13 @@ def test_hand_registered_duplicate_fails_unless_override(plugin_registry: Regist
     class Replacement:
         @kvx.hookimpl
         def kvx_connectors(self) -> list[ConnectorSpec]:
-            return [ConnectorSpec(name="EchoConnector", override=True,
-                                  target="kvx_test_plugin.connectors:EchoHMAConnector")]
+            return [
+                ConnectorSpec(
+                    name="EchoConnector",
+                    override=True,
+                    target="kvx_test_plugin.connectors:EchoHMAConnector",
+                )
+            ]
 
     plugin_registry.register_plugin(Replacement(), name="replacement")
     assert plugin_registry.connector("EchoConnector").plugin == "replacement"
@@ -164,8 +191,11 @@ def test_hook_returning_wrong_type_is_refused(plugin_registry: Registry) -> None
         def kvx_connectors(self) -> list[str]:
             return ["EchoConnector"]
 
-    with pytest.raises(RegistryError, match=r"kvx_connectors\(\) returned 'EchoConnector'; "
-                                            "expected ConnectorSpec"):
+    with pytest.raises(
+        RegistryError,
+        match=r"kvx_connectors\(\) returned 'EchoConnector'; "
+        "expected ConnectorSpec",
+    ):
         plugin_registry.register_plugin(Wrong(), name="wrong")
 
 
@@ -176,7 +206,8 @@ def test_contract_major_mismatch_names_fitting_releases(plugin_registry: Registr
         "connector 'FutureContractConnector' (kvx_test_plugin.connectors:FutureContractConnector)"
         " implements kvx connector contract 2.0, but kvx 0.1.0 implements contract 1.0; use a "
         "kvx release implementing contract 2.x (none is known to kvx 0.1.0) for this connector, "
-        "or port it to contract 1.x")
+        "or port it to contract 1.x"
+    )
 
 
 def test_non_connector_class_is_refused(plugin_registry: Registry) -> None:
@@ -199,8 +230,9 @@ def test_block_list_and_autoload_switch(plugin_env: Path, monkeypatch: pytest.Mo
 
 
 def test_create_connector_builds_each_role(plugin_registry: Registry) -> None:
-    config = KVTransferConfig.from_dict({"kv_connector": "TestEcho", "kv_role": "kv_both"},
-                                        registry=plugin_registry)
+    config = KVTransferConfig.from_dict(
+        {"kv_connector": "TestEcho", "kv_role": "kv_both"}, registry=plugin_registry
+    )
     for role in KVConnectorRole:
         connector = create_connector(config, role, CTX, registry=plugin_registry)
         assert type(connector).__name__ == "EchoConnector"
@@ -210,8 +242,11 @@ def test_create_connector_builds_each_role(plugin_registry: Registry) -> None:
 
 
 def test_create_connector_validates_programmatic_configs(plugin_registry: Registry) -> None:
-    config = KVTransferConfig(kv_connector="EchoConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"num_threads": 0})
+    config = KVTransferConfig(
+        kv_connector="EchoConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"num_threads": 0},
+    )
     with pytest.raises(kvx.ConfigError, match=r"kv_connector_extra_config\.num_threads"):
         create_connector(config, KVConnectorRole.WORKER, CTX, registry=plugin_registry)
 
@@ -219,17 +254,24 @@ def test_create_connector_validates_programmatic_configs(plugin_registry: Regist
 def test_hma_requires_supports_hma(plugin_registry: Registry) -> None:
     hma_ctx = EngineContext(engine_id="e", model_name="m", cache=CTX.cache, enable_hma=True)
     plain = KVTransferConfig(kv_connector="EchoConnector", kv_role="kv_both")
-    with pytest.raises(RegistryError, match=r"'EchoConnector' does not support HMA but HMA is "
-                                            "enabled"):
+    with pytest.raises(
+        RegistryError,
+        match=r"'EchoConnector' does not support HMA but HMA is "
+        "enabled",
+    ):
         create_connector(plain, KVConnectorRole.SCHEDULER, hma_ctx, registry=plugin_registry)
     hma = KVTransferConfig(kv_connector="EchoHMAConnector", kv_role="kv_both")
     assert create_connector(hma, KVConnectorRole.SCHEDULER, hma_ctx, registry=plugin_registry)
 
     def composite(*names: str) -> KVTransferConfig:
         return KVTransferConfig.from_dict(
-            {"kv_connector": "CompositeConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"connectors": [{"kv_connector": n} for n in names]}},
-            registry=plugin_registry)
+            {
+                "kv_connector": "CompositeConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"connectors": [{"kv_connector": n} for n in names]},
+            },
+            registry=plugin_registry,
+        )
 
     assert plugin_registry.supports_hma_config(composite("EchoHMAConnector", "EchoHMAConnector"))
     assert not plugin_registry.supports_hma_config(composite("EchoHMAConnector", "TestEcho"))

@@ -246,7 +246,6 @@ def test_rank_heads_and_stage_layers() -> None:
 # -- configuration errors --------------------------------------------------------------------
 
 
-
 def test_unknown_layout_names_the_registered_ones() -> None:
     with pytest.raises(ValueError) as info:
         Engine(replace(BASE, layout="NDH"))

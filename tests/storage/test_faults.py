@@ -174,9 +174,7 @@ def _after_planning(engine: Engine, fault: Callable[[], None]) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
-def test_redis_dies_between_lookup_and_load(
-    fault: str, policy: str, own_redis: Any
-) -> None:
+def test_redis_dies_between_lookup_and_load(fault: str, policy: str, own_redis: Any) -> None:
     prompts = _prompts()
     baseline = baseline_tokens(BASE, prompts, MAX_TOKENS)
     _store(own_redis.url, prompts, baseline)

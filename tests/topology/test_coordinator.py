@@ -103,9 +103,7 @@ def test_groups_on_real_processes(world_size: int) -> None:
                 assert g["ranks"] == ranks, (config, rank, kind)
                 assert g["world_size"] == len(ranks) and g["rank_in_group"] == pos
                 assert g["local_rank"] == rank
-                assert g["first_last"] == (
-                    ranks[0], ranks[-1], rank == ranks[0], rank == ranks[-1]
-                )
+                assert g["first_last"] == (ranks[0], ranks[-1], rank == ranks[0], rank == ranks[-1])
                 n = len(ranks)
                 assert g["next_prev"] == (ranks[(pos + 1) % n], ranks[(pos - 1) % n])
                 assert g["sum"] == sum(ranks), (config, rank, kind)

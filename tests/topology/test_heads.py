@@ -15,8 +15,12 @@ from kvx.topology import (
 
 
 def test_sharded_and_replicated_ranges() -> None:
-    assert [physical_head_range(8, 4, r) for r in range(4)] == [range(0, 2), range(2, 4),
-                                                             range(4, 6), range(6, 8)]
+    assert [physical_head_range(8, 4, r) for r in range(4)] == [
+        range(0, 2),
+        range(2, 4),
+        range(4, 6),
+        range(6, 8),
+    ]
     assert [physical_head_range(2, 8, r).start for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [physical_head_range(4, 4, r) for r in range(4)] == [range(r, r + 1) for r in range(4)]
     assert physical_head_range(8, 2, 1, is_mla=True) == range(1)

@@ -135,8 +135,13 @@ def test_example_4_mla_p_tp2_d_tp4() -> None:
 
 def _spans(spans: list[BlockSpan]) -> list[tuple[int, int, int, int, int]]:
     return [
-        (s.remote_block_id, s.remote_token_start, s.local_block_id,
-         s.local_token_start, s.num_tokens)
+        (
+            s.remote_block_id,
+            s.remote_token_start,
+            s.local_block_id,
+            s.local_token_start,
+            s.num_tokens,
+        )
         for s in spans
     ]
 
@@ -175,8 +180,11 @@ def test_any_tp_pair_whose_heads_split() -> None:
         (KVGeometry(2, 8, 16), KVGeometry(2, 8, 24), "block sizes must divide"),
         (KVGeometry(2, 8, 16), KVGeometry(2, 1, 16, "MLA", is_mla=True), "is_mla differs"),
         (KVGeometry(2, 8, 16, "MLA"), KVGeometry(2, 8, 16), "has no heads dim"),
-        (KVGeometry(2, 1, 16, "HND", is_mla=True), KVGeometry(2, 1, 16, "MLA", is_mla=True),
-         "has a heads dim"),
+        (
+            KVGeometry(2, 1, 16, "HND", is_mla=True),
+            KVGeometry(2, 1, 16, "MLA", is_mla=True),
+            "has a heads dim",
+        ),
         (KVGeometry(2, 8, 16, "NOPE"), KVGeometry(2, 8, 16), "local layout"),
     ],
 )

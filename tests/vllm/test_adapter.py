@@ -46,9 +46,7 @@ def test_cli_json_alone_selects_the_kvx_connector(harness: Any, tmp_path: Any) -
         ("ExampleConnector", {}),  # a kvx alias works as a class name too
     ):
         text = json.dumps(
-            harness.adapter_json(
-                kv_connector, "kv_both", storage_url=f"file://{tmp_path}", **extra
-            )
+            harness.adapter_json(kv_connector, "kv_both", storage_url=f"file://{tmp_path}", **extra)
         )
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         args = parser.parse_args(["--model", str(harness.model), "--kv-transfer-config", text])
@@ -137,8 +135,9 @@ def test_bad_config_is_refused_naming_field_value_and_choices(
     harness: Any, kv: dict[str, Any], expected: list[str]
 ) -> None:
     extra = {k: v for k, v in kv.items() if k != "kv_connector"}
-    with pytest.raises(Exception) as info, harness.engine(
-        harness.adapter_json(kv["kv_connector"], "kv_both", **extra)
+    with (
+        pytest.raises(Exception) as info,
+        harness.engine(harness.adapter_json(kv["kv_connector"], "kv_both", **extra)),
     ):
         pass
     text = chain(info.value)
@@ -222,9 +221,7 @@ def test_kv_events_become_vllm_events_vllm_can_encode() -> None:
     batch = vllm_events.KVEventBatch(ts=0.0, events=events)
     import msgspec
 
-    decoded = msgspec.msgpack.decode(
-        msgspec.msgpack.encode(batch), type=vllm_events.KVEventBatch
-    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=vllm_events.KVEventBatch)
     assert decoded.events[0].block_hashes == [b"a", b"b"]
     assert decoded.events[0].medium == "DISK"
 
@@ -264,8 +261,15 @@ def test_vllm_cpu_kv_layout_is_k_transposed_then_v_token_major(
     value = torch.randn(size, heads, head).to(dtype)
     slots = torch.arange(size, dtype=torch.long) + size  # block 1
     ops.cpu_attn_reshape_and_cache(
-        key, value, key_cache, value_cache, slots, isa,
-        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
     )
     slab = kv.view(blocks, heads, 2, size * head)[1]
     assert torch.equal(slab[:, 0].view(heads, head, size), key.permute(1, 2, 0))

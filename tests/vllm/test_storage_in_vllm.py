@@ -68,10 +68,7 @@ def stored(harness: Any, tmp_path_factory: pytest.TempPathFactory) -> Stored:
                 tables[i].update({first + j: b for j, b in enumerate(spec.block_ids)})
         caches = harness.kv_caches(llm)
         kv = [
-            {
-                name: t[[table[j] for j in range(len(table))]].clone()
-                for name, t in caches.items()
-            }
+            {name: t[[table[j] for j in range(len(table))]].clone() for name, t in caches.items()}
             for table in tables
         ]
     return Stored(root, harness.tokens(outputs), rec.stats, keys, kv)
