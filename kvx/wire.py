@@ -1,6 +1,7 @@
 """The only serialisation kvx uses between processes: msgpack via msgspec, typed and bounded.
 
-Never pickle: a peer is untrusted, so every message is decoded into a declared type and refused
+A public module of kvx's API (for connectors that talk between processes). Never pickle: a peer
+is untrusted, so every message is decoded into a declared type and refused
 when it is larger than the caller's limit.
 """
 
@@ -11,6 +12,8 @@ from typing import Any, TypeVar
 import msgspec
 
 T = TypeVar("T")
+
+__all__ = ["DEFAULT_MAX_BYTES", "WireError", "decode", "encode"]
 
 DEFAULT_MAX_BYTES = 64 << 20
 
