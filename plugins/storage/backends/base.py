@@ -15,6 +15,7 @@ class BackendOptions:
 
     ttl_s: int | None = None
     timeout_s: float = 10.0
+    redis_client: str = "resp"  # "redis-py": no kvx RESP client (proxies, debugging)
 
 
 RegionTable = Sequence[tuple[memoryview, int, int, int]]
