@@ -140,6 +140,7 @@ def run(config: ProxyConfig, out: Console) -> int:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
 
     def announce(url: str) -> None:
         out.print(

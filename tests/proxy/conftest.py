@@ -4,6 +4,7 @@ vLLM; see upstream_server.py), a proxy serving in a thread of the test, and an H
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,36 @@ def stub() -> Iterator[Callable[[str], Any]]:
         server.stop()
 
 
+def free_port() -> int:
+    with upstream.listener(0) as sock:
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def stub_process() -> Iterator[Callable[[str, int], subprocess.Popen[str]]]:
+    """`stub_process(name, port)` starts a stub server in its own process (so a test can kill
+    it for real) and returns once it listens; all are killed after the test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(name: str, port: int) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [sys.executable, str(UPSTREAM_SCRIPT), "--port", str(port), "--name", name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        started.append(process)
+        assert process.stdout is not None
+        line = process.stdout.readline()  # the script prints it once its socket listens
+        assert f"serving on {port}" in line, f"stub {name} did not start: {line!r}"
+        return process
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait(10)
+
+
 @pytest.fixture
 def start_proxy() -> Iterator[Callable[..., RunningProxy]]:
     """`start_proxy(prefill=[...], decode=[...], **settings)` serves a proxy on a free loopback
@@ -78,6 +109,11 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    return free_port
 
 
 @pytest.fixture(name="wait_until")

@@ -162,12 +162,12 @@ def test_decode_refusal_of_a_stream_reaches_the_client_whole(stub, start_proxy, 
 
 def test_models_health_and_server_status(stub, start_proxy, client, wait_until):
     p, d = stub("P"), stub("D")
-    d.behaviour.health_status = 503
     proxy = start_proxy([p.url], [d.url])
-
     models = client.get(f"{proxy.url}/v1/models")
     assert models.status_code == 200
-    assert models.json()["data"][0]["served_by"] == "D"
+    assert models.json()["data"][0]["served_by"] == "D"  # decode servers are asked first
+
+    d.behaviour.health_status = 503
 
     wait_until(
         lambda: client.get(f"{proxy.url}/kvx/servers").json()["decode"][0]["health"] == "down",
