@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyprojec
 	$(PYTHON_EXE) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(PY))
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy]'
 	$(PIP) install --quiet --no-deps -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)
