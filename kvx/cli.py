@@ -1,5 +1,5 @@
-"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx demo`, `kvx --version`, and the
-subcommands plugins register through the `kvx_cli_commands` hook (`kvx conformance`).
+"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx demo`, `kvx proxy`, `kvx --version`,
+and the subcommands plugins register through the `kvx_cli_commands` hook (`kvx conformance`).
 
 Exit codes: 0 success, 2 bad input (invalid config, bad arguments), 1 an internal error (set
 `KVX_DEBUG=1` for its traceback), 130 interrupted.
@@ -74,6 +74,17 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     p_demo.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p_demo.add_argument("--seed", type=int, default=0, help="prompt and model seed")
     p_demo.set_defaults(func=_cmd_demo)
+
+    from kvx.proxy import cli as proxy_cli  # flags only: the proxy extra is imported on start
+
+    p_proxy = sub.add_parser(
+        "proxy",
+        help="disaggregated-serving proxy in front of prefill and decode servers",
+        description="An OpenAI-compatible proxy: each completion is prefilled on a --prefill "
+        "server and decoded on a --decode server, which loads the KV cache P computed.",
+    )
+    proxy_cli.add_arguments(p_proxy)
+    p_proxy.set_defaults(func=_cmd_proxy)
 
     for entry in sorted(registry.commands().values(), key=lambda e: e.name):
         if entry.name in sub.choices:  # kvx's own commands keep their names
@@ -218,6 +229,22 @@ def _run_plugin_command(registry: Registry, name: str, argv: list[str]) -> int:
     if not callable(run_command):
         raise RegistryError(f"command {name!r}: {entry.spec.target} is not callable")
     return int(run_command(f"kvx {name}", argv))
+
+
+def _cmd_proxy(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from kvx.proxy import cli as proxy_cli
+
+    config = proxy_cli.config_from_args(args)
+    missing = proxy_cli.missing_extra()
+    if missing:
+        err.print(
+            f"error: kvx proxy needs the 'proxy' extra ({', '.join(missing)} not installed): "
+            "pip install 'kvx[proxy]'",
+            markup=False,
+            highlight=False,
+        )
+        return EXIT_INTERNAL
+    return proxy_cli.run(config, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
