@@ -144,9 +144,16 @@ class Forwarder:
     ) -> None:
         self.pool, self.client, self.routers, self.timeout = pool, client, routers, timeout
 
-    def _pick(self, role: Role, tried: set[Upstream]) -> Upstream | None:
+    def _reserve(self, role: Role, tried: set[Upstream]) -> Upstream | None:
+        """The router's choice among the role's eligible servers not tried yet, counted as
+        tried and as busy (`outstanding`) from now on; None if there is none."""
         candidates = [s for s in self.pool.eligible(role) if s not in tried]
-        return self.routers[role].choose(candidates) if candidates else None
+        if not candidates:
+            return None
+        server = self.routers[role].choose(candidates)
+        tried.add(server)
+        server.outstanding += 1
+        return server
 
     def _unavailable(self, role: Role, attempts: list[Attempt]) -> ProxyError:
         if attempts:
@@ -165,14 +172,24 @@ class Forwarder:
         return ProxyError(504, f"{server.role} server {server.url}: {reason}", attempts)
 
     async def complete(self, exchange: Exchange) -> Response:
-        """Prefill, then decode; the client's answer, or ProxyError."""
-        if not self.pool.eligible(Role.DECODE):
+        """Prefill, then decode; the client's answer, or ProxyError.
+
+        D is chosen first and counts as busy while P works: no prefill is done for a request
+        no D can take, and a connector where P sends the KV cache to D could be told which D."""
+        decode_server = self._reserve(Role.DECODE, set())
+        if decode_server is None:
             raise self._unavailable(Role.DECODE, [])
-        prefilled = await self._prefill(exchange)
-        if isinstance(prefilled, Response):
-            return prefilled
+        decoding = False
+        try:
+            prefilled = await self._prefill(exchange)
+            if isinstance(prefilled, Response):
+                return prefilled
+            decoding = True
+        finally:
+            if not decoding:
+                decode_server.outstanding -= 1
         kv_transfer_params, prefill_server = prefilled
-        return await self._decode(exchange, kv_transfer_params, prefill_server)
+        return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
 
     async def _prefill(
         self, exchange: Exchange
@@ -182,10 +199,8 @@ class Forwarder:
         body = prefill_request(exchange.body)
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
-        while (server := self._pick(Role.PREFILL, tried)) is not None:
-            tried.add(server)
+        while (server := self._reserve(Role.PREFILL, tried)) is not None:
             server.requests += 1
-            server.outstanding += 1
             try:
                 async with (
                     asyncio.timeout(self.timeout),
@@ -229,14 +244,17 @@ class Forwarder:
         exchange: Exchange,
         kv_transfer_params: dict[str, Any] | None,
         prefill_server: Upstream,
+        decode_server: Upstream,
     ) -> Response:
+        """D's answer to the request; `decode_server` (already counted busy) is asked first,
+        and replaced only if it cannot be connected to."""
         body = decode_request(exchange.body, kv_transfer_params)
         attempts: list[Attempt] = []
-        tried: set[Upstream] = set()
-        while (server := self._pick(Role.DECODE, tried)) is not None:
-            tried.add(server)
+        tried = {decode_server}
+        next_server: Upstream | None = decode_server
+        while next_server is not None:
+            server = next_server
             server.requests += 1
-            server.outstanding += 1
             relaying = False
             try:
                 request = self.client.build_request(
@@ -263,7 +281,6 @@ class Forwarder:
                 reason = describe_failure(exc, self.timeout)
                 attempts.append(Attempt(server.url, "decode", reason))
                 self.pool.mark_down(server, reason)
-                continue
             except (httpx.TimeoutException, TimeoutError):
                 server.failures += 1
                 raise self._timed_out(server, attempts) from None
@@ -275,6 +292,7 @@ class Forwarder:
             finally:
                 if not relaying:
                     server.outstanding -= 1
+            next_server = self._reserve(Role.DECODE, tried)
         raise self._unavailable(Role.DECODE, attempts)
 
     async def _relay(
