@@ -166,9 +166,25 @@ class Forwarder:
         listed = "; ".join(s.describe() for s in servers)
         return ProxyError(503, f"no healthy {role} server: {listed}")
 
-    def _timed_out(self, server: Upstream, attempts: list[Attempt]) -> ProxyError:
-        reason = describe_failure(TimeoutError(), self.timeout)
+    def _failed(
+        self, exchange: Exchange, server: Upstream, reason: str, attempts: list[Attempt]
+    ) -> None:
+        """Record that `server` did not serve this exchange, and why."""
+        server.failures += 1
         attempts.append(Attempt(server.url, str(server.role), reason))
+        log.warning(
+            "request %s: %s server %s failed: %s",
+            exchange.request_id,
+            server.role,
+            server.url,
+            reason,
+        )
+
+    def _timed_out(
+        self, exchange: Exchange, server: Upstream, attempts: list[Attempt]
+    ) -> ProxyError:
+        reason = describe_failure(TimeoutError(), self.timeout)
+        self._failed(exchange, server, reason, attempts)
         return ProxyError(504, f"{server.role} server {server.url}: {reason}", attempts)
 
     async def complete(self, exchange: Exchange) -> Response:
@@ -210,24 +226,18 @@ class Forwarder:
                 ):
                     content = await read_capped(answer)
             except (httpx.TimeoutException, TimeoutError):
-                server.failures += 1
-                raise self._timed_out(server, attempts) from None
+                raise self._timed_out(exchange, server, attempts) from None
             except (httpx.HTTPError, AnswerTooLarge) as exc:
-                server.failures += 1
                 reason = describe_failure(exc, self.timeout)
-                attempts.append(Attempt(server.url, "prefill", reason))
+                self._failed(exchange, server, reason, attempts)
                 if isinstance(exc, httpx.ConnectError):
                     self.pool.mark_down(server, reason)
-                log.warning(
-                    "request %s: prefill on %s failed: %s", exchange.request_id, server.url, reason
-                )
                 continue
             finally:
                 server.outstanding -= 1
             if answer.status_code >= 500:
-                server.failures += 1
                 reason = f"answered HTTP {answer.status_code}: {snippet(content)}"
-                attempts.append(Attempt(server.url, "prefill", reason))
+                self._failed(exchange, server, reason, attempts)
                 continue
             if answer.status_code != 200:
                 headers = answer_headers(answer.headers, exchange, prefill=server)
@@ -235,8 +245,7 @@ class Forwarder:
             try:
                 return kv_transfer_params_of(content), server
             except ValueError as exc:
-                server.failures += 1
-                attempts.append(Attempt(server.url, "prefill", str(exc)))
+                self._failed(exchange, server, str(exc), attempts)
         raise self._unavailable(Role.PREFILL, attempts)
 
     async def _decode(
@@ -277,17 +286,14 @@ class Forwarder:
                 )
             except httpx.ConnectError as exc:
                 # The request never reached this server: another may take it.
-                server.failures += 1
                 reason = describe_failure(exc, self.timeout)
-                attempts.append(Attempt(server.url, "decode", reason))
+                self._failed(exchange, server, reason, attempts)
                 self.pool.mark_down(server, reason)
             except (httpx.TimeoutException, TimeoutError):
-                server.failures += 1
-                raise self._timed_out(server, attempts) from None
+                raise self._timed_out(exchange, server, attempts) from None
             except (httpx.HTTPError, AnswerTooLarge) as exc:
-                server.failures += 1
                 reason = describe_failure(exc, self.timeout)
-                attempts.append(Attempt(server.url, "decode", reason))
+                self._failed(exchange, server, reason, attempts)
                 raise ProxyError(502, f"decode server {server.url}: {reason}", attempts) from None
             finally:
                 if not relaying:
