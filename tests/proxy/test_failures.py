@@ -101,6 +101,7 @@ def test_every_prefill_failing_gives_502_naming_each_server(stub, start_proxy, c
     assert error["attempts"][0]["reason"].startswith("answered HTTP 503: ")
     assert "P1 refuses" in error["attempts"][0]["reason"]
     assert d.behaviour.completions() == []
+    assert [s.outstanding for s in proxy.pool.servers()] == [0, 0, 0]
 
 
 def test_no_healthy_decode_server_gives_503_before_prefill_runs(
