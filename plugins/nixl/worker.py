@@ -10,6 +10,7 @@ READ per (remote rank, head slice), `finished_recving` with load errors on any f
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,7 @@ from kvx.plugins.nixl.handshake import (
 )
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.plugins.nixl.remote import (
     LocalView,
@@ -96,6 +98,9 @@ class NixlWorker:
         self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
         self._next_heartbeat = 0.0
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
+        self._producer = config.is_kv_producer
+        self._lock = threading.Lock()  # every agent call; shared with the progress thread
+        self._progress: IdleProgress | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -134,6 +139,8 @@ class NixlWorker:
             cache.dtype,
             cache.head_size,
         )
+        if self._producer and self.options.idle_progress:
+            self._progress = IdleProgress(self.agent, self._lock)
 
     def handshake_payload(self) -> bytes:
         """This worker's encoded `AgentMetadata` (served by P's side channel)."""
@@ -162,6 +169,21 @@ class NixlWorker:
     # -- per step -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: NixlMetadata) -> None:
+        with self._lock:
+            self._start_load_kv(meta)
+            self._want_progress()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            finished = self._get_finished()
+            self._want_progress()
+            return finished
+
+    def _want_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.set_wanted(self._leases.holding)
+
+    def _start_load_kv(self, meta: NixlMetadata) -> None:
         now = time.monotonic()
         for req_id, lease in meta.reqs_to_send.items():
             self._leases.hold(req_id, lease, now)
@@ -182,7 +204,7 @@ class NixlWorker:
             if remote is not None:  # before the first handshake there is nobody to tell
                 self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def _get_finished(self) -> tuple[set[str], set[str]]:
         self._progress_handshakes()
         self._poll_reads()
         self._heartbeat()
@@ -242,7 +264,7 @@ class NixlWorker:
                 logger.error("handshake with engine %s failed: %s", key[0], exc)
                 self.stats.count("num_failed_handshakes")
                 for spec in specs:
-                    self._fail(spec.request_id, spec.local_block_ids)
+                    self._fail(spec, spec.local_block_ids)
                 continue
             self._remotes[key] = remote
             for spec in specs:
@@ -269,7 +291,7 @@ class NixlWorker:
             logger.error("request %s: could not start the read: %s", spec.request_id, exc)
             self._abandon(job)
             self.stats.count("num_failed_transfers")
-            self._fail(spec.request_id, local)
+            self._fail(spec, local)
             return
         self._reading[spec.request_id] = job
 
@@ -386,7 +408,7 @@ class NixlWorker:
                 logger.error("request %s: %s; its blocks are load errors", req_id, why)
                 self.stats.count("num_failed_transfers")
                 self._abandon(job)
-                self._fail(req_id, job.local_block_ids)
+                self._fail(job.spec, job.local_block_ids)
 
     def _state(self, handle: Any) -> str:
         try:
@@ -413,7 +435,7 @@ class NixlWorker:
                 "request %s: converting the received blocks failed: %s", job.spec.request_id, exc
             )
             self._abandon(job)
-            self._fail(job.spec.request_id, job.local_block_ids)
+            self._fail(job.spec, job.local_block_ids)
             return
         moved = bool(job.handles)
         self._release(job)
@@ -422,11 +444,18 @@ class NixlWorker:
                 done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
             )
         self._notify(job.remote, Notification("done", [job.spec.remote_request_id]))
-        self._recved.add(job.spec.request_id)
+        if not job.spec.frees_only:
+            self._recved.add(job.spec.request_id)
 
-    def _fail(self, req_id: str, local_block_ids: list[int]) -> None:
+    def _fail(self, spec: RemoteRead, local_block_ids: list[int]) -> None:
+        """The read is over without the KV: its blocks are load errors and the request is
+        reported received, so the engine applies its failure policy (never for a free-only
+        notice: the engine is not waiting on that request)."""
+        if spec.frees_only:
+            logger.warning("request %s: could not tell P to free its blocks", spec.request_id)
+            return
         self._errors.update(local_block_ids)
-        self._recved.add(req_id)
+        self._recved.add(spec.request_id)
 
     def _release(self, job: ReadJob) -> None:
         for handle in job.handles:
@@ -479,7 +508,11 @@ class NixlWorker:
 
     def _poll_notifications(self) -> None:
         now = time.monotonic()
-        for sender, messages in self.agent.get_new_notifs().items():
+        if self._progress is not None:
+            notifs = self._progress.take_notifs()
+        else:
+            notifs = self.agent.get_new_notifs()
+        for sender, messages in notifs.items():
             for message in messages:
                 try:
                     note = decode(message, Notification, max_bytes=MAX_NOTIF_BYTES)
@@ -492,6 +525,13 @@ class NixlWorker:
     # -- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
