@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyprojec
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy]'
 	$(PIP) install --quiet --no-deps -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)
