@@ -8,6 +8,7 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,12 +156,15 @@ def kvx_json(connector: str, role: str, policy: str | None = None, **extra: Any)
     return kv
 
 
-def wait_for_stats(server: cluster.Server, key: str, timeout_s: float = 15.0) -> dict[str, float]:
-    """`logged_stats(server)` once it has `key` (vLLM logs stats every VLLM_LOG_STATS_INTERVAL
-    seconds, after the requests that produced them), or as it is after `timeout_s`."""
+def eventually(check: Callable[[], None], timeout_s: float = 15.0) -> None:
+    """Run `check` until it stops raising AssertionError, or raise its error after `timeout_s`
+    (for figures a server logs a little after the requests that produced them)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = logged_stats(server)
-        if key in stats or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.5)
+        try:
+            check()
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
