@@ -27,6 +27,8 @@ from kvx.wire import ReplayGuard, WireError, decode_sealed, encode, seal
 logger = logging.getLogger(__name__)
 GET_META = "get_meta_msg"
 POLL_MS = 100
+WARN_EVERY_S = 10.0
+"""Refused requests are logged at most this often."""
 REFUSAL_MAX = 512
 """Longest refusal text a reply carries (and D shows)."""
 
@@ -63,6 +65,7 @@ class SideChannelServer:
             raise HandshakeError(f"cannot bind the side channel to {host}:{port}: {exc}") from None
         self.host, self.port = host, port
         self.served = self.refused = 0
+        self._quiet_until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, name=f"kvx-nixl-side-channel-{port}", daemon=True
@@ -113,8 +116,11 @@ class SideChannelServer:
         return REPLY_OK + seal(self._secret, REPLY_DOMAIN, body, req.nonce, rank)
 
     def _refuse(self, why: str) -> bytes:
-        logger.warning("side channel: refused a request: %s", why)
         self.refused += 1
+        now = time.monotonic()
+        if now >= self._quiet_until:  # a flood of garbage is not a flood of log lines
+            self._quiet_until = now + WARN_EVERY_S
+            logger.warning("side channel: refused a request (%d so far): %s", self.refused, why)
         return REPLY_REFUSED + why.encode("utf-8", "replace")[:REFUSAL_MAX]
 
     def close(self) -> None:
