@@ -12,16 +12,14 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
-from kvx.config import KVTransferConfig, load_cli_arg
+from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.errors import ConfigError, ConfigProblem, RegistryError
 from kvx.registry import Registered, Registry, get_registry
@@ -92,6 +90,25 @@ def _build_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="SECONDS",
         help="how long fault scenarios wait for the connector to give up",
+    )
+    p_conf.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="fail a P/D run that makes no progress this long, saying what is stuck",
+    )
+    p_conf.add_argument(
+        "--scenario-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="overall limit of every scenario (default: each scenario's own)",
+    )
+    p_conf.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
+    p_conf.add_argument(
+        "--allow-no-transfer",
+        action="store_true",
+        help="exit 0 even if the connector's claims leave no scenario that moves KV",
     )
     p_conf.set_defaults(func=_cmd_conformance)
     return parser
@@ -206,55 +223,9 @@ def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from kvx.conformance.runner import (
-        FAILED,
-        PASSED,
-        ScenarioResult,
-        connector_claims,
-        markdown_report,
-        run_suite,
-    )
+    from kvx.conformance.cli import run_conformance
 
-    kv = load_cli_arg(args.kv_transfer_config)
-    if not isinstance(kv, dict):
-        raise ConfigError([ConfigProblem("", f"expected a JSON object, got {type(kv).__name__}")])
-    registry = get_registry()
-    claims = connector_claims(kv, registry)
-    out.print(
-        f"kvx conformance: {kv.get('kv_connector')} claims "
-        f"{', '.join(sorted(c.value for c in claims)) or 'nothing'}",
-        highlight=False,
-    )
-    colour = {PASSED: "green", FAILED: "red"}
-
-    def show(result: ScenarioResult) -> None:
-        style = colour.get(result.outcome, "yellow")
-        detail = f"  {result.message}" if result.message else ""
-        out.print(
-            f"[{style}]{result.outcome:>11}[/] {result.name} ({result.seconds:.1f}s)"
-            f"{escape(detail)}",
-            highlight=False,
-        )
-
-    try:
-        results = run_suite(
-            kv,
-            only=args.scenario,
-            registry=registry,
-            fault_timeout_s=args.fault_timeout,
-            on_result=show,
-        )
-    except ValueError as exc:
-        raise ConfigError([ConfigProblem("--scenario", str(exc))]) from None
-    failed = [r for r in results if r.outcome == FAILED]
-    passed = sum(r.outcome == PASSED for r in results)
-    out.print(
-        f"{passed} passed, {len(failed)} failed, {len(results) - passed - len(failed)} not claimed"
-    )
-    if args.report:
-        Path(args.report).write_text(markdown_report(kv, claims, results), encoding="utf-8")
-        out.print(f"report written to {args.report}")
-    return 1 if failed else 0
+    return run_conformance(args, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -218,6 +218,7 @@ class DisaggregatedPair:
         *,
         check_kv: bool = True,
         timeout_s: float = 300.0,
+        stall_s: float | None = None,
         on_finished: Callable[[RequestResult], None] | None = None,
     ) -> DisaggReport:
         """Send every prompt through P then D; return tokens, stats and KV mismatches."""
@@ -228,7 +229,7 @@ class DisaggregatedPair:
         self.on_finished = on_finished
         for rid, prompt in prompts.items():
             self.submit(rid, prompt, max_tokens, baseline[rid])
-        self.run_until_finished(timeout_s=timeout_s, check_kv=check_kv)
+        self.run_until_finished(timeout_s=timeout_s, check_kv=check_kv, stall_s=stall_s)
         return self.report(time.perf_counter() - start)
 
     @property
