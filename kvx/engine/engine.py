@@ -7,7 +7,6 @@ driven through the full contract. `kvx.engine.server` runs one in its own OS pro
 
 from __future__ import annotations
 
-import copy
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -220,24 +219,18 @@ class Engine:
         return self.scheduler.update_from_output(out, sampled, kv_output)
 
     def _views(self, out: SchedulerOutput) -> list[SchedulerOutput]:
-        """Each worker's own copy of the step, its metadata rebuilt from msgpack bytes, as
-        if sent to a worker process (`kvx.engine.metadata_wire`)."""
-        if self.scheduler_connector is None:
-            return [out] * len(self.workers)
+        """Each worker's view of the step: its own copy of the connector metadata, rebuilt
+        from msgpack bytes as if sent to a worker process (`kvx.engine.metadata_wire`). The
+        rest of the output is shared: the reference workers only read it."""
         meta = out.kv_connector_metadata
-        shell = replace(out, kv_connector_metadata=None)
-        raw = None
-        if meta is not None and not _bare_marker(meta):
-            raw = encode_metadata(meta)
-        views = []
-        for _ in self.workers:
-            view = copy.deepcopy(shell)
-            if meta is not None:
-                view.kv_connector_metadata = (
-                    type(meta)() if raw is None else decode_metadata(raw, meta)
-                )
-            views.append(view)
-        return views
+        if meta is None:
+            return [out] * len(self.workers)
+        if _bare_marker(meta):
+            return [replace(out, kv_connector_metadata=type(meta)()) for _ in self.workers]
+        raw = encode_metadata(meta)
+        return [
+            replace(out, kv_connector_metadata=decode_metadata(raw, meta)) for _ in self.workers
+        ]
 
     def take_violations(self) -> list[str]:
         """Contract violations the scheduler and the output aggregator recorded since the
