@@ -12,10 +12,7 @@ from kvx import Capability
 from kvx.conformance.harness import Harness, run_engine
 from kvx.conformance.scenario import check, scenario
 
-ROLES = (
-    "kv_producer stores, kv_consumer loads; a kv_consumer's own prompts and a kv_producer's "
-    "loads are checked"
-)
+ROLES = "kv_producer, then kv_consumer, then kv_both probes the store"
 
 
 @scenario(

@@ -3,6 +3,11 @@ it broke named in the message, and the good connectors pass the same scenarios."
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,3 +127,26 @@ def test_the_good_connectors_pass_the_same_scenarios(broken_importable: None) ->
     storage = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": STORAGE_EXTRA}
     (result,) = run_suite(storage, only=["roles_store_reuse"], options=OPTIONS)
     assert (result.outcome, result.message) == (PASSED, "")
+
+
+KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("extra", "code"), [([], 1), (["--allow-no-transfer"], 0)])
+def test_the_cli_fails_a_run_that_tested_no_transfer(extra: list[str], code: int) -> None:
+    assert KVX is not None
+    config = broken("DoesNothing") | {"kv_role": "kv_both"}
+    result = subprocess.run(
+        [KVX, "conformance", "--kv-transfer-config", json.dumps(config), *extra],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(BROKEN_DIR)},
+    )
+    assert result.returncode == code, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "DoesNothing claims nothing" in out
+    assert "the config's kv_role 'kv_both' is not used" in out
+    assert "1 passed, 0 failed, 31 not claimed; NO KV transfer was tested" in out
