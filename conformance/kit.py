@@ -32,6 +32,7 @@ import pytest
 
 from kvx import Capability, Registry
 from kvx.conformance.options import SuiteOptions
+from kvx.conformance.pytest_plugin import RESULTS_KEY
 from kvx.conformance.runner import (
     FAILED,
     NOT_CLAIMED,
@@ -41,8 +42,6 @@ from kvx.conformance.runner import (
     run_scenario,
 )
 from kvx.errors import ConfigError, RegistryError
-
-RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str]]]()  # (connector, scenario, outcome)
 
 
 def claims_of(kv: dict[str, Any], registry: Registry) -> frozenset[Capability]:

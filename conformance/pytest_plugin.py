@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 CLI_SUITE = Path(__file__).with_name("cli_suite.py")
+# What the kit's scenario tests report, for the terminal summary: (connector, scenario, outcome).
+RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str]]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -119,12 +121,11 @@ def kvx_registry() -> Any:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    from kvx.conformance.kit import RESULTS_KEY
-    from kvx.conformance.runner import PASSED, load_scenarios
-
-    results: list[tuple[str, str, str]] = config.stash.get(RESULTS_KEY, [])
+    results = config.stash.get(RESULTS_KEY, [])
     if not results:
         return
+    from kvx.conformance.runner import PASSED, load_scenarios
+
     scenarios = load_scenarios()
     terminalreporter.section("kvx conformance")
     for connector in dict.fromkeys(c for c, _, _ in results):
