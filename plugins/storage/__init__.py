@@ -65,6 +65,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                     preferred_shards=min(tp, geometry.total_heads),
                     preferred_pp=ctx.parallel.pp_size,
                     store=config.is_kv_producer,
+                    load=config.is_kv_consumer,
                 )
             else:
                 self._worker = StorageWorker(
