@@ -51,7 +51,6 @@ from kvx.adapters.vllm_config import (
 )
 from kvx.adapters.vllm_guard import ReportGuard
 from kvx.errors import ConfigError, did_you_mean, quoted_list
-from kvx.layouts import get_layout
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +96,7 @@ class KvxConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Checks each tensor is vLLM-CPU's packed layout for this engine, then hands them on."""
-        layout = get_layout(self._ctx.cache.layout)
+        layout = kvx.get_layout(self._ctx.cache.layout)
         cache = self._ctx.cache
         par = self._ctx.parallel
         heads = max(1, cache.num_kv_heads // par.tp_size)

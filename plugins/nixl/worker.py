@@ -23,11 +23,12 @@ from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import NixlConfig
 from kvx.plugins.nixl.handshake import (
-    MAX_NOTIF_BYTES,
     AgentMetadata,
     Notification,
     Region,
     compatibility_factors,
+    open_notification,
+    seal_notification,
 )
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
@@ -43,7 +44,7 @@ from kvx.plugins.nixl.remote import (
 from kvx.plugins.nixl.staging import convert_staged
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
-from kvx.wire import WireError, decode, encode
+from kvx.wire import WireError, encode
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,9 @@ class NixlWorker:
         self.engine_id = str(config.engine_id)
         p = ctx.parallel
         self.name = f"{self.engine_id}-pp{p.pp_rank}-tp{p.tp_rank}-{uuid.uuid4().hex[:8]}"
-        self.agent: Any = make_agent(self.name, options.backends, options.num_threads)
+        self.agent: Any = make_agent(
+            self.name, options.backends, options.num_threads, options.side_channel_host
+        )
         cache = ctx.cache
         self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
         self.geometry = KVGeometry(
@@ -123,6 +126,7 @@ class NixlWorker:
             compatibility_factors(self.ctx),
             cache.dtype,
             cache.head_size,
+            num_blocks=regions[0].num_blocks,
         )
         self._poster = ReadPoster(
             self.agent,
@@ -380,7 +384,9 @@ class NixlWorker:
 
     def _notify(self, remote: RemoteEngine, note: Notification) -> None:
         for key, count in remote.notify.items():
-            message = encode(Notification(note.kind, note.request_ids, count))
+            message = seal_notification(
+                self.options.shared_secret, Notification(note.kind, note.request_ids, count)
+            )
             try:
                 self.agent.send_notif(remote.agents[key], message)
             except Exception as exc:
@@ -411,11 +417,12 @@ class NixlWorker:
         for sender, messages in notifs.items():
             for message in messages:
                 try:
-                    note = decode(message, Notification, max_bytes=MAX_NOTIF_BYTES)
+                    note = open_notification(self.options.shared_secret, message)
                 except WireError as exc:
                     logger.warning("ignoring a notification from %s: %s", sender, exc)
+                    self.stats.count("num_refused_notifications")
                     continue
-                self._leases.on_notification(note, now)
+                self._leases.on_notification(note, now, str(sender))
         self._leases.expire(now)
 
     # -- shutdown -------------------------------------------------------------------------
