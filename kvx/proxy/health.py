@@ -41,8 +41,8 @@ class HealthChecker:
             reason = f"GET /health: no answer within {self.timeout:g} s (--health-timeout)"
         except httpx.HTTPError as exc:
             reason = f"GET /health: {describe_failure(exc, self.timeout)}"
-        server.checked_at = time.time()
         if reason is None:
             self.pool.mark_up(server)
         else:
             self.pool.mark_down(server, reason)
+        server.checked_at = time.time()

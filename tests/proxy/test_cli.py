@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from kvx.cli import main
-from kvx.proxy import cli as proxy_cli
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -93,11 +92,34 @@ def test_every_bad_flag_is_reported_at_once(capsys):
         assert f"  - {flag}: " in err
 
 
-def test_missing_extra_names_it_and_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr(proxy_cli, "EXTRA_MODULES", ("httpx", "kvx_no_such_module"))
-    assert main(["proxy", "--prefill", P, "--decode", D]) == 1
-    assert capsys.readouterr().err == (
-        "error: kvx proxy needs the 'proxy' extra (kvx_no_such_module not installed): "
+WITHOUT_EXTRA = """
+import sys
+for name in ("starlette", "httpx", "uvicorn"):
+    sys.modules[name] = None  # as if the proxy extra were not installed: importing it fails
+from kvx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_without_extra(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRA, "proxy", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_without_the_extra_flags_are_checked_and_starting_says_how_to_install():
+    assert run_without_extra("--help").returncode == 0
+    bad = run_without_extra("--prefill", P, "--decode", D, "--port", "x")
+    assert bad.returncode == 2
+    assert bad.stderr == 'error: invalid proxy setting: --port: "x" is not an integer\n'
+    start = run_without_extra("--prefill", P, "--decode", D)
+    assert start.returncode == 1
+    assert start.stderr == (
+        "error: kvx proxy needs the 'proxy' extra (starlette, httpx, uvicorn not installed): "
         "pip install 'kvx[proxy]'\n"
     )
 

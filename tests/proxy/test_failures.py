@@ -66,16 +66,24 @@ def test_failed_prefill_is_retried_on_another_prefill_server(stub, start_proxy, 
     assert d.behaviour.completions()[0].body["kv_transfer_params"]["remote_engine_id"] == "P2"
 
 
-def test_unreachable_prefill_is_taken_out_at_once_and_retried(stub, free_port, start_proxy, client):
-    p2, d = stub("P2"), stub("D")
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_unreachable_server_is_taken_out_at_once_and_the_request_retried(
+    stub, free_port, start_proxy, client, wait_until, role
+):
+    p, d = stub("P"), stub("D")
     dead_url = f"http://127.0.0.1:{free_port()}"
-    # Health checks so rare that only the failed request can notice P1 is gone.
-    proxy = start_proxy([dead_url, p2.url], [d.url], health_interval=3600)
-    proxy.pool.mark_up(proxy.pool.servers()[0])
+    prefill = [dead_url, p.url] if role == "prefill" else [p.url]
+    decode = [dead_url, d.url] if role == "decode" else [d.url]
+    # Health checks so rare that only the failed request can notice the dead server.
+    proxy = start_proxy(prefill, decode, health_interval=3600)
+    dead = next(s for s in proxy.pool.servers() if s.url == dead_url)
+    wait_until(lambda: dead.checked_at is not None, 10, "the first round of health checks")
+    proxy.pool.mark_up(dead)  # as if it died after its last check
     answer = client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"})
     assert answer.status_code == 200
-    assert answer.headers["x-kvx-prefill"] == p2.url
-    assert health_of(client, proxy.url, "prefill", dead_url) == "down"
+    assert answer.headers[f"x-kvx-{role}"] == (p.url if role == "prefill" else d.url)
+    assert health_of(client, proxy.url, role, dead_url) == "down"
+    assert dead.failures == 1
 
 
 def test_every_prefill_failing_gives_502_naming_each_server(stub, start_proxy, client):
@@ -93,6 +101,7 @@ def test_every_prefill_failing_gives_502_naming_each_server(stub, start_proxy, c
     assert error["attempts"][0]["reason"].startswith("answered HTTP 503: ")
     assert "P1 refuses" in error["attempts"][0]["reason"]
     assert d.behaviour.completions() == []
+    assert [s.outstanding for s in proxy.pool.servers()] == [0, 0, 0]
 
 
 def test_no_healthy_decode_server_gives_503_before_prefill_runs(
@@ -156,6 +165,49 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(stub, start_proxy, cli
     assert error["message"].startswith(f"decode server {d.url}: closed the connection mid-answer")
     status = client.get(f"{proxy.url}/kvx/servers").json()["decode"][0]
     assert status["outstanding"] == 0 and status["failures"] == 1
+
+
+def test_client_leaving_mid_stream_releases_the_decode_server(
+    stub, start_proxy, client, wait_until
+):
+    p, d = stub("P"), stub("D")
+    d.behaviour.hold_after_first_chunk = threading.Event()
+    proxy = start_proxy([p.url], [d.url])
+    with client.stream("POST", f"{proxy.url}/v1/completions", json={"stream": True}) as answer:
+        next(answer.iter_raw())
+        assert proxy.pool.servers()[1].outstanding == 1
+    wait_until(lambda: proxy.pool.servers()[1].outstanding == 0, 10, "D's request to be closed")
+
+
+def test_prefill_answer_without_usable_kv_transfer_params_gives_502(stub, start_proxy, client):
+    p, d = stub("P"), stub("D")
+    p.behaviour.prefill_params = "blocks 1-3"  # type: ignore[assignment]
+    proxy = start_proxy([p.url], [d.url])
+    answer = client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"})
+    assert answer.status_code == 502
+    [attempt] = answer.json()["error"]["attempts"]
+    assert attempt == {
+        "server": p.url,
+        "role": "prefill",
+        "reason": "answered with kv_transfer_params that is not an object: 'blocks 1-3'",
+    }
+    assert d.behaviour.completions() == []
+
+
+def test_client_body_that_never_ends_gives_408(stub, start_proxy, client):
+    p, d = stub("P"), stub("D")
+    proxy = start_proxy([p.url], [d.url], request_timeout=0.5)
+
+    def trickle():
+        yield b'{"prompt": '
+        time.sleep(2)
+        yield b'"x"}'
+
+    answer = client.post(f"{proxy.url}/v1/completions", content=trickle())
+    assert answer.status_code == 408
+    assert answer.json()["error"]["message"] == (
+        "the request body did not arrive within 0.5 s (--request-timeout)"
+    )
 
 
 def test_hanging_non_streamed_decode_gives_504(stub, start_proxy, client):
