@@ -142,14 +142,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     results = config.stash.get(RESULTS_KEY, [])
     if not results:
         return
-    from kvx.conformance.runner import PASSED, load_scenarios
+    from kvx.conformance.runner import OUTCOMES, PASSED, load_scenarios
 
     scenarios = load_scenarios()
     terminalreporter.section("kvx conformance")
     for connector in dict.fromkeys(c for c, _, _ in results):
         mine = [(name, outcome) for c, name, outcome in results if c == connector]
         tested = sorted({n for n, o in mine if o == PASSED and scenarios[n].transfers})
-        counts = {o: sum(x == o for _, x in mine) for o in dict.fromkeys(o for _, o in mine)}
-        line = ", ".join(f"{n} {o}" for o, n in counts.items())
+        counts = {o: sum(x == o for _, x in mine) for o in OUTCOMES}
+        line = ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n)
         what = f"KV transfers tested by {', '.join(tested)}" if tested else "NO KV transfer tested"
         terminalreporter.write_line(f"{connector}: {line}; {what}")

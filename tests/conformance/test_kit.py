@@ -88,7 +88,7 @@ def test_two_configs_pass_skip_unclaimed_and_rerun_by_id(pytester: pytest.Pytest
     result.stdout.fnmatch_lines(
         [
             "*= kvx conformance =*",
-            "ExamplePDConnector: 2 not claimed, 4 passed; KV transfers tested by pd_block_*",
+            "ExamplePDConnector: 4 passed, 2 not claimed; KV transfers tested by pd_block_*",
             "*not claimed: needs hetero_tp*",
         ]
     )
