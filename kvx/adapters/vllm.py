@@ -49,8 +49,8 @@ from kvx.adapters.vllm_config import (
     known_connectors,
     kvx_transfer_config,
 )
+from kvx.adapters.vllm_guard import ReportGuard
 from kvx.errors import ConfigError, did_you_mean, quoted_list
-from kvx.layouts import get_layout
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +84,7 @@ class KvxConnector(KVConnectorBase_V1):
         )
         self._kvx = kvx.create_connector(config, _ROLES[role], self._ctx)
         self._mirror = to_kvx.RequestMirror()
+        self._guard = ReportGuard(config.kv_connector or "?")
         self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
@@ -95,7 +96,7 @@ class KvxConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Checks each tensor is vLLM-CPU's packed layout for this engine, then hands them on."""
-        layout = get_layout(self._ctx.cache.layout)
+        layout = kvx.get_layout(self._ctx.cache.layout)
         cache = self._ctx.cache
         par = self._ctx.parallel
         heads = max(1, cache.num_kv_heads // par.tp_size)
@@ -238,10 +239,14 @@ class KvxConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> payloads.StepMetadata:
         self._mirror.refresh_all()
+        self._guard.note_loading(self._mirror.vllm_requests())
         out = to_kvx.scheduler_output(scheduler_output, self._mirror)
         return payloads.StepMetadata(self._kvx.build_connector_meta(out), out.preempted_req_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM calls this before it acts on the output's finished sets: reports for requests
+        vLLM is not waiting on are dropped first (see `vllm_guard`)."""
+        self._guard.filter(connector_output)
         self._kvx.update_connector_output(payloads.unwrap_output(connector_output))
 
     def request_finished(
@@ -251,6 +256,7 @@ class KvxConnector(KVConnectorBase_V1):
         try:
             delay, params = self._kvx.request_finished(self._mirror.get(request), list(block_ids))
             self._mirror.write_back(request)
+            self._guard.note_finished(request.request_id, delay)
         finally:
             self._mirror.forget(request.request_id)
         return delay, params

@@ -10,6 +10,7 @@ READ per (remote rank, head slice), `finished_recving` with load errors on any f
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,14 +24,16 @@ from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import NixlConfig
 from kvx.plugins.nixl.handshake import (
-    MAX_NOTIF_BYTES,
     AgentMetadata,
     Notification,
     Region,
     compatibility_factors,
+    open_notification,
+    seal_notification,
 )
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.plugins.nixl.remote import (
     LocalView,
@@ -42,7 +45,7 @@ from kvx.plugins.nixl.remote import (
 from kvx.plugins.nixl.staging import Staging, convert_staged, plan_staging
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
-from kvx.wire import WireError, decode, encode
+from kvx.wire import WireError, encode
 
 logger = logging.getLogger(__name__)
 LOCAL = "NIXL_INIT_AGENT"
@@ -71,7 +74,9 @@ class NixlWorker:
         self.engine_id = str(config.engine_id)
         p = ctx.parallel
         self.name = f"{self.engine_id}-pp{p.pp_rank}-tp{p.tp_rank}-{uuid.uuid4().hex[:8]}"
-        self.agent: Any = make_agent(self.name, options.backends, options.num_threads)
+        self.agent: Any = make_agent(
+            self.name, options.backends, options.num_threads, options.side_channel_host
+        )
         cache = ctx.cache
         self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
         self.geometry = KVGeometry(
@@ -96,6 +101,9 @@ class NixlWorker:
         self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
         self._next_heartbeat = 0.0
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
+        self._producer = config.is_kv_producer
+        self._lock = threading.Lock()  # every agent call; shared with the progress thread
+        self._progress: IdleProgress | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -133,7 +141,10 @@ class NixlWorker:
             compatibility_factors(self.ctx),
             cache.dtype,
             cache.head_size,
+            num_blocks=regions[0].num_blocks,
         )
+        if self._producer and self.options.idle_progress:
+            self._progress = IdleProgress(self.agent, self._lock)
 
     def handshake_payload(self) -> bytes:
         """This worker's encoded `AgentMetadata` (served by P's side channel)."""
@@ -162,6 +173,21 @@ class NixlWorker:
     # -- per step -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: NixlMetadata) -> None:
+        with self._lock:
+            self._start_load_kv(meta)
+            self._want_progress()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            finished = self._get_finished()
+            self._want_progress()
+            return finished
+
+    def _want_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.set_wanted(self._leases.holding)
+
+    def _start_load_kv(self, meta: NixlMetadata) -> None:
         now = time.monotonic()
         for req_id, lease in meta.reqs_to_send.items():
             self._leases.hold(req_id, lease, now)
@@ -182,7 +208,7 @@ class NixlWorker:
             if remote is not None:  # before the first handshake there is nobody to tell
                 self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def _get_finished(self) -> tuple[set[str], set[str]]:
         self._progress_handshakes()
         self._poll_reads()
         self._heartbeat()
@@ -242,7 +268,7 @@ class NixlWorker:
                 logger.error("handshake with engine %s failed: %s", key[0], exc)
                 self.stats.count("num_failed_handshakes")
                 for spec in specs:
-                    self._fail(spec.request_id, spec.local_block_ids)
+                    self._fail(spec, spec.local_block_ids)
                 continue
             self._remotes[key] = remote
             for spec in specs:
@@ -269,7 +295,7 @@ class NixlWorker:
             logger.error("request %s: could not start the read: %s", spec.request_id, exc)
             self._abandon(job)
             self.stats.count("num_failed_transfers")
-            self._fail(spec.request_id, local)
+            self._fail(spec, local)
             return
         self._reading[spec.request_id] = job
 
@@ -386,7 +412,7 @@ class NixlWorker:
                 logger.error("request %s: %s; its blocks are load errors", req_id, why)
                 self.stats.count("num_failed_transfers")
                 self._abandon(job)
-                self._fail(req_id, job.local_block_ids)
+                self._fail(job.spec, job.local_block_ids)
 
     def _state(self, handle: Any) -> str:
         try:
@@ -413,7 +439,7 @@ class NixlWorker:
                 "request %s: converting the received blocks failed: %s", job.spec.request_id, exc
             )
             self._abandon(job)
-            self._fail(job.spec.request_id, job.local_block_ids)
+            self._fail(job.spec, job.local_block_ids)
             return
         moved = bool(job.handles)
         self._release(job)
@@ -422,11 +448,18 @@ class NixlWorker:
                 done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
             )
         self._notify(job.remote, Notification("done", [job.spec.remote_request_id]))
-        self._recved.add(job.spec.request_id)
+        if not job.spec.frees_only:
+            self._recved.add(job.spec.request_id)
 
-    def _fail(self, req_id: str, local_block_ids: list[int]) -> None:
+    def _fail(self, spec: RemoteRead, local_block_ids: list[int]) -> None:
+        """The read is over without the KV: its blocks are load errors and the request is
+        reported received, so the engine applies its failure policy (never for a free-only
+        notice: the engine is not waiting on that request)."""
+        if spec.frees_only:
+            logger.warning("request %s: could not tell P to free its blocks", spec.request_id)
+            return
         self._errors.update(local_block_ids)
-        self._recved.add(req_id)
+        self._recved.add(spec.request_id)
 
     def _release(self, job: ReadJob) -> None:
         for handle in job.handles:
@@ -455,7 +488,9 @@ class NixlWorker:
 
     def _notify(self, remote: RemoteEngine, note: Notification) -> None:
         for key, count in remote.notify.items():
-            message = encode(Notification(note.kind, note.request_ids, count))
+            message = seal_notification(
+                self.options.shared_secret, Notification(note.kind, note.request_ids, count)
+            )
             try:
                 self.agent.send_notif(remote.agents[key], message)
             except Exception as exc:
@@ -479,19 +514,31 @@ class NixlWorker:
 
     def _poll_notifications(self) -> None:
         now = time.monotonic()
-        for sender, messages in self.agent.get_new_notifs().items():
+        if self._progress is not None:
+            notifs = self._progress.take_notifs()
+        else:
+            notifs = self.agent.get_new_notifs()
+        for sender, messages in notifs.items():
             for message in messages:
                 try:
-                    note = decode(message, Notification, max_bytes=MAX_NOTIF_BYTES)
+                    note = open_notification(self.options.shared_secret, message)
                 except WireError as exc:
                     logger.warning("ignoring a notification from %s: %s", sender, exc)
+                    self.stats.count("num_refused_notifications")
                     continue
-                self._leases.on_notification(note, now)
+                self._leases.on_notification(note, now, str(sender))
         self._leases.expire(now)
 
     # -- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        with self._lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

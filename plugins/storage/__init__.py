@@ -47,7 +47,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
         options = config.extra_config_as(SharedStorageConfig)
         geometry = Geometry.of(ctx, options.namespace, options.storage_block_size)
         backend = open_backend(
-            options.url, BackendOptions(ttl_s=options.redis_ttl_s, timeout_s=options.timeout_s)
+            options.url,
+            BackendOptions(
+                ttl_s=options.redis_ttl_s,
+                timeout_s=options.timeout_s,
+                redis_client=options.redis_client,
+            ),
         )
         self._scheduler: StorageScheduler | None = None
         self._worker: StorageWorker | None = None

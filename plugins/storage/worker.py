@@ -777,7 +777,7 @@ class StorageWorker:
         per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
         put_vectored = getattr(self.backend, "put_vectored", None)
         for at in range(0, len(items), per):
-            vectors = []
+            vectors: list[tuple[str, list[bytes | memoryview]]] = []
             for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
                 payload = self._regions(block)
                 vectors.append((name, [header(name, shape, payload), *payload]))

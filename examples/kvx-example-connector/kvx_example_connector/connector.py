@@ -16,7 +16,6 @@ import torch
 
 import kvx
 from kvx import Capability, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from kvx.layouts import get_layout
 from kvx_example_connector.config import ExamplePDConfig
 
 logger = logging.getLogger(__name__)
@@ -143,7 +142,7 @@ class ExamplePDConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, ExamplePDMetadata) and self._pool is not None
         cache = self.engine_context.cache
-        dim = get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
+        dim = kvx.get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
         for save in meta.saves:
             index = torch.tensor(save.block_ids, dtype=torch.long)
             snapshot = {name: t.index_select(dim, index) for name, t in self._caches.items()}

@@ -15,6 +15,7 @@ class BackendOptions:
 
     ttl_s: int | None = None
     timeout_s: float = 10.0
+    redis_client: str = "resp"  # "redis-py": no kvx RESP client (proxies, debugging)
 
 
 RegionTable = Sequence[tuple[memoryview, int, int, int]]
@@ -54,6 +55,26 @@ class StorageBackend(Protocol):
 
     def close(self) -> None:
         """Release connections and threads."""
+
+    # Only where `hashed_io` is true (local files); see the class docstring.
+    def put_blocks_hashed(
+        self,
+        keys: Sequence[str],
+        seeds: Sequence[bytes],
+        prefix: bytes,
+        regions: RegionTable,
+        blocks: Sequence[int],
+    ) -> None: ...
+
+    def get_blocks_hashed(
+        self,
+        keys: Sequence[str],
+        seeds: Sequence[bytes],
+        skip: tuple[int, int],
+        heads: Sequence[memoryview],
+        regions: RegionTable,
+        blocks: Sequence[int],
+    ) -> list[tuple[int | None, int | None]]: ...
 
 
 def copy_into(parts: Sequence[memoryview], data: bytes | memoryview) -> None:
