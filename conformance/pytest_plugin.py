@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from kvx.conformance.options import positive_seconds
+
 CLI_SUITE = Path(__file__).with_name("cli_suite.py")
 SUITE_ID = "kvx_conformance.py"  # the node id of CLI_SUITE, re-runnable as an argument
 # What the kit's scenario tests report, for the terminal summary: (connector, scenario, outcome).
@@ -32,21 +34,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--kvx-fault-timeout",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="how long fault scenarios wait for a connector to give up",
     )
     group.addoption(
         "--kvx-stall-timeout",
-        type=float,
+        type=positive_seconds,
         default=10.0,
         metavar="SECONDS",
         help="fail a P/D run that makes no progress this long, saying what is stuck",
     )
     group.addoption(
         "--kvx-scenario-timeout",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="overall limit of every scenario (default: each scenario's own)",

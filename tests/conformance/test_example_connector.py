@@ -87,6 +87,10 @@ def test_cli_writes_a_report(tmp_path: Path) -> None:
             ["--kv-transfer-config", json.dumps(CONFIG), "--scenario", "nope"],
             "unknown scenario(s) ['nope']",
         ),
+        (
+            ["--kv-transfer-config", json.dumps(CONFIG), "--stall-timeout", "-1"],
+            "argument --stall-timeout: -1 is not a positive number of seconds",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2(args: list[str], needle: str) -> None:
