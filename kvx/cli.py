@@ -22,11 +22,24 @@ from rich.text import Text
 from kvx._version import __version__
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
-from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
+from kvx.errors import ConfigError, MissingDependencyError, RegistryError
 from kvx.loading import load_target
 from kvx.registry import Registered, Registry, get_registry
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of counts and sizes: a bad value is a bad flag (exit 2), not a bad config."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip().lstrip("+"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: use a whole number of 1 or more"
+        )
+    return value
 
 
 def _build_parser(registry: Registry) -> argparse.ArgumentParser:
@@ -68,10 +81,12 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         metavar="P:D",
         help="tensor-parallel sizes of prefill and decode (default 1:1)",
     )
-    p_demo.add_argument("--prompts", type=int, default=7, help="number of prompts")
-    p_demo.add_argument("--max-tokens", type=int, default=8, help="tokens to generate each")
+    p_demo.add_argument("--prompts", type=_positive_int, default=7, help="number of prompts")
+    p_demo.add_argument(
+        "--max-tokens", type=_positive_int, default=8, help="tokens to generate each"
+    )
     p_demo.add_argument("--layout", default="NHD", help="KV layout of both engines")
-    p_demo.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p_demo.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     p_demo.add_argument("--seed", type=int, default=0, help="prompt and model seed")
     p_demo.set_defaults(func=_cmd_demo)
 
@@ -200,16 +215,6 @@ def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
 def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     from kvx.demo import DemoOptions, run_demo
 
-    for name in ("prompts", "max_tokens", "block_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        f"--{name.replace('_', '-')}",
-                        f"{getattr(args, name)} is not a positive integer",
-                    )
-                ]
-            )
     options = DemoOptions(
         args.kv_transfer_config,
         args.tp,

@@ -4,12 +4,16 @@ It sends a handful of prompts of varied lengths through P and D with the chosen 
 (default: the shared-storage connector on a temporary directory, or the example connector
 when that is what is installed), shows progress, and ends with a summary: tokens, KV blocks and
 bytes moved, throughput, and whether every output is identical to a single engine's.
+A run in which decode loaded no KV from prefill demonstrated nothing: it says why and fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import tempfile
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,8 @@ from kvx.errors import ConfigError, ConfigProblem
 from kvx.registry import Registry
 
 PROMPT_LENGTHS = (5, 16, 37, 64, 100, 150, 257)
+TMP_PLACEHOLDER = "{tmp}"  # as in `kvx conformance`: the demo's own temporary directory
+EXIT_NOTHING_MOVED = 1
 DEFAULT_CONNECTORS = ("SharedStorageConnector", "ExamplePDConnector")
 
 
@@ -79,6 +85,50 @@ def default_kv_config(registry: Registry, workdir: Path) -> dict[str, Any]:
     )
 
 
+def expand_tmp(value: Any, tmp: str) -> Any:
+    """Replace `{tmp}` in every string of a JSON-like value with `tmp`."""
+    if isinstance(value, str):
+        return value.replace(TMP_PLACEHOLDER, tmp)
+    if isinstance(value, list):
+        return [expand_tmp(v, tmp) for v in value]
+    if isinstance(value, dict):
+        return {k: expand_tmp(v, tmp) for k, v in value.items()}
+    return value
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    return []
+
+
+def why_nothing_moved(kv: dict[str, Any], claims: Collection[Capability]) -> str:
+    """The likeliest reason decode loaded no KV from prefill with connector config `kv`."""
+    name = kv.get("kv_connector", "the connector")
+    if not {Capability.REMOTE_PREFILL, Capability.STORE_REUSE} & set(claims):
+        return (
+            f"{name} claims neither 'remote_prefill' nor 'store_reuse' "
+            f"(it claims: {', '.join(sorted(claims)) or 'nothing'}), so it never moves KV "
+            "between engines; it serves one engine (e.g. offloading to CPU or disk). Use a "
+            "P/D connector such as SharedStorageConnector or NixlConnector"
+        )
+    if any(s.startswith("memory://") for s in _strings(kv)):
+        return (
+            "memory:// storage lives in each process's own memory, so what prefill saved is "
+            "invisible to decode in its own process; use a shared store such as "
+            "file://{tmp}/kv or redis://127.0.0.1:6379/0"
+        )
+    return (
+        "decode found none of prefill's KV: check that both engines reach the same storage or "
+        "peer (URL, directory, host and port), and that prompts are longer than --block-size "
+        "(some connectors move full blocks only)"
+    )
+
+
 def make_prompts(count: int, seed: int, vocab: int) -> dict[str, list[int]]:
     """Prompts of varied lengths; the last one shares a prefix with the longest."""
     rng = random.Random(seed)
@@ -92,14 +142,34 @@ def make_prompts(count: int, seed: int, vocab: int) -> dict[str, list[int]]:
     return prompts
 
 
+@contextlib.contextmanager
+def quiet_nixl_info() -> Iterator[None]:
+    """NIXL logs INFO lines to stdout from both engines, into the demo's progress and table:
+    show only its errors unless the user chose a level (`NIXL_LOG_LEVEL=INFO kvx demo ...`)."""
+    if "NIXL_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["NIXL_LOG_LEVEL"] = "ERROR"  # a level both NIXL's Python and C++ loggers know
+    try:
+        yield
+    finally:
+        os.environ.pop("NIXL_LOG_LEVEL", None)
+
+
 def run_demo(options: DemoOptions, registry: Registry, console: Console) -> int:
-    """Run the demo; 0 when every output matches the baseline, 1 otherwise."""
+    """Run the demo; 0 when KV moved and every output matches the baseline, 1 otherwise."""
+    with quiet_nixl_info():
+        return _run_demo(options, registry, console)
+
+
+def _run_demo(options: DemoOptions, registry: Registry, console: Console) -> int:
     tp = parse_tp(options.tp)
     with tempfile.TemporaryDirectory(prefix="kvx-demo-") as workdir:
         if options.kv_transfer_config:
             kv = load_cli_arg(options.kv_transfer_config)
             if not isinstance(kv, dict):
                 raise ConfigError([ConfigProblem("", "expected a JSON object")])
+            kv = expand_tmp(kv, workdir)
         else:
             kv = default_kv_config(registry, Path(workdir))
         kv = {k: v for k, v in kv.items() if k != "kv_role"}
@@ -142,13 +212,25 @@ def run_demo(options: DemoOptions, registry: Registry, console: Console) -> int:
                 )
         finally:
             pair.close()
-    console.print(summary_table(report, base, kv["kv_connector"]))
+    moved = int(report.decode_stats.get("external_blocks", 0)) > 0
+    console.print(summary_table(report, base, kv["kv_connector"], moved))
     for line in report.kv_mismatches[:5]:
         console.print(f"[red]KV mismatch:[/] {line}", highlight=False)
+    if not moved:
+        console.print(
+            "[yellow]warning:[/] no KV moved from prefill to decode: decode recomputed every "
+            "prompt, so this run shows nothing about the connector. Why: "
+            + why_nothing_moved(kv, claims),
+            highlight=False,
+        )
+        return EXIT_NOTHING_MOVED
     return 0 if report.all_identical else 1
 
 
-def summary_table(report: DisaggReport, base: EngineConfig, connector: str) -> Table:
+def summary_table(
+    report: DisaggReport, base: EngineConfig, connector: str, moved: bool = True
+) -> Table:
+    """The demo's summary; when nothing `moved`, the checks say they checked no transfer."""
     results = report.results.values()
     prompt_tokens = sum(r.prompt_len for r in results)
     generated = sum(len(r.tokens) for r in results)
@@ -172,11 +254,19 @@ def summary_table(report: DisaggReport, base: EngineConfig, connector: str) -> T
         ("wall time", f"{report.elapsed_s:.2f} s"),
         (
             "KV byte checks",
-            "passed" if not report.kv_mismatches else f"{len(report.kv_mismatches)} mismatches",
+            f"{len(report.kv_mismatches)} mismatches"
+            if report.kv_mismatches
+            else "passed"
+            if moved
+            else "no moved KV to check",
         ),
         (
             "outputs identical to baseline",
-            "yes" if report.all_identical else f"no ({identical}/{len(report.results)})",
+            f"no ({identical}/{len(report.results)})"
+            if not report.all_identical
+            else "yes"
+            if moved
+            else "only by recomputing (no KV moved)",
         ),
     ]
     for name, value in rows:

@@ -164,11 +164,12 @@ def test_kvx_demo_end_to_end() -> None:
 
 @pytest.mark.timeout(120)
 def test_kvx_demo_with_tp2_and_hnd() -> None:
-    result = kvx("demo", "--tp", "2:2", "--layout", "HND", "--prompts", "2", "--max-tokens", "2")
+    # 3 prompts: the shortest two fill no block, and a demo that moves no KV fails
+    result = kvx("demo", "--tp", "2:2", "--layout", "HND", "--prompts", "3", "--max-tokens", "2")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "(TP 2) to decode (TP 2), 2 prompts, layout HND" in result.stdout
+    assert "(TP 2) to decode (TP 2), 3 prompts, layout HND" in result.stdout
     assert summary_row(result.stdout, "outputs identical to baseline") == "yes"
-    assert summary_row(result.stdout, "requests") == "2"
+    assert summary_row(result.stdout, "requests") == "3"
 
 
 @pytest.mark.timeout(60)
@@ -177,7 +178,7 @@ def test_kvx_demo_with_tp2_and_hnd() -> None:
     [
         (["--tp", "x"], "--tp: 'x' is not of the form P:D with positive integers, e.g. 2:1"),
         (["--tp", "2:0"], "--tp: '2:0' is not of the form P:D with positive integers, e.g. 2:1"),
-        (["--prompts", "0"], "--prompts: 0 is not a positive integer"),
+        (["--prompts", "0"], "argument --prompts: '0' is not allowed: use a whole number of 1"),
     ],
 )
 def test_kvx_demo_bad_arguments_exit_2(args: list[str], message: str) -> None:
