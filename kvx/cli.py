@@ -11,11 +11,13 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -42,10 +44,50 @@ def _positive_int(text: str) -> int:
     return value
 
 
+LIST_EXAMPLES = """examples:
+  kvx list                 # tables: name, aliases, provider, status, summary
+  kvx list --json | jq '.connectors[] | select(.importable) | .name'
+"""
+VALIDATE_EXAMPLES = """examples:
+  kvx validate --kv-transfer-config '{"kv_connector": "SharedStorageConnector",
+      "kv_connector_extra_config": {"storage_url": "file:///tmp/kvx-kv"}}'
+  kvx validate --kv-transfer-config @my-config.json
+
+exit status: 0 valid (notes on stderr), 2 invalid (each problem names the key, the value and
+what is allowed)
+"""
+DEMO_EXAMPLES = """examples:
+  kvx demo                                     # the embedded shared-storage setup
+  kvx demo --tp 2:1 --layout HND --prompts 3
+  kvx demo --kv-transfer-config '{"kv_connector": "NixlConnector"}'
+  kvx demo --kv-transfer-config '{"kv_connector": "SharedStorageConnector",
+      "kv_connector_extra_config": {"storage_url": "file://{tmp}/kv"}}'
+
+'{tmp}' in the config's strings becomes the demo's own temporary directory (removed after).
+exit status: 0 KV moved and every output and KV byte matched a single engine's; 1 a mismatch,
+or no KV moved between the engines (the warning says why); 2 a bad flag or config
+"""
+PROXY_EXAMPLES = """examples:
+  kvx proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+"""
+
+
+def _paragraph(text: str) -> str:
+    """A description wrapped for the help (the raw formatter keeps the examples' lines)."""
+    return textwrap.fill(text, width=88)
+
+
 def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvx",
-        description="kvx: pluggable KV-cache transfer SDK for LLM serving.",
+        description=_paragraph(
+            "kvx: pluggable KV-cache transfer SDK for LLM serving. Check a "
+            "--kv-transfer-config, list what is installed, or watch a connector move KV from a "
+            "prefill engine to a decode engine."
+        ),
+        epilog="examples:\n  kvx list\n  kvx demo\n  kvx validate --kv-transfer-config "
+        "@config.json\n  kvx COMMAND --help    # each command's flags, defaults and examples",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version",
@@ -54,40 +96,96 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p_list = sub.add_parser("list", help="list connectors, layouts, transforms, storage backends")
-    p_list.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    def add_command(name: str, summary: str, description: str, examples: str) -> Any:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=_paragraph(description),
+            epilog=examples,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    p_list = add_command(
+        "list",
+        "list connectors, layouts, transforms, storage backends",
+        "List every connector, KV layout, block transform and storage backend kvx and its "
+        "plugins registered, with aliases, the plugin providing each, and a status: 'ok' when "
+        "it imports, else what is missing and the command that installs it.",
+        LIST_EXAMPLES,
+    )
+    p_list.add_argument(
+        "--json", action="store_true", help="print machine-readable JSON (default: tables)"
+    )
     p_list.set_defaults(func=_cmd_list)
 
-    p_val = sub.add_parser(
-        "validate", help="validate a --kv-transfer-config and print it normalised"
+    p_val = add_command(
+        "validate",
+        "validate a --kv-transfer-config and print it normalised",
+        "Check a --kv-transfer-config as vLLM's --kv-transfer-config takes it: every key, "
+        "the connector's name and its kv_connector_extra_config. Prints the config with "
+        "defaults filled in; notes (missing extras, unchecked keys) go to stderr.",
+        VALIDATE_EXAMPLES,
     )
     p_val.add_argument(
         "--kv-transfer-config",
         required=True,
         metavar="JSON|@FILE",
-        help="the config as a JSON object, or @path to a JSON file",
+        help="the config as a JSON object, or @path to a JSON file (required)",
     )
     p_val.set_defaults(func=_cmd_validate)
 
-    p_demo = sub.add_parser("demo", help="run prefill and decode engines with a connector")
+    layouts = ", ".join(sorted(registry.layouts())) or "none installed"
+    p_demo = add_command(
+        "demo",
+        "run prefill and decode engines with a connector",
+        "Start a prefill engine and a decode engine in separate processes (a tiny model built "
+        "locally), send prompts of varied lengths through them with a connector moving the KV "
+        "between them, and compare every output token and KV byte with a single engine's.",
+        DEMO_EXAMPLES,
+    )
     p_demo.add_argument(
         "--kv-transfer-config",
         metavar="JSON|@FILE",
-        help="connector config (default: the embedded shared-storage setup)",
+        help="connector config, as for validate; its kv_role is set per engine (default: "
+        "SharedStorageConnector on a temporary directory)",
     )
     p_demo.add_argument(
         "--tp",
         default="1:1",
         metavar="P:D",
-        help="tensor-parallel sizes of prefill and decode (default 1:1)",
+        help="tensor-parallel sizes of prefill and decode, positive integers; unequal sizes "
+        "need a connector claiming hetero_tp (default: 1:1)",
     )
-    p_demo.add_argument("--prompts", type=_positive_int, default=7, help="number of prompts")
     p_demo.add_argument(
-        "--max-tokens", type=_positive_int, default=8, help="tokens to generate each"
+        "--prompts",
+        type=_positive_int,
+        default=7,
+        metavar="N",
+        help="number of prompts (default: 7)",
     )
-    p_demo.add_argument("--layout", default="NHD", help="KV layout of both engines")
-    p_demo.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
-    p_demo.add_argument("--seed", type=int, default=0, help="prompt and model seed")
+    p_demo.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="tokens each prompt generates (default: 8)",
+    )
+    p_demo.add_argument(
+        "--layout",
+        default="NHD",
+        metavar="NAME",
+        help=f"KV layout of both engines, one of: {layouts} (default: NHD)",
+    )
+    p_demo.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="tokens per KV block, 1 or more (default: 16)",
+    )
+    p_demo.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="prompt and model seed (default: 0)"
+    )
     p_demo.set_defaults(func=_cmd_demo)
 
     from kvx.proxy import cli as proxy_cli  # flags only: the proxy extra is imported on start
@@ -97,6 +195,8 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         help="disaggregated-serving proxy in front of prefill and decode servers",
         description="An OpenAI-compatible proxy: each completion is prefilled on a --prefill "
         "server and decoded on a --decode server, which loads the KV cache P computed.",
+        epilog=PROXY_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     proxy_cli.add_arguments(p_proxy)
     p_proxy.set_defaults(func=_cmd_proxy)
@@ -115,6 +215,25 @@ def _status(registry: Registry, kind: str, entry: Registered[Any]) -> str:
     if hint is not None:
         return f"missing {', '.join(entry.missing())}: {hint}"
     return registry.import_problem(kind, entry.name) or "ok"
+
+
+LIST_COLUMNS = ("name", "aliases", "provided by", "status", "summary")
+
+
+def _table_fits(rows: list[tuple[str, ...]], width: int) -> bool:
+    """Whether a `kvx list` table fits `width` without breaking a word (a name above all)."""
+    columns = list(zip(LIST_COLUMNS, *rows, strict=True))
+    widest_words = [max(len(word) for cell in col for word in cell.split()) for col in columns]
+    return sum(widest_words) + 3 * len(columns) + 1 <= width
+
+
+def _list_table(title: str, rows: list[tuple[str, ...]]) -> Table:
+    table = Table(title=title, title_justify="left", expand=False)
+    for column in LIST_COLUMNS:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    return table
 
 
 def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -154,14 +273,21 @@ def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print_json(json.dumps(doc))
         return EXIT_OK
     for title, entries in sections.items():
-        table = Table(title=f"{title} ({len(entries)})", title_justify="left", expand=False)
-        for column in ("name", "aliases", "provided by", "status", "summary"):
-            table.add_column(column, overflow="fold")
-        for e in sorted(entries.values(), key=lambda e: e.name):
-            aliases = ", ".join(e.spec.aliases)
-            cells = (e.name, aliases, e.source, status[title, e.name], e.spec.summary)
-            table.add_row(*(Text(cell) for cell in cells))
-        out.print(table)
+        rows = [
+            (e.name, ", ".join(e.spec.aliases), e.source, status[title, e.name], e.spec.summary)
+            for e in sorted(entries.values(), key=lambda e: e.name)
+        ]
+        if _table_fits(rows, out.width):
+            out.print(_list_table(f"{title} ({len(entries)})", rows))
+        else:  # too narrow for whole words in five columns: one entry per paragraph
+            out.print(Text(f"{title} ({len(entries)})", style="italic"))
+            for name, aliases, source, state, summary in rows:
+                head = Text(f"  {name}", style="bold")
+                head.append(
+                    f"  {state}  ({source}" + (f"; aliases: {aliases})" if aliases else ")")
+                )
+                out.print(head, soft_wrap=False)
+                out.print(Padding(Text(summary), (0, 0, 0, 6), expand=False), soft_wrap=False)
     for problem in registry.problems:
         err.print(
             f"[yellow]warning:[/] plugin {problem.plugin!r} not loaded: {problem.message}",
