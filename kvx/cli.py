@@ -220,14 +220,14 @@ def _status(registry: Registry, kind: str, entry: Registered[Any]) -> str:
 LIST_COLUMNS = ("name", "aliases", "provided by", "status", "summary")
 
 
-def _table_fits(rows: list[tuple[str, ...]], width: int) -> bool:
+def _table_fits(rows: Sequence[tuple[str, ...]], width: int) -> bool:
     """Whether a `kvx list` table fits `width` without breaking a word (a name above all)."""
     columns = list(zip(LIST_COLUMNS, *rows, strict=True))
     widest_words = [max(len(word) for cell in col for word in cell.split()) for col in columns]
     return sum(widest_words) + 3 * len(columns) + 1 <= width
 
 
-def _list_table(title: str, rows: list[tuple[str, ...]]) -> Table:
+def _list_table(title: str, rows: Sequence[tuple[str, ...]]) -> Table:
     table = Table(title=title, title_justify="left", expand=False)
     for column in LIST_COLUMNS:
         table.add_column(column, overflow="fold")
