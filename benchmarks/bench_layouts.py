@@ -45,6 +45,7 @@ from kvx.layouts import (
 
 RATIO = 2  # block-size ratio of the block-size transforms
 TARGET = "postprocess blksize+layout"  # the transform the issue sets targets for
+QUICK_LABEL = "quick (not a result)"  # --quick sizes are too small to judge targets by
 
 
 Runner = Callable[[], None]
@@ -277,7 +278,8 @@ def main() -> None:
     pairs = measure(cases, repeat, clock)
     memcpy = min(m for kinds in pairs.values() for runs in kinds.values() for m, _ in runs)
 
-    table = Table(title="kvx.layouts transforms (ratios: higher is better)")
+    title = "kvx.layouts transforms (ratios: higher is better)"
+    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
     columns = ("transform", "kvx ms", "GB/s", "x memcpy", "torch-path ms", "x memcpy")
     for col in (*columns, "naive ms", "kvx x naive"):
         table.add_column(col, justify="left" if col == "transform" else "right")
@@ -312,9 +314,11 @@ def main() -> None:
     console.print(
         f"target ({TARGET}): {target[1]:.2f}x memcpy (want >= 0.7), "
         f"{target[2]:.2f}x straightforward (want >= 1.2)"
+        + (f" - {QUICK_LABEL}" if args.quick else "")
     )
     if args.plot:
-        plot(rows, args.plot, f"{moved / 2**20:.0f} MiB, bf16, {torch.get_num_threads()} threads")
+        subtitle = f"{moved / 2**20:.0f} MiB, bf16, {torch.get_num_threads()} threads"
+        plot(rows, args.plot, f"{QUICK_LABEL}, {subtitle}" if args.quick else subtitle)
         console.print(f"wrote {args.plot}")
 
 
@@ -330,10 +334,16 @@ def plot(rows: list[tuple[str, float, float | None]], path: str, subtitle: str) 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label="kvx / memcpy")
-    ax.bar([i + 0.2 for i in x], [r[2] or 0 for r in rows], 0.4, label="kvx / straightforward")
+    ax.bar(
+        [i + 0.2 for i in x],
+        [r[2] or float("nan") for r in rows],
+        0.4,
+        label="kvx / straightforward",
+    )
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_yscale("log")  # ratios: 0.5x and 2x sit equally far from 1, outliers do not squash
     ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("throughput ratio (higher is better)")
+    ax.set_ylabel("throughput ratio, log scale (higher is better)")
     ax.set_title(f"kvx.layouts transforms ({subtitle})")
     ax.legend()
     fig.tight_layout()

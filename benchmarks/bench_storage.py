@@ -662,6 +662,7 @@ def client_ab(results: dict[str, dict[str, float]], rounds: int) -> str:
     )
 
 
+QUICK_LABEL = "quick (not a result)"  # --quick sizes are too small to judge targets by
 TARGETS = (  # (case, baseline, wanted ratio of throughputs)
     ("kvx file://", "raw file", 0.7),
     ("kvx file://", "safetensors per layer", 3.0),
@@ -780,7 +781,8 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
             for closing in (on_file, on_redis, redis_py, raw_redis, block_files, offload):
                 closing.close()
 
-    table = Table(title="storage and offloading (throughput ratios: higher is better)")
+    title = "storage and offloading (throughput ratios: higher is better)"
+    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
     for col in ("case", "save ms", "save GB/s", "load ms", "load GB/s", "vs", "save x", "load x"):
         table.add_column(col, justify="left" if col in ("case", "vs") else "right")
     for case in cases:
@@ -804,6 +806,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
         save = results[base]["save"] / results[name]["save"]
         load = results[base]["load"] / results[name]["load"]
         met = "met" if min(save, load) >= want else "NOT met"
+        met = "no verdict (quick run)" if args.quick else met
         console.print(
             f"target {name} >= {want}x {base}: save {save:.2f}x, load {load:.2f}x -> {met}"
         )
@@ -839,12 +842,14 @@ def main(argv: list[str] | None = None) -> list[tuple[str, str, float, float, fl
     console = Console(width=120)
     verdicts = run(args, console)
     if args.plot:
-        plot(verdicts, args.plot)
+        plot(verdicts, args.plot, args.quick)
         console.print(f"wrote {args.plot}")
     return verdicts
 
 
-def plot(verdicts: list[tuple[str, str, float, float, float]], path: str) -> None:
+def plot(
+    verdicts: list[tuple[str, str, float, float, float]], path: str, quick: bool = False
+) -> None:
     try:
         import matplotlib
 
@@ -860,7 +865,8 @@ def plot(verdicts: list[tuple[str, str, float, float, float]], path: str) -> Non
     ax.scatter(list(x), [v[4] for v in verdicts], marker="_", s=900, color="black", label="target")
     ax.set_xticks(list(x), names, fontsize=8)
     ax.set_ylabel("throughput ratio (higher is better)")
-    ax.set_title("kvx storage and offloading vs baselines")
+    title = "kvx storage and offloading vs baselines"
+    ax.set_title(f"{QUICK_LABEL}: {title}" if quick else title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
