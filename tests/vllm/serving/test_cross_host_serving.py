@@ -137,7 +137,9 @@ def test_nixl_over_tcp_between_namespaces(
         link,
         long_tiny_model,
         nixl_json("kv_producer", side_channel_host=link.ip_a),
-        nixl_json("kv_consumer"),
+        # kvx's NIXL agent limits UCX to the interface of side_channel_host (loopback by
+        # default), on D too: D names its own veth address to reach P across the link
+        nixl_json("kv_consumer", side_channel_host=link.ip_b),
     )
     rx0 = link.rx_bytes_b()
     results = run_in(link.b, dep, workload)
