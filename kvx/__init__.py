@@ -35,8 +35,16 @@ from kvx.events import (
     KVConnectorKVEvents,
 )
 from kvx.registry import Registry, create_connector, get_registry
+from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.specs import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
 from kvx.stats import KVConnectorStats
+from kvx.storage import (
+    StorageBackend,
+    StorageBackendOptions,
+    StorageRegionTable,
+    copy_into,
+    open_storage_backend,
+)
 from kvx.types import (
     BlockIds,
     CachedRequestData,
@@ -65,7 +73,9 @@ __all__ = [
     "Capability",
     "ConfigError",
     "ConfigProblem",
+    "ConnectorScheduler",
     "ConnectorSpec",
+    "ConnectorWorker",
     "CopyBlocksOp",
     "EngineContext",
     "ForwardContext",
@@ -92,14 +102,20 @@ __all__ = [
     "RegistryError",
     "Request",
     "RequestStatus",
+    "RoleSplitConnector",
     "SchedulerOutput",
+    "StorageBackend",
+    "StorageBackendOptions",
     "StorageBackendSpec",
+    "StorageRegionTable",
     "SupportsHMA",
     "TransformSpec",
     "__version__",
+    "copy_into",
     "create_connector",
     "get_registry",
     "hookimpl",
+    "open_storage_backend",
     "supports_hma",
     "yield_req_data",
 ]
