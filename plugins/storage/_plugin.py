@@ -32,7 +32,7 @@ def kvx_connectors() -> list[ConnectorSpec]:
         ConnectorSpec(
             name="SharedStorageConnector",
             aliases=("ExampleConnector",),
-            target="kvx.plugins.storage:SharedStorageConnector",
+            target="kvx.plugins.storage.connector:SharedStorageConnector",
             summary="stores full KV blocks by prefix hash in files, object stores or Redis",
             config_schema="kvx.plugins.storage.config:SharedStorageConfig",
         )

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import kvx
+from kvx import ConnectorWorker, StorageBackend
 from kvx.layouts import Layout, convert_blocks, get_layout
-from kvx.plugins.storage.backends.base import StorageBackend, copy_into
 from kvx.plugins.storage.blockformat import (
     CHECKSUM_SPAN,
     HEADER,
@@ -51,6 +51,7 @@ from kvx.plugins.storage.blockformat import (
 )
 from kvx.plugins.storage.keys import Geometry, Stage, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
+from kvx.plugins.storage.stats import StorageStats, Tally
 from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class _Fetched:
     foreign: bool = False
 
 
-class StorageWorker:
+class StorageWorker(ConnectorWorker[StorageMetadata]):
     def __init__(
         self,
         geometry: Geometry,
@@ -230,8 +231,7 @@ class StorageWorker:
         self._items: list[tuple[str, memoryview | int]] = []
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
-        self._stats: Counter[str] = Counter()
-        self._stats_lock = threading.Lock()
+        self._tally = Tally()
 
     # -- registration ----------------------------------------------------------------------
 
@@ -287,8 +287,8 @@ class StorageWorker:
                 bad_token = max(spec.start, (spec.first_block + load.bad) * self.geo.block_size)
                 first_bad = (bad_token - spec.start) // self.geo.engine_block_size
                 self._load_errors.update(spec.block_ids[first_bad:])
-                self._count(load_errors=len(spec.block_ids) - first_bad)
-            self._count(loaded_tokens=self._valid_tokens(load))
+                self._tally.add(load_errors=len(spec.block_ids) - first_bad)
+            self._tally.add(loaded_tokens=self._valid_tokens(load))
 
     def _units(self, loads: list[_Load]) -> list[_Unit]:
         """Every value the loads need, grouped per writer stage and head shard into units of
@@ -429,7 +429,7 @@ class StorageWorker:
         if self._native_io():
             per = max(1, len(names))
         else:
-            per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
+            per = max(1, self.backend.group_bytes // shape.value_bytes)
         for at in range(0, len(names), per):
             group = slice(at, at + per)
             try:
@@ -457,7 +457,7 @@ class StorageWorker:
     def _native_io(self) -> bool:
         """Whether direct values move through the backend's native block IO (local files),
         checksummed in the same pass."""
-        return self.verify and getattr(self.backend, "hashed_io", False)
+        return self.verify and self.backend.hashed_io
 
     def _read_checked(
         self, names: list[str], heads: list[memoryview], blocks: list[int]
@@ -488,37 +488,14 @@ class StorageWorker:
 
     def _read_into(self, names: list[str], rows: list[memoryview]) -> Sequence[int | None]:
         """Read each value into its row: per value its stored size (None if absent)."""
-        get_into = getattr(self.backend, "get_into", None)
-        if get_into is not None:
-            sizes: Sequence[int | None] = get_into(names, rows)
-            return sizes
-        out: list[int | None] = []  # a backend without get_into: read, then copy
-        for row, data in zip(rows, self.backend.get_many(names, len(rows[0])), strict=True):
-            if data is not None and len(data) == len(row):
-                row[:] = data
-            out.append(None if data is None else len(data))
-        return out
+        return self.backend.get_into(names, rows)
 
     def _read_vectored(
         self, names: list[str], buffers: list[list[memoryview]]
     ) -> Sequence[int | None]:
         """Read each value into its buffers (in order): per value its stored size (None if
         absent)."""
-        get_vectored = getattr(self.backend, "get_vectored", None)
-        if get_vectored is not None:
-            sizes: Sequence[int | None] = get_vectored(names, buffers)
-            return sizes
-        total = sum(len(b) for b in buffers[0])  # every value of a unit is as long
-        flat = self._read_buffers.take(len(names) * total)
-        try:
-            rows = [memoryview(row.numpy()) for row in _rows(flat, len(names), total)]
-            out = self._read_into(names, rows)
-            for row, parts, size in zip(rows, buffers, out, strict=True):
-                if size == total:
-                    copy_into(parts, row)
-            return out
-        finally:
-            self._read_buffers.give(flat)
+        return self.backend.get_vectored(names, buffers)
 
     def _apply(self, fetched: _Fetched) -> None:
         """Settle each load's first bad block; scatter the good blocks of a buffered unit,
@@ -550,7 +527,7 @@ class StorageWorker:
             stored = self._unify_orders(fetched.values, good, fetched.shapes)
             self._scatter(unit, fetched.values, good, stored)
         rows = sum(n for _, n in good)
-        self._count(loaded_bytes=rows * unit.shape.value_bytes)
+        self._tally.add(loaded_bytes=rows * unit.shape.value_bytes)
 
     def _unify_orders(
         self,
@@ -758,7 +735,7 @@ class StorageWorker:
                 for name, value in buffers:
                     seal(name, shape, value)
                 self.backend.put_many(buffers)
-            self._count(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
+            self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
         finally:
             if not direct:
                 self._budget.release(len(items) * shape.value_bytes)
@@ -770,21 +747,17 @@ class StorageWorker:
         names = [name for name, _ in items]
         blocks = [block for _, block in items if isinstance(block, int)]
         assert len(blocks) == len(items), "direct writes name engine blocks"
-        if getattr(self.backend, "hashed_io", False):
+        if self.backend.hashed_io:
             seeds = [checksum_seed(name, shape) for name in names]
             self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self._table, blocks)
             return
-        per = max(1, getattr(self.backend, "group_bytes", GROUP_BYTES) // shape.value_bytes)
-        put_vectored = getattr(self.backend, "put_vectored", None)
+        per = max(1, self.backend.group_bytes // shape.value_bytes)
         for at in range(0, len(items), per):
             vectors = []
             for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
                 payload = self._regions(block)
                 vectors.append((name, [header(name, shape, payload), *payload]))
-            if put_vectored is not None:
-                put_vectored(vectors)
-            else:
-                self.backend.put_many([(name, b"".join(parts)) for name, parts in vectors])
+            self.backend.put_vectored(vectors)
 
     def _drop_unfinished_saves(self) -> None:
         """A step whose stage layers were not all saved writes nothing (values are whole)."""
@@ -792,7 +765,7 @@ class StorageWorker:
             return
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
-        self._count(save_errors=1)
+        self._tally.add(save_errors=1)
         if self._step_values is not None:
             self._budget.release(self._step_values.numel())
         self._step_values, self._saves_meta, self._saved_layers = None, None, set()
@@ -809,7 +782,7 @@ class StorageWorker:
             try:
                 future.result()
             except Exception as exc:
-                self._count(save_errors=1)
+                self._tally.add(save_errors=1)
                 logger.warning(
                     "kvx storage: writing KV blocks to %s failed: %s: %s",
                     self.backend.url,
@@ -823,19 +796,13 @@ class StorageWorker:
 
     # -- misc ------------------------------------------------------------------------------
 
-    def take_stats(self) -> kvx.KVConnectorStats | None:
-        with self._stats_lock:
-            data, self._stats = dict(self._stats), Counter()
-        return kvx.KVConnectorStats(data) if data else None
+    def take_stats(self) -> StorageStats | None:
+        return self._tally.take()
 
     def shutdown(self) -> None:
         self.wait_for_save()
         self._pool.shutdown(wait=True)
         self.backend.close()
-
-    def _count(self, **counts: int) -> None:
-        with self._stats_lock:
-            self._stats.update(counts)
 
     def _shape(self, stage: Stage, heads: range) -> BlockShape:
         g = self.geo

@@ -19,7 +19,7 @@ import kvx
 from kvx import KVTransferConfig
 from kvx.plugins.storage import worker as storage_worker
 from kvx.plugins.storage.backends import fsspec_backend
-from kvx.plugins.storage.backends.base import BackendOptions, open_backend
+from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 from kvx.plugins.storage.backends.resp import RespConnection
 from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
@@ -96,7 +96,7 @@ def test_file_reader_never_sees_a_torn_value(
 
 @pytest.mark.timeout(30)
 def test_redis_reader_never_sees_a_torn_value(redis_url: str) -> None:
-    backend = open_backend(redis_url, BackendOptions())
+    backend = kvx.open_storage_backend(redis_url, BackendOptions())
     try:
         values = [bytes([i]) * (4 << 20) for i in range(1, 4)]
         done = threading.Event()
@@ -148,8 +148,8 @@ def test_vectored_io_takes_views_of_any_element_type(scheme: str, tmp_path: Path
 
 
 def test_memory_backend_is_shared_within_a_process() -> None:
-    a = open_backend("memory://kvx-shared-test", BackendOptions())
-    b = open_backend("memory://kvx-shared-test", BackendOptions())
+    a = kvx.open_storage_backend("memory://kvx-shared-test", BackendOptions())
+    b = kvx.open_storage_backend("memory://kvx-shared-test", BackendOptions())
     a.put_many([("x/y", b"value")])
     assert b.get_many(["x/y", "x/z"], 100) == [b"value", None]
     assert b.exists_many(["x/y", "x/z"]) == [True, False]

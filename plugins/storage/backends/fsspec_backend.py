@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 
 try:  # one-pass read + checksum (built when the system has xxhash.h)
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 
 
-class FsspecBackend:
+class FsspecBackend(StorageBackend):
     """Values are files `<root>/<key>`; written to a temporary name and renamed into place
     (`os.replace` on local disks), or put in one request where a put is atomic. Local files
     go through plain `os` calls: fsspec's file objects cost more than writing a block does."""

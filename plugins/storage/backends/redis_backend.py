@@ -29,7 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvx.plugins.storage.backends.base import BackendOptions, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
 from kvx.plugins.storage.backends.resp import RespConnection
 
 KEY_PREFIX = "kvx/"
@@ -46,7 +46,7 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
-class RedisBackend:
+class RedisBackend(StorageBackend):
     """A pipelined key -> bytes store on a Redis server (values up to 512 MB, optional TTL)."""
 
     def __init__(self, url: str, options: BackendOptions) -> None:
