@@ -1,23 +1,23 @@
-"""ExamplePDConnector: prefill/decode hand-off of whole KV blocks through a shared directory."""
+"""The worker half: P's workers write a finished prompt's blocks to one file per rank; D's
+workers wait for that file and copy its blocks into the paged cache, both on a background
+thread."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
 
 import torch
 
 import kvx
-from kvx import Capability, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvx import ConnectorWorker, KVConnectorStats
 from kvx.layouts import get_layout
-from kvx_example_connector.config import ExamplePDConfig
+from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec
+from kvx_example_connector.stats import ExamplePDStats
 
 logger = logging.getLogger(__name__)
 
@@ -25,140 +25,46 @@ MAGIC = b"KVXEX1\n"
 MAX_HEADER = 1 << 16
 
 
-@dataclass
-class SaveSpec:
-    req_id: str
-    block_ids: list[int]
-
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    local_block_ids: list[int]
-    remote_engine_id: str
-    remote_request_id: str
-    remote_block_ids: list[int]
-
-
-@dataclass
-class ExamplePDMetadata(KVConnectorMetadata):
-    """This step's work for the workers (plain fields: it may cross processes)."""
-
-    saves: list[SaveSpec] = field(default_factory=list)
-    loads: list[LoadSpec] = field(default_factory=list)
-
-
-class ExamplePDConnector(KVConnectorBase_V1):
-    """P holds a finished prompt's blocks until its workers wrote them to files; D loads the
-    files asynchronously. Same TP, block size and layout on both sides."""
-
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
-    )
-
+class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
     def __init__(
-        self, config: kvx.KVTransferConfig, role: KVConnectorRole, ctx: kvx.EngineContext
+        self, root: Path, load_timeout_s: float, engine_id: str, ctx: kvx.EngineContext
     ) -> None:
-        super().__init__(config, role, ctx)
-        self.options = config.extra_config_as(ExamplePDConfig)
-        self.root = Path(self.options.directory)
-        # scheduler side
-        self._saves: list[SaveSpec] = []
-        self._loads: list[LoadSpec] = []
-        # worker side
+        self.root = root
+        self.load_timeout_s = load_timeout_s
+        self.engine_id = engine_id
+        self.rank = f"pp{ctx.parallel.pp_rank}_tp{ctx.parallel.tp_rank}"
+        cache = ctx.cache
+        self.dim = get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
         self._caches: dict[str, torch.Tensor] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-example")
         self._saving: dict[str, Future[None]] = {}
         self._loading: dict[str, tuple[Future[None], list[int]]] = {}
         self._errors: set[int] = set()
-        self._lock = threading.Lock()
-        if role is KVConnectorRole.WORKER:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-example")
-
-    # ------------------------------------------------------------------ scheduler side
-
-    def get_num_new_matched_tokens(
-        self, request: kvx.Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
-            return 0, False
-        count = max(0, request.num_prompt_tokens - num_computed_tokens)
-        return count, count > 0
-
-    def update_state_after_alloc(
-        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
-            return
-        params["do_remote_prefill"] = False  # load once, even if called again
-        if num_external_tokens == 0:
-            return
-        self._loads.append(
-            LoadSpec(
-                request.request_id,
-                blocks.get_unhashed_block_ids(),
-                params["remote_engine_id"],
-                params["remote_request_id"],
-                list(params["remote_block_ids"]),
-            )
-        )
-
-    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> ExamplePDMetadata:
-        meta = ExamplePDMetadata(self._saves, self._loads)
-        self._saves, self._loads = [], []
-        return meta
-
-    def request_finished(
-        self, request: kvx.Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_decode") or request.status not in (
-            kvx.RequestStatus.FINISHED_LENGTH_CAPPED,
-            kvx.RequestStatus.FINISHED_STOPPED,
-        ):
-            return False, None
-        bs = self.engine_context.cache.block_size
-        prompt_blocks = block_ids[: -(-request.num_prompt_tokens // bs)]
-        self._saves.append(SaveSpec(request.request_id, prompt_blocks))
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.kv_transfer_config.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": prompt_blocks,
-            "remote_num_tokens": request.num_prompt_tokens,
-        }
-
-    # ------------------------------------------------------------------ worker side
+        self.stats = ExamplePDStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = dict(kv_caches)
 
     def _path(self, engine_id: str, req_id: str) -> Path:
-        p = self.engine_context.parallel
-        return self.root / engine_id / req_id / f"pp{p.pp_rank}_tp{p.tp_rank}.kv"
+        return self.root / engine_id / req_id / f"{self.rank}.kv"
 
-    def start_load_kv(self, forward_context: kvx.ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ExamplePDMetadata) and self._pool is not None
-        cache = self.engine_context.cache
-        dim = get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
-        for save in meta.saves:
+    def start_load_kv(self, metadata: ExamplePDMetadata) -> None:
+        """Saves copy their blocks out now (P holds them until written); loads start."""
+        for save in metadata.saves:
             index = torch.tensor(save.block_ids, dtype=torch.long)
-            snapshot = {name: t.index_select(dim, index) for name, t in self._caches.items()}
-            path = self._path(str(self.kv_transfer_config.engine_id), save.req_id)
+            snapshot = {name: t.index_select(self.dim, index) for name, t in self._caches.items()}
+            path = self._path(self.engine_id, save.req_id)
             self._saving[save.req_id] = self._pool.submit(_write_atomic, path, snapshot)
-        for load in meta.loads:
+        for load in metadata.loads:
             path = self._path(load.remote_engine_id, load.remote_request_id)
-            future = self._pool.submit(self._load, path, load, dim)
+            future = self._pool.submit(self._load, path, load, self.dim)
             self._loading[load.req_id] = (future, load.local_block_ids)
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
-        deadline = time.monotonic() + self.options.load_timeout_s
+        deadline = time.monotonic() + self.load_timeout_s
         while not path.exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{path} did not appear within {self.options.load_timeout_s}s")
+                raise TimeoutError(f"{path} did not appear within {self.load_timeout_s}s")
             time.sleep(0.01)
         blocks = _read(path, self._caches, dim)
         index = torch.tensor(load.local_block_ids, dtype=torch.long)
@@ -173,40 +79,33 @@ class ExamplePDConnector(KVConnectorBase_V1):
             self._caches[name].index_copy_(dim, index, picked)
         path.unlink(missing_ok=True)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous: the request is not computed until they finish."""
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        """Nothing per layer: whole prompts are saved once they are finished."""
-
-    def wait_for_save(self) -> None:
-        """Saves copy their blocks out in `start_load_kv`; P holds the blocks until written."""
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending = {rid for rid, f in self._saving.items() if f.done()}
-        for rid in sending:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Files written (P frees those blocks) and files loaded, failed ones included: a
+        failed load reports its blocks as load errors."""
+        written = [rid for rid, future in self._saving.items() if future.done()]
+        for rid in written:
             error = self._saving.pop(rid).exception()
+            self.stats.count("files_failed" if error else "files_written")
             if error is not None:  # D's load will time out and report the blocks as bad
                 logger.error("writing KV of request %s failed: %s", rid, error)
-        recving = set()
-        for rid, (future, local) in list(self._loading.items()):
-            if future.done():
-                del self._loading[rid]
-                recving.add(rid)
-                if future.exception() is not None:
-                    self._errors.update(local)
-        return sending or None, recving or None
+        loaded = [rid for rid, (future, _) in self._loading.items() if future.done()]
+        for rid in loaded:
+            future, local = self._loading.pop(rid)
+            failed = future.exception() is not None
+            self.stats.count("files_failed" if failed else "files_loaded")
+            if failed:
+                self._errors.update(local)
+        return set(written), set(loaded)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
 
+    def take_stats(self) -> KVConnectorStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _write_atomic(path: Path, blocks: dict[str, torch.Tensor]) -> None:

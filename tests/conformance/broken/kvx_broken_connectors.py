@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
-from kvx_example_connector.connector import ExamplePDConnector, LoadSpec
+from kvx_example_connector.connector import ExamplePDConnector
+from kvx_example_connector.metadata import LoadSpec
+from kvx_example_connector.worker import ExamplePDWorker
 
 LEAKED_THREAD_STOPS: list[threading.Event] = []  # the test stops the leaked threads after it
 
 
-class DropsBlock(ExamplePDConnector):
+class DropsBlockWorker(ExamplePDWorker):
     """Loads every block but the last one (whatever was there before stays)."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -28,7 +30,7 @@ class DropsBlock(ExamplePDConnector):
             cache.index_copy_(dim, last, before[name])
 
 
-class SwapsBlocks(ExamplePDConnector):
+class SwapsBlocksWorker(ExamplePDWorker):
     """Writes the first two loaded blocks into each other's place."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -48,25 +50,25 @@ class SwapsBlocks(ExamplePDConnector):
         )
 
 
-class FinishesEarly(ExamplePDConnector):
+class FinishesEarlyWorker(ExamplePDWorker):
     """Reports a load finished as soon as it starts, before the data has landed."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving = super().get_finished(finished_req_ids)
         early = set(self._loading)
         self._loading.clear()  # forget them: the loads keep running unobserved
-        return sending, (recving or set()) | early or None
+        return sending, recving | early
 
 
-class NeverFrees(ExamplePDConnector):
+class NeverFreesWorker(ExamplePDWorker):
     """Holds a finished prompt's blocks and never reports them sent."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         _, recving = super().get_finished(finished_req_ids)
-        return None, recving
+        return set(), recving
 
 
-class WritesOtherHeads(ExamplePDConnector):
+class WritesOtherHeadsWorker(ExamplePDWorker):
     """Loads the right blocks but puts each head's KV into the next head's place."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -77,7 +79,7 @@ class WritesOtherHeads(ExamplePDConnector):
             cache.index_copy_(dim, index, blocks.roll(1, dims=-2))
 
 
-class LeaksThread(ExamplePDConnector):
+class LeaksThreadWorker(ExamplePDWorker):
     """Starts a helper thread that outlives `shutdown()`."""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -85,3 +87,27 @@ class LeaksThread(ExamplePDConnector):
         stop = threading.Event()
         LEAKED_THREAD_STOPS.append(stop)
         threading.Thread(target=stop.wait, name="leaked-by-connector", daemon=True).start()
+
+
+class DropsBlock(ExamplePDConnector):
+    worker_type = DropsBlockWorker
+
+
+class SwapsBlocks(ExamplePDConnector):
+    worker_type = SwapsBlocksWorker
+
+
+class FinishesEarly(ExamplePDConnector):
+    worker_type = FinishesEarlyWorker
+
+
+class NeverFrees(ExamplePDConnector):
+    worker_type = NeverFreesWorker
+
+
+class WritesOtherHeads(ExamplePDConnector):
+    worker_type = WritesOtherHeadsWorker
+
+
+class LeaksThread(ExamplePDConnector):
+    worker_type = LeaksThreadWorker
