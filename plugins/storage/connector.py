@@ -26,13 +26,8 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     checksummed, engine-neutral and asynchronous on the save side)."""
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {
-            Capability.STORE_REUSE,
-            Capability.DETECTS_CORRUPTION,
-            Capability.HETERO_TP,
-            Capability.BLOCK_SIZE_MISMATCH,
-            Capability.LAYOUT_CONVERSION,
-        }
+        {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION, Capability.HETERO_TP}
+        | {Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
     )
     metadata_type = StorageMetadata
     stats_type = StorageStats

@@ -118,11 +118,9 @@ class StorageScheduler(ConnectorScheduler):
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Saves are durable by the step's `wait_for_save`: blocks are never held."""
-        req_id = request.request_id
-        self._keys.pop(req_id, None)
-        self._reqs.pop(req_id, None)
-        self._found.pop(req_id, None)
-        self._loads.pop(req_id, None)
+        tables: tuple[dict[str, Any], ...] = (self._keys, self._reqs, self._found, self._loads)
+        for table in tables:
+            table.pop(request.request_id, None)
         return False, None
 
     def shutdown(self) -> None:
