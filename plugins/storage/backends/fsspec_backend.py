@@ -243,7 +243,7 @@ class FsspecBackend(StorageBackend):
         """The `_fileio` module, or a clear error where it cannot serve (not local files, or
         not built)."""
         if not self.hashed_io:
-            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
+            raise NotImplementedError(f"{self.url}: one-pass checksummed IO needs local files")
         return _fileio
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
