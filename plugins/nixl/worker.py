@@ -64,7 +64,7 @@ class ReadJob:
 HandshakeKey = tuple[str, str, int, int, int]
 
 
-class NixlWorker:
+class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
         self.ctx = ctx
@@ -182,7 +182,7 @@ class NixlWorker:
             if remote is not None:  # before the first handshake there is nobody to tell
                 self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._progress_handshakes()
         self._poll_reads()
         self._heartbeat()
