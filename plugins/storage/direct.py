@@ -167,7 +167,7 @@ class DirectIO:
             return
         per = max(1, self.backend.group_bytes // shape.value_bytes)
         for at in range(0, len(names), per):
-            vectors = []
+            vectors: list[tuple[str, list[bytes | memoryview]]] = []
             for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
                 payload = self.regions(block)
                 vectors.append((name, [header(name, shape, payload), *payload]))

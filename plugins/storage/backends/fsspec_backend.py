@@ -11,6 +11,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import fsspec
@@ -19,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 
+_fileio: ModuleType | None
 try:  # one-pass read + checksum (built when the system has xxhash.h)
     from kvx.plugins.storage import _fileio
 except ImportError:  # pragma: no cover - every `make` install builds it

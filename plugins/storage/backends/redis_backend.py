@@ -123,7 +123,7 @@ class RedisBackend(StorageBackend):
             sizes.append(len(value) if value else None)
         return sizes
 
-    def put_vectored(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> None:
+    def put_vectored(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
         """Store each key = the concatenation of its buffers (sent from them, not joined);
         raise on failure (values already written may stay)."""
         if not items:
@@ -133,7 +133,8 @@ class RedisBackend(StorageBackend):
             return
         conn = self._take()
         try:
-            conn.set_vectored([(KEY_PREFIX + key, parts) for key, parts in items], self.ttl_s)
+            values = [(KEY_PREFIX + key, [memoryview(p) for p in parts]) for key, parts in items]
+            conn.set_vectored(values, self.ttl_s)
         except BaseException:
             conn.close()
             raise
