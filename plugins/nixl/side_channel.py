@@ -6,28 +6,37 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import zmq
 
 from kvx.plugins.nixl.handshake import (
     MAX_REQUEST_BYTES,
+    NONCE_BYTES,
+    REPLY_DOMAIN,
+    REPLY_OK,
+    REPLY_REFUSED,
+    REQUEST_DOMAIN,
     HandshakeError,
     HandshakePayload,
     HandshakeRequest,
     rank_bytes,
-    sign,
-    verify,
 )
-from kvx.wire import WireError, decode, encode
+from kvx.wire import ReplayGuard, WireError, decode_sealed, encode, seal
 
 logger = logging.getLogger(__name__)
 GET_META = "get_meta_msg"
 POLL_MS = 100
+WARN_EVERY_S = 10.0
+"""Refused requests are logged at most this often."""
+REFUSAL_MAX = 512
+"""Longest refusal text a reply carries (and D shows)."""
 
 
 class SideChannelServer:
     """A ZMQ ROUTER on `host:port` (port 0: a free one) answering `get_meta_msg` requests
-    from a thread; `close()` stops the thread and closes the socket."""
+    from a thread; `close()` stops the thread and closes the socket. Whatever a peer sends,
+    the thread keeps serving: a bad request gets a refusal, a bad frame is dropped."""
 
     def __init__(
         self,
@@ -40,6 +49,7 @@ class SideChannelServer:
     ) -> None:
         self._hash, self._factors, self._payloads = compat_hash, factors, payloads
         self._secret = secret
+        self._replays = ReplayGuard()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -54,6 +64,8 @@ class SideChannelServer:
             self._context.term()
             raise HandshakeError(f"cannot bind the side channel to {host}:{port}: {exc}") from None
         self.host, self.port = host, port
+        self.served = self.refused = 0
+        self._quiet_until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, name=f"kvx-nixl-side-channel-{port}", daemon=True
@@ -64,40 +76,65 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(POLL_MS):
-                continue
-            frames = self._socket.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"":
-                logger.warning("side channel: ignoring a message of %d frames", len(frames))
-                continue
-            reply = self._answer(frames[2])
-            self._socket.send_multipart([frames[0], b"", encode(reply)])
+            try:
+                if not poller.poll(POLL_MS):
+                    continue
+                frames = self._socket.recv_multipart(copy=True)
+                if len(frames) != 3 or frames[1] != b"":
+                    logger.warning("side channel: ignoring a message of %d frames", len(frames))
+                    continue
+                self._socket.send_multipart([frames[0], b"", self._answer(frames[2])])
+            except zmq.ContextTerminated:
+                return
+            except Exception as exc:  # an untrusted peer must never stop the server
+                logger.warning("side channel: dropped a message: %s: %s", type(exc).__name__, exc)
 
-    def _answer(self, data: bytes) -> HandshakePayload:
+    def _answer(self, data: bytes) -> bytes:
+        """The reply to one request: `REPLY_OK` + the sealed payload, or `REPLY_REFUSED` +
+        why (plain text; D shows it but trusts nothing in it)."""
         try:
-            req = decode(data, HandshakeRequest, max_bytes=MAX_REQUEST_BYTES)
+            req = decode_sealed(
+                data, HandshakeRequest, self._secret, REQUEST_DOMAIN, max_bytes=MAX_REQUEST_BYTES
+            )
         except WireError as exc:
-            return HandshakePayload(error=f"bad request: {exc}")
+            return self._refuse(f"bad request: {exc}")
+        if self._secret is not None:
+            stale = self._replays.check(req.nonce, req.timestamp)
+            if stale is not None:
+                return self._refuse(stale)
         if req.kind != GET_META:
-            return HandshakePayload(error=f"unknown request {req.kind!r}")
-        rank = rank_bytes(req.pp_rank, req.tp_rank)
-        if not verify(self._secret, req.auth, b"request", req.nonce, rank):
-            logger.warning("side channel: refused a request without the shared secret")
-            return HandshakePayload(error="authentication failed: wrong or missing shared secret")
+            return self._refuse(f"unknown request {req.kind[:64]!r}")
         payload = self._payloads.get((req.pp_rank, req.tp_rank))
         if payload is None:
-            return HandshakePayload(
-                error=f"no worker pp_rank={req.pp_rank} tp_rank={req.tp_rank}; "
-                f"known: {sorted(self._payloads)}"
+            return self._refuse(
+                f"no worker pp_rank={req.pp_rank} tp_rank={req.tp_rank}; "
+                f"known: {sorted(self._payloads)[:16]}"
             )
-        auth = sign(self._secret, b"reply", req.nonce, rank, self._hash.encode(), payload)
-        return HandshakePayload(self._hash, self._factors, payload, auth)
+        body = encode(HandshakePayload(self._hash, self._factors, payload))
+        self.served += 1
+        rank = rank_bytes(req.pp_rank, req.tp_rank)
+        return REPLY_OK + seal(self._secret, REPLY_DOMAIN, body, req.nonce, rank)
+
+    def _refuse(self, why: str) -> bytes:
+        self.refused += 1
+        now = time.monotonic()
+        if now >= self._quiet_until:  # a flood of garbage is not a flood of log lines
+            self._quiet_until = now + WARN_EVERY_S
+            logger.warning("side channel: refused a request (%d so far): %s", self.refused, why)
+        return REPLY_REFUSED + why.encode("utf-8", "replace")[:REFUSAL_MAX]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._socket.close(linger=0)
         self._context.term()
+
+
+def make_request(pp_rank: int, tp_rank: int, secret: str | None) -> tuple[bytes, bytes]:
+    """A fresh sealed `get_meta_msg` request and its nonce."""
+    nonce = os.urandom(NONCE_BYTES)
+    body = encode(HandshakeRequest(GET_META, pp_rank, tp_rank, nonce, time.time()))
+    return seal(secret, REQUEST_DOMAIN, body), nonce
 
 
 def fetch_payload(
@@ -110,26 +147,23 @@ def fetch_payload(
     max_bytes: int,
     secret: str | None,
 ) -> HandshakePayload:
-    """Ask P's side channel for one worker's payload; check its size, shape and HMAC.
+    """Ask P's side channel for one worker's payload; check its size and (with a secret) its
+    seal before decoding the envelope (phase one).
 
-    Raises `HandshakeError` on timeout, an oversized or malformed reply, an error reply or a
-    failed authentication. Only the envelope is decoded here (phase one).
+    Raises `HandshakeError` on timeout, an oversized, malformed or unauthenticated reply, or a
+    refusal.
     """
-    nonce = os.urandom(16)
-    rank = rank_bytes(pp_rank, tp_rank)
-    request = HandshakeRequest(
-        GET_META, pp_rank, tp_rank, nonce, sign(secret, b"request", nonce, rank)
-    )
+    request, nonce = make_request(pp_rank, tp_rank, secret)
     where = f"side channel tcp://{host}:{port} (pp_rank={pp_rank}, tp_rank={tp_rank})"
     context = zmq.Context()
     socket = context.socket(zmq.REQ)
     try:
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes)
+        socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
         socket.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
         socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         socket.connect(f"tcp://{host}:{port}")
-        socket.send(encode(request))
+        socket.send(request)
         data = socket.recv()
     except zmq.Again:
         raise HandshakeError(f"{where}: no reply within {timeout_s:g}s") from None
@@ -138,20 +172,44 @@ def fetch_payload(
     finally:
         socket.close(linger=0)
         context.term()
+    return open_reply(
+        data, nonce, pp_rank, tp_rank, where=where, max_bytes=max_bytes, secret=secret
+    )
+
+
+def open_reply(
+    data: bytes,
+    nonce: bytes,
+    pp_rank: int,
+    tp_rank: int,
+    *,
+    where: str,
+    max_bytes: int,
+    secret: str | None,
+) -> HandshakePayload:
+    """Check and decode one side-channel reply to the request with `nonce`."""
+    if len(data) > max_bytes:
+        raise HandshakeError(
+            f"{where}: reply of {len(data)} bytes exceeds the limit of {max_bytes} bytes"
+        )
+    tag, body = data[:1], data[1:]
+    if tag == REPLY_REFUSED:
+        text = body[:REFUSAL_MAX].decode("utf-8", "replace")
+        shown = "".join(c if c.isprintable() else "?" for c in text)
+        raise HandshakeError(f"{where}: peer refused: {shown}")
+    if tag != REPLY_OK:
+        raise HandshakeError(f"{where}: malformed reply (it starts with {tag!r}, not {REPLY_OK!r})")
     try:
-        reply = decode(data, HandshakePayload, max_bytes=max_bytes)
+        return decode_sealed(
+            body,
+            HandshakePayload,
+            secret,
+            REPLY_DOMAIN,
+            nonce,
+            rank_bytes(pp_rank, tp_rank),
+            max_bytes=max_bytes,
+        )
     except WireError as exc:
+        if str(exc).startswith("authentication failed"):
+            raise HandshakeError(f"{where}: reply is not signed with the shared secret") from None
         raise HandshakeError(f"{where}: {exc}") from None
-    if reply.error:
-        raise HandshakeError(f"{where}: peer refused: {reply.error}")
-    if not verify(
-        secret,
-        reply.auth,
-        b"reply",
-        nonce,
-        rank,
-        reply.compatibility_hash.encode(),
-        reply.agent_metadata_bytes,
-    ):
-        raise HandshakeError(f"{where}: reply is not signed with the shared secret")
-    return reply

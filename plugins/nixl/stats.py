@@ -13,6 +13,8 @@ COUNT_KEYS = (
     "num_failed_handshakes",
     "num_kv_expired_reqs",
     "num_notifications_after_expiry",
+    "num_refused_notifications",
+    "num_unknown_notifications_dropped",
 )
 MB = float(1 << 20)
 

@@ -42,6 +42,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
                 preferred_shards=min(parallel.tp_size, geometry.total_heads),
                 preferred_pp=parallel.pp_size,
                 store=self.kv_transfer_config.is_kv_producer,
+                load=self.kv_transfer_config.is_kv_consumer,
             )
         except BaseException:
             backend.close()
@@ -67,7 +68,11 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
         geometry = Geometry.of(self.engine_context, options.namespace, options.storage_block_size)
         backend = open_storage_backend(
             options.url,
-            StorageBackendOptions(ttl_s=options.redis_ttl_s, timeout_s=options.timeout_s),
+            StorageBackendOptions(
+                ttl_s=options.redis_ttl_s,
+                timeout_s=options.timeout_s,
+                redis_client=options.redis_client,
+            ),
         )
         return options, geometry, backend
 

@@ -40,10 +40,12 @@ class StorageScheduler(ConnectorScheduler):
         preferred_shards: int,
         preferred_pp: int,
         store: bool,
+        load: bool = True,
     ) -> None:
         self.geo = geometry
         self.backend = backend
-        self.store = store
+        self.store = store  # kv_producer or kv_both
+        self.load = load  # kv_consumer or kv_both
         self._partitions = [  # (writer PP size, head shards), own first
             (pp, shards)
             for pp in geometry.pp_sizes(preferred_pp)
@@ -67,7 +69,7 @@ class StorageScheduler(ConnectorScheduler):
         never the last prompt token (vLLM: `align_to_block_size(len - 1)`); loads are sync."""
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         cap = (len(request.prompt_token_ids) - 1) // ebs * ebs
-        if cap <= num_computed_tokens:
+        if not self.load or cap <= num_computed_tokens:
             return 0, False
         keys = self._request_keys(request)
         first = num_computed_tokens // bs

@@ -143,10 +143,11 @@ class GarbageServer:
 @pytest.mark.parametrize(
     ("reply", "needle"),
     [
-        (b"\xc1 not msgpack", "malformed HandshakePayload"),
-        (encode({"compatibility_hash": 7}), "malformed HandshakePayload"),
+        (b"K\xc1 not msgpack", "malformed HandshakePayload"),
+        (b"K" + encode({"compatibility_hash": 7}), "malformed HandshakePayload"),
+        (b"\xc1 no tag", "malformed reply"),
         (b"\x00" * ((1 << 16) + 1), "exceeds the limit of 65536 bytes"),
-        (encode(HandshakePayload(error="go away")), "peer refused: go away"),
+        (b"Ego away\x00\xff", "peer refused: go away?"),
     ],
 )
 def test_bad_replies_are_refused(reply: bytes, needle: str) -> None:
@@ -206,7 +207,7 @@ def test_shared_secret_authenticates_both_ways() -> None:
             fetch(local_view(context()), srv.port, secret=None)
     finally:
         srv.close()
-    unsigned = GarbageServer(encode(HandshakePayload("h", {}, b"x")))
+    unsigned = GarbageServer(b"K" + encode(HandshakePayload("h", {}, b"x")))
     try:
         with pytest.raises(HandshakeError, match="not signed with the shared secret"):
             fetch_payload(

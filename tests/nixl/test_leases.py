@@ -14,9 +14,9 @@ def leases() -> Leases:
 def test_freed_after_the_expected_number_of_done_notifications() -> None:
     lease = leases()
     lease.hold("r", 10.0, now=0.0)
-    lease.on_notification(Notification("done", ["r"], 2), now=1.0)
+    lease.on_notification(Notification("done", ["r"], 2), now=1.0, sender="d0")
     assert lease.take_finished() == set()
-    lease.on_notification(Notification("done", ["r"], 2), now=1.1)
+    lease.on_notification(Notification("done", ["r"], 2), now=1.1, sender="d1")
     assert lease.take_finished() == {"r"}
 
 

@@ -149,6 +149,7 @@ def test_prefill_refusal_reaches_the_client_and_decode_is_not_asked(stub, start_
     assert answer.json() == {"error": {"message": "P refuses", "code": 42}}
     assert answer.headers["x-kvx-prefill"] == p.url
     assert d.behaviour.completions() == []
+    assert [s.outstanding for s in proxy.pool.servers()] == [0, 0]
 
 
 def test_decode_refusal_of_a_stream_reaches_the_client_whole(stub, start_proxy, client):

@@ -7,6 +7,7 @@ The upstream servers are small real HTTP servers on loopback ports standing in f
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -67,6 +68,25 @@ def test_least_outstanding_avoids_the_busy_decode_server(
         1 + expected.count("D1"),
         expected.count("D2"),
     ]
+
+
+def test_decode_server_is_chosen_first_and_counted_busy_while_prefill_works(
+    stub, start_proxy, client, wait_until
+):
+    p, d1, d2 = stub("P"), stub("D1"), stub("D2")
+    p.behaviour.hold = release_p = threading.Event()
+    proxy = start_proxy([p.url], [d1.url, d2.url], routing="least_outstanding")
+    with ThreadPoolExecutor(2) as requests:
+        first = requests.submit(client.post, f"{proxy.url}/v1/completions", json={"prompt": "a"})
+        wait_until(lambda: len(p.behaviour.completions()) == 1, 10, "the first prefill")
+        assert [s.outstanding for s in proxy.pool.servers()] == [1, 1, 0]
+        second = requests.submit(client.post, f"{proxy.url}/v1/completions", json={"prompt": "b"})
+        wait_until(lambda: len(p.behaviour.completions()) == 2, 10, "the second prefill")
+        assert [s.outstanding for s in proxy.pool.servers()] == [2, 1, 1]
+        release_p.set()
+        answers = [first.result(timeout=15), second.result(timeout=15)]
+    assert [a.headers["x-kvx-decode"] for a in answers] == [d1.url, d2.url]
+    assert [s.outstanding for s in proxy.pool.servers()] == [0, 0, 0]
 
 
 def test_servers_added_and_removed_at_run_time(stub, start_proxy, client, wait_until):

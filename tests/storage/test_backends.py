@@ -202,6 +202,22 @@ def test_ttl_is_set_on_every_value(redis_url: str, make_rig: MakeRig) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_redis_client_setting_reaches_the_backend(redis_url: str, make_rig: MakeRig) -> None:
+    """`redis_client: "redis-py"` in the connector's config: values still round trip, and
+    no RESP connection was pooled (a RESP save keeps one)."""
+    tokens = list(range(40))
+    for client, pooled in (("redis-py", 0), ("resp", 1)):
+        extra = {"redis_client": client, "namespace": client}
+        make_rig(redis_url, extra=extra).prefill("p", tokens)
+        rig = make_rig(redis_url, extra=extra)
+        run = rig.prefill("d", tokens, compute=False)
+        assert run.num_external == 32 and run.errors == [set()]
+        rig.check(tokens, run.block_ids, 32)
+        idle = [len(worker._backend._idle) for worker, _, _ in rig.workers]
+        assert idle == [pooled], client
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("group", [None, 5])
 def test_redis_does_one_round_trip_per_block_group(
     redis_url: str, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch, group: int | None
