@@ -213,7 +213,7 @@ def test_redis_client_setting_reaches_the_backend(redis_url: str, make_rig: Make
         run = rig.prefill("d", tokens, compute=False)
         assert run.num_external == 32 and run.errors == [set()]
         rig.check(tokens, run.block_ids, 32)
-        idle = [len(worker._backend._idle) for worker, _, _ in rig.workers]
+        idle = [len(worker.worker.backend._idle) for worker, _, _ in rig.workers]
         assert idle == [pooled], client
 
 
