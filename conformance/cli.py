@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 import kvx
-from kvx.conformance.options import SuiteOptions
+from kvx.conformance.options import SuiteOptions, positive_seconds
 from kvx.conformance.runner import (
     FAILED,
     PASSED,
@@ -41,21 +41,21 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--fault-timeout",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="how long fault scenarios wait for the connector to give up",
     )
     parser.add_argument(
         "--stall-timeout",
-        type=float,
+        type=positive_seconds,
         default=10.0,
         metavar="SECONDS",
         help="fail a P/D run that makes no progress this long, saying what is stuck",
     )
     parser.add_argument(
         "--scenario-timeout",
-        type=float,
+        type=positive_seconds,
         metavar="SECONDS",
         help="overall limit of every scenario (default: each scenario's own)",
     )
@@ -78,10 +78,7 @@ def run(prog: str, argv: list[str]) -> int:
     if not isinstance(kv, dict):
         problem = f"expected a JSON object, got {type(kv).__name__}"
         raise kvx.ConfigError([kvx.ConfigProblem("--kv-transfer-config", problem)])
-    try:
-        options = SuiteOptions(args.fault_timeout, args.stall_timeout, args.scenario_timeout)
-    except ValueError as exc:
-        raise kvx.ConfigError([kvx.ConfigProblem("--*-timeout", str(exc))]) from None
+    options = SuiteOptions(args.fault_timeout, args.stall_timeout, args.scenario_timeout)
     registry = kvx.get_registry()
     claims = connector_claims(kv, registry)
     out.print(

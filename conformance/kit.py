@@ -49,7 +49,8 @@ def claims_of(kv: dict[str, Any], registry: Registry) -> frozenset[Capability]:
     try:
         return connector_claims(kv, registry)
     except (ConfigError, RegistryError) as exc:
-        pytest.fail(f"kvx_config {json.dumps(kv)}: {exc}", pytrace=False)
+        problem = str(exc)
+    pytest.fail(f"kvx_config {json.dumps(kv)}: {problem}", pytrace=False)
 
 
 class ConformanceBase:
@@ -146,6 +147,14 @@ for _scenario in load_scenarios().values():
 
 class AllScenarios(PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios):
     """Every scenario of the suite."""
+
+
+for _scenario in load_scenarios().values():  # collected in suite order
+    setattr(
+        AllScenarios,
+        f"test_{_scenario.name}",
+        getattr(GROUPS[_scenario.group], f"test_{_scenario.name}"),
+    )
 
 
 __all__ = [

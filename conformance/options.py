@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+
+def positive_seconds(text: str) -> float:
+    """A positive number of seconds (the type of the timeout options of the CLI and pytest)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 @dataclass(frozen=True)

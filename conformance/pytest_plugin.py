@@ -4,8 +4,9 @@
 It provides the kit's default fixtures (`kvx_config` from `--kvx-config`, `kvx_options` from
 the timeout options, `kvx_allow_no_transfer`, `kvx_registry`), and with `--kvx-config` it also
 collects `kvx/conformance/cli_suite.py`, a kit subclass, so `pytest -p kvx.conformance
---kvx-config '<json>'` runs the whole suite as ordinary test items. The terminal summary says
-per connector what was tested.
+--kvx-config '<json>'` runs the whole suite as ordinary test items, with ids such as
+`kvx_conformance.py::TestKvxConformance::test_pd_short_prompt` that select the item again when
+passed back as an argument. The terminal summary says per connector what was tested.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 import pytest
 
+from kvx.conformance.options import positive_seconds
+
 CLI_SUITE = Path(__file__).with_name("cli_suite.py")
+SUITE_ID = "kvx_conformance.py"  # the node id of CLI_SUITE, re-runnable as an argument
 # What the kit's scenario tests report, for the terminal summary: (connector, scenario, outcome).
 RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str]]]()
 
@@ -30,21 +34,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--kvx-fault-timeout",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="how long fault scenarios wait for a connector to give up",
     )
     group.addoption(
         "--kvx-stall-timeout",
-        type=float,
+        type=positive_seconds,
         default=10.0,
         metavar="SECONDS",
         help="fail a P/D run that makes no progress this long, saying what is stuck",
     )
     group.addoption(
         "--kvx-scenario-timeout",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="overall limit of every scenario (default: each scenario's own)",
@@ -61,8 +65,24 @@ def pytest_configure(config: pytest.Config) -> None:
     if raw is None:
         return
     _parse_config(raw)  # a bad --kvx-config is a usage error before anything runs
-    if not any(Path(str(arg).split("::")[0]).resolve() == CLI_SUITE for arg in config.args):
-        config.args.append(str(CLI_SUITE))
+    args = [_resolve_suite_id(str(arg)) for arg in config.args]
+    if not any(arg.partition("::")[0] == str(CLI_SUITE) for arg in args):
+        args.append(str(CLI_SUITE))
+    config.args[:] = args
+
+
+def _resolve_suite_id(arg: str) -> str:
+    path, sep, rest = arg.partition("::")
+    return f"{CLI_SUITE}{sep}{rest}" if path == SUITE_ID else arg
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    """The suite file lives in kvx's installation, outside the rootdir: give it an id of its
+    own instead of an empty one."""
+    if module_path == CLI_SUITE:
+        return pytest.Module.from_parent(parent, path=module_path, nodeid=SUITE_ID)
+    return None
 
 
 def _parse_config(raw: str) -> dict[str, Any]:
@@ -124,14 +144,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     results = config.stash.get(RESULTS_KEY, [])
     if not results:
         return
-    from kvx.conformance.runner import PASSED, load_scenarios
+    from kvx.conformance.runner import OUTCOMES, PASSED, load_scenarios
 
     scenarios = load_scenarios()
     terminalreporter.section("kvx conformance")
     for connector in dict.fromkeys(c for c, _, _ in results):
         mine = [(name, outcome) for c, name, outcome in results if c == connector]
         tested = sorted({n for n, o in mine if o == PASSED and scenarios[n].transfers})
-        counts = {o: sum(x == o for _, x in mine) for o in dict.fromkeys(o for _, o in mine)}
-        line = ", ".join(f"{n} {o}" for o, n in counts.items())
+        counts = {o: sum(x == o for _, x in mine) for o in OUTCOMES}
+        line = ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n)
         what = f"KV transfers tested by {', '.join(tested)}" if tested else "NO KV transfer tested"
         terminalreporter.write_line(f"{connector}: {line}; {what}")

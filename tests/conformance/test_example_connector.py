@@ -87,6 +87,10 @@ def test_cli_writes_a_report(tmp_path: Path) -> None:
             ["--kv-transfer-config", json.dumps(CONFIG), "--scenario", "nope"],
             "unknown scenario(s) ['nope']",
         ),
+        (
+            ["--kv-transfer-config", json.dumps(CONFIG), "--stall-timeout", "-1"],
+            "argument --stall-timeout: -1 is not a positive number of seconds",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2(args: list[str], needle: str) -> None:
@@ -169,4 +173,7 @@ def test_the_example_packages_own_tests_run_the_kit_on_two_configs(tmp_path: Pat
     assert result.returncode == 0, out + result.stderr
     assert "7 passed, 1 skipped" in out, out
     assert "not claimed: needs store_reuse" in out, out
-    assert "MultiConnector: 4 passed; KV transfers tested by" in out, out
+    assert (
+        "MultiConnector: 3 passed; KV transfers tested by pd_prefill_block_pressure, "
+        "pd_short_prompt, roles_store_reuse" in out
+    ), out

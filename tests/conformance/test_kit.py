@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from kvx.conformance.kit import AllScenarios, PDScenarios
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.timeout(400)
 
+BROKEN_DIR = Path(__file__).resolve().parent / "broken"
 EXAMPLE = {
     "kv_connector": "ExamplePDConnector",
     "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 5},
@@ -86,7 +88,7 @@ def test_two_configs_pass_skip_unclaimed_and_rerun_by_id(pytester: pytest.Pytest
     result.stdout.fnmatch_lines(
         [
             "*= kvx conformance =*",
-            "ExamplePDConnector: 2 not claimed, 4 passed; KV transfers tested by pd_block_*",
+            "ExamplePDConnector: 4 passed, 2 not claimed; KV transfers tested by pd_block_*",
             "*not claimed: needs hetero_tp*",
         ]
     )
@@ -119,9 +121,13 @@ def test_xfail_per_scenario_and_failures_name_the_rule(pytester: pytest.Pytester
         "deselected": outcomes(result)["deselected"],
     }
     result.stdout.fnmatch_lines(["*kvx_config*NoSuchConnector*is not a registered connector*"])
+    assert "During handling" not in result.stdout.str()
 
 
-def test_a_connector_claiming_nothing_fails_unless_allowed(pytester: pytest.Pytester) -> None:
+def test_a_connector_claiming_nothing_fails_unless_allowed(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(BROKEN_DIR))
     pytester.makepyfile(
         test_example="""
         import pytest
@@ -130,13 +136,13 @@ def test_a_connector_claiming_nothing_fails_unless_allowed(pytester: pytest.Pyte
         class TestNothing(ContractScenarios):
             @pytest.fixture
             def kvx_config(self):
-                return {"kv_connector": "MultiConnector",
-                        "kv_connector_extra_config": {"connectors": []}}
+                return {"kv_connector": "DoesNothing",
+                        "kv_connector_module_path": "kvx_broken_connectors"}
         """
     )
     result = pytester.runpytest_subprocess("-k", "claims_cover", *NO_TIMEOUT_PLUGIN)
     assert result.ret == 1 and outcomes(result)["failed"] == 1, result.stdout.str()
-    result.stdout.fnmatch_lines(["*NO KV transfer was tested: MultiConnector claims nothing*"])
+    result.stdout.fnmatch_lines(["*NO KV transfer was tested: DoesNothing claims nothing*"])
     allowed = pytester.runpytest_subprocess(
         "-k", "claims_cover", "--kvx-allow-no-transfer", *NO_TIMEOUT_PLUGIN
     )
@@ -156,6 +162,7 @@ def test_the_p_wrapper_collects_items_that_rerun_by_id(pytester: pytest.Pytester
     assert collected.ret == 0, collected.stdout.str()
     collected.stdout.fnmatch_lines([f"{len(load_scenarios()) + 1} tests collected*"])
     item = next(line for line in collected.stdout.lines if line.endswith("::test_pd_short_prompt"))
+    assert item == "kvx_conformance.py::TestKvxConformance::test_pd_short_prompt"
     again = pytester.runpytest_subprocess(*config, item, *NO_TIMEOUT_PLUGIN)
     assert again.ret == 0 and outcomes(again) == {"passed": 1}, again.stdout.str()
 

@@ -11,9 +11,10 @@ import pytest
 
 from kvx import KVConnectorMetadata
 from kvx.contract import KVConnectorOutput
-from kvx.engine import Scheduler, SchedulerConfig
+from kvx.engine import EngineConfig, Scheduler, SchedulerConfig
 from kvx.engine.block_pool import BlockPool
 from kvx.engine.metadata_wire import MetadataWireError, decode_metadata, encode_metadata
+from kvx.engine.server import EngineProcess
 from kvx.types import Request, SchedulerOutput
 
 
@@ -36,10 +37,12 @@ class Parent(KVConnectorMetadata):
 
 
 def test_metadata_is_rebuilt_from_bytes_with_its_classes() -> None:
-    meta = Parent((Child([3, 1], {"r": 1.5}), Child()), Frozen("x", (1, 2)), {"a"})
+    meta = Parent((Child([3, 1], {"r": 1.5}), KVConnectorMetadata()), Frozen("x", (1, 2)), {"a"})
     raw = encode_metadata(meta)
     first, second = decode_metadata(raw, meta), decode_metadata(raw, meta)
-    assert first == meta and type(first.children[0]) is Child
+    assert first.children[0] == meta.children[0] and type(first.children[0]) is Child
+    assert type(first.children[1]) is KVConnectorMetadata  # the field-less marker a skeleton sends
+    assert first.frozen == meta.frozen and first.extra == meta.extra
     assert isinstance(first.frozen, Frozen) and first.frozen.ids == (1, 2)
     first.children[0].block_ids.clear()  # a worker mutating its copy
     first.extra.add("b")
@@ -77,3 +80,16 @@ def test_a_shuffled_free_list_scatters_blocks_reproducibly() -> None:
     assert blocks == BlockPool(64, shuffle_seed=5).allocate(8)
     assert blocks != sorted(blocks) and blocks != list(range(blocks[0], blocks[0] + 8))
     assert BlockPool(64).allocate(3) == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_process_diagnoses_what_keeps_it_busy() -> None:
+    engine = EngineProcess(EngineConfig(num_blocks=8, block_size=4), name="busy", timeout_s=60)
+    try:
+        engine.add_request("r", [1, 2, 3, 4, 5], 2)
+        assert engine.diagnose() == ["request r waiting for free blocks (waiting)"]
+        engine.step()
+        (line,) = engine.diagnose()
+        assert line.startswith("request r running with blocks [") and "(5 of 6 tokens)" in line
+    finally:
+        engine.close()
