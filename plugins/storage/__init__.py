@@ -18,7 +18,7 @@ from kvx import (
     KVTransferConfig,
 )
 from kvx.plugins.storage.backends.base import BackendOptions, open_backend
-from kvx.plugins.storage.config import SharedStorageConfig
+from kvx.plugins.storage.config import FILE_MODES, SharedStorageConfig
 from kvx.plugins.storage.keys import Geometry
 from kvx.plugins.storage.metadata import StorageMetadata
 from kvx.plugins.storage.scheduler import StorageScheduler
@@ -47,7 +47,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
         options = config.extra_config_as(SharedStorageConfig)
         geometry = Geometry.of(ctx, options.namespace, options.storage_block_size)
         backend = open_backend(
-            options.url, BackendOptions(ttl_s=options.redis_ttl_s, timeout_s=options.timeout_s)
+            options.url,
+            BackendOptions(
+                ttl_s=options.redis_ttl_s,
+                timeout_s=options.timeout_s,
+                file_mode=FILE_MODES[options.permissions],
+            ),
         )
         self._scheduler: StorageScheduler | None = None
         self._worker: StorageWorker | None = None

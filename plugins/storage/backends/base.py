@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import kvx
 
@@ -15,6 +16,12 @@ class BackendOptions:
 
     ttl_s: int | None = None
     timeout_s: float = 10.0
+    file_mode: int = 0o600
+    """Mode of new local files and (with the execute bits added) directories."""
+
+    @property
+    def dir_mode(self) -> int:
+        return self.file_mode | (self.file_mode & 0o444) >> 2
 
 
 RegionTable = Sequence[tuple[memoryview, int, int, int]]
@@ -70,5 +77,19 @@ def open_backend(url: str, options: BackendOptions) -> StorageBackend:
     registry = kvx.get_registry()
     entry = registry.storage_backend_for_url(url)
     cls = registry.load_storage_backend(entry.name)
-    backend: StorageBackend = cls(url, options)
+    try:
+        backend: StorageBackend = cls(url, options)
+    except (OSError, ValueError, ImportError) as exc:  # unreachable, unwritable, missing extra
+        raise kvx.ConfigError(
+            [kvx.ConfigProblem(STORAGE_URL_KEY, f"cannot open {_shown(url)}: {exc}")]
+        ) from None
     return backend
+
+
+STORAGE_URL_KEY = "kv_connector_extra_config.storage_url"
+
+
+def _shown(url: str) -> str:
+    """`url` for a message, without a password."""
+    parts = urlsplit(url)
+    return repr(url if parts.password is None else url.replace(parts.password, "***"))
