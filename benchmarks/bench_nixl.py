@@ -129,7 +129,7 @@ def prefill(shape: Shape, tp: int, conn: Connection) -> None:
         kv = caches(shape, tp, rank, seed=7)
         w.register_kv_caches(kv)
         workers.append(w)
-        agent = make_agent(f"raw-P{rank}-{uuid.uuid4().hex[:6]}", ["UCX"], 0)
+        agent = make_agent(f"raw-P{rank}-{uuid.uuid4().hex[:6]}", ["UCX"], 0, "127.0.0.1")
         layout = get_layout("HND")
         regions = [r for name, t in kv.items() for r in layer_regions(name, layout, t)]
         agent.register_memory([(t.data_ptr(), t.nbytes, 0, "") for t in kv.values()], "DRAM")
@@ -208,7 +208,7 @@ class Decode:
         remote = KVGeometry(self.p_tp, shape.heads, shape.block_size)
         out = []
         for rank in range(self.d_tp):
-            agent = make_agent(f"raw-D{rank}-{uuid.uuid4().hex[:6]}", ["UCX"], 0)
+            agent = make_agent(f"raw-D{rank}-{uuid.uuid4().hex[:6]}", ["UCX"], 0, "127.0.0.1")
             kv = self.kv[rank]
             layout = get_layout("HND")
             regions = [r for name, t in kv.items() for r in layer_regions(name, layout, t)]
