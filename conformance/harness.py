@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -10,9 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from kvx import Capability, KVTransferConfig, Registry
-from kvx.conformance.scenario import check
+from kvx.conformance.options import SuiteOptions
+from kvx.conformance.scenario import ScenarioFailure, check
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, baseline_tokens, pd_configs
-from kvx.engine.engine import EngineConfig
+from kvx.engine.engine import Engine, EngineConfig
+
+PD_ROLES = ("kv_producer", "kv_consumer")
+# Free lists start shuffled (as in a long-running engine) so a request's blocks are scattered.
+PREFILL_FREE_LIST_SEED, DECODE_FREE_LIST_SEED = 101, 202
 
 TMP_PLACEHOLDER = "{tmp}"
 
@@ -29,7 +35,13 @@ def substitute(value: Any, tmp: str) -> Any:
 
 
 class Harness:
-    """One scenario's view of the connector under test."""
+    """One scenario's view of the connector under test.
+
+    Each engine gets the `kv_role` its scenario documents (docs/conformance.md), whatever role
+    the config names: a P/D pair is P `kv_producer` and D `kv_consumer` unless the scenario says
+    otherwise. Every engine built here is watched: contract violations it records fail the
+    scenario, and `describe()` says what each open engine holds when a scenario runs out of time.
+    """
 
     def __init__(
         self,
@@ -37,13 +49,16 @@ class Harness:
         claims: frozenset[Capability],
         workdir: Path,
         registry: Registry,
-        fault_timeout_s: float = 60.0,
+        options: SuiteOptions | None = None,
     ) -> None:
         self.kv = substitute({k: v for k, v in kv.items() if k != "kv_role"}, str(workdir))
         self.claims = claims
         self.workdir = workdir
         self.registry = registry
-        self.fault_timeout_s = fault_timeout_s
+        self.options = options or SuiteOptions()
+        self.fault_timeout_s = self.options.fault_timeout_s
+        self._open_pairs: list[DisaggregatedPair] = []
+        self._open_engines: list[Engine] = []
         self.base = EngineConfig(
             num_layers=2,
             num_kv_heads=4,
@@ -62,6 +77,17 @@ class Harness:
         return replace(self.base, kv_transfer_config=ktc, **overrides)
 
     @contextmanager
+    def engine(self, role: str, **overrides: Any) -> Iterator[Engine]:
+        """One engine with the connector in `role`; shut down (and forgotten) on exit."""
+        engine = Engine(self.engine_config(role, **overrides), registry=self.registry)
+        self._open_engines.append(engine)
+        try:
+            yield engine
+        finally:
+            self._open_engines.remove(engine)
+            engine.shutdown()
+
+    @contextmanager
     def pair(
         self,
         *,
@@ -72,21 +98,47 @@ class Harness:
         policy: str | None = None,
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
+        roles: tuple[str, str] = PD_ROLES,
         **engine: Any,
     ) -> Iterator[DisaggregatedPair]:
-        """A prefill/decode pair; `prefill` / `decode` override engine fields per side."""
+        """A prefill/decode pair with `roles` (P's, D's); `prefill` / `decode` override engine
+        fields per side. Both free lists start fragmented."""
         kv = self.kv_with(kv_load_failure_policy=policy) if policy else self.kv
-        p, d = pd_configs(replace(self.base, **engine), kv, tp, block_sizes, layouts)
+        p, d = pd_configs(replace(self.base, **engine), kv, tp, block_sizes, layouts, roles)
         pair = DisaggregatedPair(
-            replace(p, **(prefill or {})),
-            replace(d, **(decode or {})),
+            replace(p, **{"free_list_seed": PREFILL_FREE_LIST_SEED, **(prefill or {})}),
+            replace(d, **{"free_list_seed": DECODE_FREE_LIST_SEED, **(decode or {})}),
             processes=processes,
             timeout_s=self.fault_timeout_s,
         )
+        self._open_pairs.append(pair)
         try:
             yield pair
+        except Exception as exc:  # a violation is the cause to name, not what it led to
+            if pair.violations and not isinstance(exc, ScenarioFailure):
+                raise ScenarioFailure(
+                    f"{_violated(pair.violations)}; then {type(exc).__name__}: {exc}"
+                ) from exc
+            raise
+        else:
+            self.expect_no_violations(pair)
         finally:
+            self._open_pairs.remove(pair)
             pair.close()
+
+    def run_until_finished(self, pair: DisaggregatedPair) -> None:
+        """Step `pair` until every request ended; a stall fails with what is stuck."""
+        pair.run_until_finished(
+            timeout_s=self.fault_timeout_s * 3, stall_s=self.options.stall_timeout_s
+        )
+
+    def describe(self) -> str:
+        """What every open engine holds and waits for (for a scenario out of time)."""
+        parts = [pair.describe_unfinished() for pair in self._open_pairs]
+        for engine in self._open_engines:
+            lines = engine.diagnose()
+            parts.append(f"{engine.config.engine_id}: {'; '.join(lines) or 'idle'}")
+        return "\n  ".join(parts)
 
     def prompts(
         self, lengths: list[int], seed: int = 0, prefix: list[int] | None = None, name: str = "req"
@@ -106,10 +158,20 @@ class Harness:
     def run_pair(
         self, pair: DisaggregatedPair, prompts: dict[str, list[int]], max_tokens: int = 6
     ) -> DisaggReport:
-        report = pair.run(prompts, max_tokens, timeout_s=self.fault_timeout_s * 3)
+        report = pair.run(
+            prompts,
+            max_tokens,
+            timeout_s=self.fault_timeout_s * 3,
+            stall_s=self.options.stall_timeout_s,
+        )
+        self.expect_no_violations(pair)
         self.expect_identical(report)
         self.expect_drained(pair)
         return report
+
+    @staticmethod
+    def expect_no_violations(pair: DisaggregatedPair) -> None:
+        check(not pair.violations, _violated(pair.violations))
 
     @staticmethod
     def expect_identical(report: DisaggReport) -> None:
@@ -124,13 +186,14 @@ class Harness:
             )
             check(
                 r.tokens == r.baseline,
-                f"request {r.request_id} (prompt {r.prompt_len} tokens): decode produced "
-                f"{r.tokens}, a single engine produced {r.baseline}: the loaded KV is wrong",
+                f"request {r.request_id} (prompt {r.prompt_len} tokens): decode's tokens "
+                f"{r.tokens} differ from a single engine's {r.baseline}: the loaded KV is wrong",
             )
 
     @staticmethod
     def expect_drained(pair: DisaggregatedPair) -> None:
         """Both engines hold nothing: every block back in the free pool."""
+        Harness.expect_no_violations(pair)
         for handle, config in (
             (pair.prefill, pair.prefill_config),
             (pair.decode, pair.decode_config),
@@ -148,3 +211,38 @@ class Harness:
                 f"{handle.name} leaked blocks: {stats['free_blocks']} of {config.num_blocks} "
                 "free after every request ended",
             )
+
+
+def run_engine(
+    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, timeout_s: float = 60.0
+) -> dict[str, list[int]]:
+    """Step `engine` until `prompts` finish; bounded in time, not steps, because a step that
+    only waits for a connector's asynchronous copies does nothing (a busy machine makes many)."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, max_tokens)
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+        mismatches = engine.check_kv()
+        check(not mismatches, f"KV bytes differ after loading: {mismatches[:3]}")
+        violations = engine.take_violations()
+        check(not violations, _violated(violations))
+        if not engine.has_pending_work():
+            return done
+        if not outputs:
+            time.sleep(0.001)  # waiting on the connector: leave it the CPU
+    check(
+        False,
+        f"engine did not finish within {timeout_s:.0f} s: {'; '.join(engine.diagnose())} "
+        f"({engine.stats()})",
+    )
+    return done
+
+
+def _violated(violations: list[str]) -> str:
+    more = f" (and {len(violations) - 3} more)" if len(violations) > 3 else ""
+    return "contract violated (docs/contract.md): " + "; ".join(violations[:3]) + more

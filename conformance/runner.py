@@ -1,27 +1,35 @@
-"""Run the scenarios against one connector config and report (used by the CLI and pytest)."""
+"""Run the scenarios against one connector config and judge the run (the Python API; the CLI
+and the pytest kit are thin layers over it)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvx import Capability, KVTransferConfig, Registry, get_registry
 from kvx.conformance.harness import Harness
+from kvx.conformance.options import SuiteOptions
 from kvx.conformance.scenario import SCENARIOS, Scenario, ScenarioFailure
+from kvx.engine.server import EngineError
 
-PASSED, FAILED, NOT_CLAIMED = "passed", "FAILED", "not claimed"
+PASSED, FAILED, NOT_CLAIMED, NOT_RUN = "passed", "FAILED", "not claimed", "not run"
+OUTCOMES = (PASSED, FAILED, NOT_CLAIMED, NOT_RUN)
 
 
 @dataclass
 class ScenarioResult:
+    """One scenario's outcome (one of `OUTCOMES`); `message` says why it failed or was not
+    claimed (or not run, after `fail_fast`)."""
+
     name: str
     summary: str
     outcome: str
@@ -29,9 +37,76 @@ class ScenarioResult:
     message: str = ""
 
 
+@dataclass
+class SuiteResult(Sequence[ScenarioResult]):
+    """A whole run: what the connector claims, each scenario's result (it is the sequence of
+    them, in suite order), and the verdict (`ok`, `exit_code`, `summary`)."""
+
+    connector: str
+    claims: frozenset[Capability]
+    results: list[ScenarioResult] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.results[index]
+
+    def count(self, outcome: str) -> int:
+        return sum(r.outcome == outcome for r in self.results)
+
+    @property
+    def transfers_tested(self) -> list[str]:
+        """Passed scenarios that moved KV (a P/D hand-off, a store or an offload)."""
+        scenarios = load_scenarios()
+        return [r.name for r in self.results if r.outcome == PASSED and scenarios[r.name].transfers]
+
+    def ok(self, allow_no_transfer: bool = False) -> bool:
+        """No scenario failed, and (unless allowed) some scenario moved KV."""
+        return not self.count(FAILED) and (allow_no_transfer or bool(self.transfers_tested))
+
+    def exit_code(self, allow_no_transfer: bool = False) -> int:
+        return 0 if self.ok(allow_no_transfer) else 1
+
+    def summary(self) -> str:
+        """Counts, then what was actually tested."""
+        counts = ", ".join(
+            f"{self.count(o)} {o.lower()}" for o in OUTCOMES if o != NOT_RUN or self.count(o)
+        )
+        tested = self.transfers_tested
+        if tested:
+            return f"{counts}; KV transfers tested by: {', '.join(tested)}"
+        return f"{counts}; {no_transfer_message(self.connector, self.claims)}"
+
+
+def no_transfer_message(connector: str, claims: frozenset[Capability]) -> str:
+    claimed = ", ".join(sorted(c.value for c in claims)) or "nothing"
+    return (
+        f"NO KV transfer was tested: {connector} claims {claimed}, which leaves no passing "
+        "scenario that moves KV (claim remote_prefill, store_reuse or offload; accept this "
+        "with --allow-no-transfer / allow_no_transfer=True)"
+    )
+
+
+def role_note(kv: dict[str, Any]) -> str | None:
+    """What the run says when the config names a `kv_role`: each scenario sets its own."""
+    role = kv.get("kv_role")
+    if role is None:
+        return None
+    return (
+        f"note: the config's kv_role {role!r} is not used; each scenario gives every engine "
+        "the role docs/conformance.md lists (P/D: P kv_producer, D kv_consumer)"
+    )
+
+
 def load_scenarios() -> dict[str, Scenario]:
     """Every built-in scenario, in a stable order."""
-    from kvx.conformance import scenarios_pd, scenarios_faults, scenarios_contract  # noqa: F401, I001
+    from kvx.conformance import (  # noqa: F401, I001
+        scenarios_pd,
+        scenarios_faults,
+        scenarios_contract,
+        scenarios_roles,
+    )
 
     return dict(SCENARIOS)
 
@@ -47,14 +122,19 @@ class ScenarioTimeout(ScenarioFailure):
 
 
 @contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise `ScenarioTimeout` in the main thread after `seconds` (no-op in other threads)."""
+def time_limit(seconds: float, describe: Callable[[], str]) -> Iterator[None]:
+    """Raise `ScenarioTimeout` (with `describe()` of what is stuck) in the main thread after
+    `seconds`; no limit in other threads."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def expire(signum: int, frame: object) -> None:
-        raise ScenarioTimeout(f"scenario did not finish within {seconds:.0f}s")
+        try:
+            state = describe()
+        except Exception as exc:  # describing must not hide the timeout
+            state = f"(could not describe the engines: {exc})"
+        raise ScenarioTimeout(f"scenario did not finish within {seconds:.0f}s: {state}")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -70,36 +150,35 @@ def run_scenario(
     kv: dict[str, Any],
     claims: frozenset[Capability],
     registry: Registry,
-    fault_timeout_s: float = 60.0,
-    enforce_time_limit: bool = True,
+    options: SuiteOptions | None = None,
 ) -> ScenarioResult:
     """Run one scenario in a fresh working directory; never raises for a connector's fault."""
+    options = options or SuiteOptions()
     missing = scenario.missing_claims(claims)
     if missing:
         return ScenarioResult(
             scenario.name, scenario.summary, NOT_CLAIMED, message=f"needs {', '.join(missing)}"
         )
     start = time.perf_counter()
+
+    def failed(message: str) -> ScenarioResult:
+        return ScenarioResult(
+            scenario.name, scenario.summary, FAILED, time.perf_counter() - start, message
+        )
+
     with tempfile.TemporaryDirectory(prefix=f"kvx-conf-{scenario.name}-") as workdir:
-        harness = Harness(kv, claims, Path(workdir), registry, fault_timeout_s)
+        harness = Harness(kv, claims, Path(workdir), registry, options)
         try:
-            if enforce_time_limit:
-                with time_limit(scenario.timeout_s):
-                    scenario.run(harness)
-            else:
+            with time_limit(options.scenario_timeout_s or scenario.timeout_s, harness.describe):
                 scenario.run(harness)
         except ScenarioFailure as exc:
-            return ScenarioResult(
-                scenario.name, scenario.summary, FAILED, time.perf_counter() - start, str(exc)
-            )
+            return failed(str(exc))
+        except EngineError as exc:
+            return failed(f"{type(exc).__name__}: {exc}")
         except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            return ScenarioResult(
-                scenario.name,
-                scenario.summary,
-                FAILED,
-                time.perf_counter() - start,
-                f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno})",
+            return failed(
+                f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno})"
             )
     return ScenarioResult(scenario.name, scenario.summary, PASSED, time.perf_counter() - start)
 
@@ -109,42 +188,55 @@ def run_suite(
     *,
     only: list[str] | None = None,
     registry: Registry | None = None,
-    fault_timeout_s: float = 60.0,
+    options: SuiteOptions | None = None,
+    fault_timeout_s: float | None = None,
+    fail_fast: bool = False,
     on_result: Callable[[ScenarioResult], None] | None = None,
-) -> list[ScenarioResult]:
-    """Run every scenario (or `only` these) against the connector configured by `kv`."""
+) -> SuiteResult:
+    """Run every scenario (or `only` these) against the connector configured by `kv`.
+
+    `options` bound the run (`fault_timeout_s` alone overrides just that field). With
+    `fail_fast` the scenarios after the first failure are reported `NOT_RUN`. Raises
+    `ValueError` for an unknown scenario name and `kvx.errors.ConfigError` /
+    `RegistryError` for a config that names no usable connector.
+    """
     registry = registry or get_registry()
+    options = options or SuiteOptions()
+    if fault_timeout_s is not None:
+        options = replace(options, fault_timeout_s=fault_timeout_s)
     claims = connector_claims(kv, registry)
     scenarios = load_scenarios()
     unknown = sorted(set(only or ()) - set(scenarios))
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; known: {sorted(scenarios)}")
-    results = []
+    suite = SuiteResult(str(kv.get("kv_connector")), claims)
     for name, scenario in scenarios.items():
         if only and name not in only:
             continue
-        result = run_scenario(scenario, kv, claims, registry, fault_timeout_s)
-        results.append(result)
+        if fail_fast and suite.count(FAILED):
+            result = ScenarioResult(name, scenario.summary, NOT_RUN, message="--fail-fast")
+        else:
+            result = run_scenario(scenario, kv, claims, registry, options)
+        suite.results.append(result)
         if on_result is not None:
             on_result(result)
-    return results
+    return suite
 
 
-def markdown_report(
-    kv: dict[str, Any], claims: frozenset[Capability], results: list[ScenarioResult]
-) -> str:
-    passed = sum(r.outcome == PASSED for r in results)
-    failed = sum(r.outcome == FAILED for r in results)
+def markdown_report(kv: dict[str, Any], suite: SuiteResult) -> str:
     lines = [
         f"# kvx conformance report: {kv.get('kv_connector')}",
         "",
-        f"- claims: {', '.join(sorted(c.value for c in claims)) or 'none'}",
-        f"- {passed} passed, {failed} failed, {len(results) - passed - failed} not claimed",
+        f"- config: `{json.dumps(kv)}`",
+        f"- claims: {', '.join(sorted(c.value for c in suite.claims)) or 'none'}",
+        f"- {suite.summary()}",
         "",
-        "| scenario | result | seconds | details |",
-        "|---|---|---|---|",
+        "| scenario | roles | result | seconds | details |",
+        "|---|---|---|---|---|",
     ]
-    for r in results:
+    scenarios = load_scenarios()
+    for r in suite.results:
         detail = (r.message or r.summary).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r.name} | {r.outcome} | {r.seconds:.1f} | {detail} |")
+        roles = scenarios[r.name].roles
+        lines.append(f"| {r.name} | {roles} | {r.outcome} | {r.seconds:.1f} | {detail} |")
     return "\n".join(lines) + "\n"

@@ -18,20 +18,23 @@ from kvx import (
     Request,
     create_connector,
 )
-from kvx.conformance.harness import Harness
+from kvx.conformance.harness import PD_ROLES, Harness, run_engine
 from kvx.conformance.scenario import check, scenario
-from kvx.engine.engine import Engine
 from kvx.engine.server import LocalEngine
 
 PD = (Capability.REMOTE_PREFILL,)
+BOTH = "kv_both on every engine"
 
 
 @scenario(
     "idempotent_matching",
     "get_num_new_matched_tokens answers the same, without side effects, when asked again",
+    roles="P kv_producer, D kv_consumer (kv_both on both without remote_prefill)",
 )
 def idempotent_matching(h: Harness) -> None:
-    with h.pair() as pair:
+    # A connector without P/D hand-off is not given P/D roles: kv_both on both engines.
+    roles = PD_ROLES if Capability.REMOTE_PREFILL in h.claims else ("kv_both", "kv_both")
+    with h.pair(roles=roles) as pair:
         report = pair.run({"seed": h.prompts([40])["req-0"]}, 2)
         params = report.results["seed"].kv_transfer_params
         config = pair.decode_config
@@ -129,6 +132,7 @@ def stats_and_events_shape(h: Harness) -> None:
     "store_and_reuse",
     "what one engine stored, a fresh engine loads: the hit is counted, output exact",
     (Capability.STORE_REUSE,),
+    roles=BOTH,
 )
 def store_and_reuse(h: Harness) -> None:
     _store_then_load(h, h.prompts([80, 150, 40], seed=21))
@@ -136,11 +140,8 @@ def store_and_reuse(h: Harness) -> None:
 
 def _store(h: Harness, prompts: dict[str, list[int]], **engine: Any) -> None:
     """A fresh engine (with `engine` overrides) runs `prompts`, storing their KV, and stops."""
-    first = Engine(h.engine_config("kv_both", **engine))
-    try:
-        _run(first, prompts, 4)
-    finally:
-        first.shutdown()
+    with h.engine("kv_both", **engine) as first:
+        run_engine(first, prompts, 4)
 
 
 def _store_then_load(
@@ -155,9 +156,8 @@ def _store_then_load(
     where = f"stored by {store}, loaded by {load}: " if store or load else ""
     expected = h.baseline(prompts, 4, num_kv_heads=load.get("num_kv_heads", h.base.num_kv_heads))
     _store(h, prompts, **store)
-    second = Engine(h.engine_config("kv_both", **load))
-    try:
-        got = _run(second, prompts, 4)  # checks every KV byte after every step
+    with h.engine("kv_both", **load) as second:
+        got = run_engine(second, prompts, 4)  # checks every KV byte after every step
         check(
             got == expected,
             f"{where}outputs after loading stored KV differ: {got} != {expected}",
@@ -166,8 +166,6 @@ def _store_then_load(
             second.stats()["external_tokens"] > 0,
             f"{where}the second engine loaded nothing: stored KV was not found",
         )
-    finally:
-        second.shutdown()
 
 
 @scenario(
@@ -175,19 +173,19 @@ def _store_then_load(
     "KV kept in a slower tier is loaded back into the same engine after its blocks were "
     "evicted, through preemptions; output exact, no thread left behind",
     (Capability.OFFLOAD,),
+    roles=BOTH,
 )
 def offload_and_reload(h: Harness) -> None:
     threads_before = {t.ident for t in threading.enumerate()}
     target = h.prompts([120, 70], seed=31)
     fillers = h.prompts([100, 90, 110, 95], seed=32, name="filler")
     expected = h.baseline(target, 4) | h.baseline(fillers, 40)
-    engine = Engine(h.engine_config("kv_both", num_blocks=24, max_num_batched_tokens=128))
-    try:
-        got = _run(engine, target, 4)
+    with h.engine("kv_both", num_blocks=24, max_num_batched_tokens=128) as engine:
+        got = run_engine(engine, target, 4)
         # Long decodes push the targets' blocks out of the engine and force preemptions.
-        got |= _run(engine, fillers, 40)
+        got |= run_engine(engine, fillers, 40)
         before = engine.stats()["external_tokens"]
-        again = _run(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        again = run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
         check(
             engine.stats()["external_tokens"] > before,
             "nothing was loaded back from the offload tier for prompts it stored",
@@ -198,42 +196,17 @@ def offload_and_reload(h: Harness) -> None:
         )
         got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
         check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
-    finally:
-        engine.shutdown()
     leaked = [
         t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
     ]
     check(not leaked, f"threads still running after shutdown: {leaked}")
 
 
-def _run(
-    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, timeout_s: float = 60.0
-) -> dict[str, list[int]]:
-    """Step `engine` until `prompts` finish; bounded in time, not steps, because a step that
-    only waits for a connector's asynchronous copies does nothing (a busy machine makes many)."""
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, max_tokens)
-    done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        outputs = engine.step()
-        for out in outputs:
-            if out.finished:
-                done[out.request_id] = out.output_token_ids
-        mismatches = engine.check_kv()
-        check(not mismatches, f"KV bytes differ after loading: {mismatches[:3]}")
-        if not engine.has_pending_work():
-            return done
-        if not outputs:
-            time.sleep(0.001)  # waiting on the connector: leave it the CPU
-    check(False, f"engine did not finish within {timeout_s:.0f} s ({engine.stats()})")
-    return done
-
-
 @scenario(
     "corrupted_bytes_detected",
     "stored bytes corrupted on disk are detected, reported as load errors, never served",
     (Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION),
+    roles=BOTH,
 )
 def corrupted_bytes_detected(h: Harness) -> None:
     prompts = h.prompts([80, 150], seed=23)
@@ -250,19 +223,14 @@ def corrupted_bytes_detected(h: Harness) -> None:
         middle = len(data) // 2
         data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
         path.write_bytes(bytes(data))
-    config = h.engine_config("kv_both")
-    assert config.kv_transfer_config is not None
-    config.kv_transfer_config.kv_load_failure_policy = "recompute"
-    second = Engine(config)
-    try:
-        got = _run(second, prompts, 4)  # checks every KV byte after every step
+    h.kv = h.kv_with(kv_load_failure_policy="recompute")
+    with h.engine("kv_both") as second:
+        got = run_engine(second, prompts, 4)  # checks every KV byte after every step
         check(got == expected, f"outputs after corrupted loads differ: {got} != {expected}")
         check(
             second.stats()["load_errors"] > 0,
             "corrupted blocks were not reported through get_block_ids_with_load_errors",
         )
-    finally:
-        second.shutdown()
 
 
 @scenario(
@@ -305,6 +273,7 @@ def layout_conversion(h: Harness) -> None:
     "4:2, and 4:4 with replicated KV heads",
     (Capability.STORE_REUSE, Capability.HETERO_TP),
     timeout_s=300,
+    roles=BOTH,
 )
 def stored_hetero_tp(h: Harness) -> None:
     cases = (((1, 2), 4), ((2, 1), 4), ((2, 4), 4), ((4, 2), 4), ((4, 4), 2))
@@ -321,6 +290,7 @@ def stored_hetero_tp(h: Harness) -> None:
     "stored_block_size_mismatch",
     "what an engine with one block size stored, an engine with another loads: 16->32, 32->16",
     (Capability.STORE_REUSE, Capability.BLOCK_SIZE_MISMATCH),
+    roles=BOTH,
 )
 def stored_block_size_mismatch(h: Harness) -> None:
     for i, (p, d) in enumerate(((16, 32), (32, 16))):
@@ -332,6 +302,7 @@ def stored_block_size_mismatch(h: Harness) -> None:
     "stored_layout_conversion",
     "what an engine with one KV layout stored, an engine with another loads (NHD, HND, CPU packed)",
     (Capability.STORE_REUSE, Capability.LAYOUT_CONVERSION),
+    roles=BOTH,
 )
 def stored_layout_conversion(h: Harness) -> None:
     for i, (p, d) in enumerate((("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED"))):

@@ -65,7 +65,7 @@ def pd_prefix_hit_on_decode(h: Harness) -> None:
     with h.pair() as pair:
         first = {"local": [*shared, 4]}
         pair.submit_local("local", first["local"], 2, h.baseline(first, 2)["local"])
-        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        h.run_until_finished(pair)
         report = h.run_pair(pair, {"remote": [*shared, 5, 6, 7, 8, 9, 10]})
         check(
             report.decode_stats["prefix_hit_tokens"] >= 48,
@@ -83,7 +83,7 @@ def pd_interleaved_local(h: Harness) -> None:
             pair.submit_local(rid, prompt, 5, local_base[rid])
         for rid, prompt in remote.items():
             pair.submit(rid, prompt, 5, remote_base[rid])
-        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        h.run_until_finished(pair)
         h.expect_identical(pair.report())
         h.expect_drained(pair)
 
@@ -116,3 +116,30 @@ def concurrency_soak(h: Harness) -> None:
                 [8 + (i * 37) % 90 for i in range(64)], seed=100 + round_, name=f"round{round_}"
             )
             h.run_pair(pair, prompts, max_tokens=4)
+
+
+@scenario(
+    "pd_prefill_block_pressure",
+    "P has few blocks and new prompts keep arriving: P reuses freed blocks at once, so a send "
+    "reported finished before its blocks were read delivers someone else's KV",
+    PD,
+)
+def pd_prefill_block_pressure(h: Harness) -> None:
+    prompts = h.prompts([20 + (i * 13) % 40 for i in range(12)], seed=61, name="pressed")
+    baseline = h.baseline(prompts, 3)
+    # 8 blocks: two or three prompts' worth; D has plenty.
+    with h.pair(prefill={"num_blocks": 8, "max_num_batched_tokens": 48}) as pair:
+        queue = list(prompts.items())
+        while queue:  # two new prompts per proxy round, while P is full of held blocks
+            for rid, prompt in queue[:2]:
+                pair.submit(rid, prompt, 3, baseline[rid])
+            del queue[:2]
+            pair.step()
+        h.run_until_finished(pair)
+        report = pair.report()
+        h.expect_identical(report)
+        h.expect_drained(pair)
+        check(
+            report.prefill_stats["min_free_blocks"] <= 2,
+            f"P never ran short of blocks ({report.prefill_stats}); the scenario needs it",
+        )

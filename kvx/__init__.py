@@ -1,7 +1,8 @@
 """kvx: a pluggable KV-cache transfer SDK for LLM serving.
 
-The public API is what this module exports in `__all__`; plugins (built-in ones included) use
-nothing else.
+The public API is what this module exports in `__all__`, plus the modules `kvx.topology`,
+`kvx.wire` and `kvx.engine` (each by its own `__all__`); plugins (built-in ones included) use
+nothing else (docs/architecture.md, enforced by tests/core/test_import_rule.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pluggy
 
 from kvx._version import __version__
-from kvx.config import KVTransferConfig
+from kvx.config import KVTransferConfig, load_cli_arg
 from kvx.contract import (
     CONTRACT_VERSION,
     Capability,
@@ -34,9 +35,24 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from kvx.registry import Registry, create_connector, get_registry
-from kvx.specs import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
+from kvx.registry import Registry, create_connector, get_layout, get_registry
+from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.specs import (
+    CommandSpec,
+    ConnectorSpec,
+    KVLayout,
+    LayoutSpec,
+    StorageBackendSpec,
+    TransformSpec,
+)
 from kvx.stats import KVConnectorStats
+from kvx.storage import (
+    StorageBackend,
+    StorageBackendOptions,
+    StorageRegionTable,
+    copy_into,
+    open_storage_backend,
+)
 from kvx.types import (
     BlockIds,
     CachedRequestData,
@@ -63,9 +79,12 @@ __all__ = [
     "BlockStored",
     "CachedRequestData",
     "Capability",
+    "CommandSpec",
     "ConfigError",
     "ConfigProblem",
+    "ConnectorScheduler",
     "ConnectorSpec",
+    "ConnectorWorker",
     "CopyBlocksOp",
     "EngineContext",
     "ForwardContext",
@@ -82,6 +101,7 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
+    "KVLayout",
     "KVTransferConfig",
     "KVTransferResults",
     "LayoutSpec",
@@ -92,14 +112,22 @@ __all__ = [
     "RegistryError",
     "Request",
     "RequestStatus",
+    "RoleSplitConnector",
     "SchedulerOutput",
+    "StorageBackend",
+    "StorageBackendOptions",
     "StorageBackendSpec",
+    "StorageRegionTable",
     "SupportsHMA",
     "TransformSpec",
     "__version__",
+    "copy_into",
     "create_connector",
+    "get_layout",
     "get_registry",
     "hookimpl",
+    "load_cli_arg",
+    "open_storage_backend",
     "supports_hma",
     "yield_req_data",
 ]

@@ -1,4 +1,5 @@
-"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx --version`.
+"""The `kvx` command line: `kvx list`, `kvx validate`, `kvx demo`, `kvx proxy`, `kvx --version`,
+and the subcommands plugins register through the `kvx_cli_commands` hook (`kvx conformance`).
 
 Exit codes: 0 success, 2 bad input (invalid config, bad arguments), 1 an internal error (set
 `KVX_DEBUG=1` for its traceback), 130 interrupted.
@@ -12,24 +13,23 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
-from kvx.config import KVTransferConfig, load_cli_arg
+from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
-from kvx.errors import ConfigError, ConfigProblem, RegistryError
+from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
+from kvx.loading import load_target
 from kvx.registry import Registered, Registry, get_registry
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvx",
         description="kvx: pluggable KV-cache transfer SDK for LLM serving.",
@@ -75,68 +75,76 @@ def _build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--seed", type=int, default=0, help="prompt and model seed")
     p_demo.set_defaults(func=_cmd_demo)
 
-    p_conf = sub.add_parser("conformance", help="run the conformance suite against a connector")
-    p_conf.add_argument(
-        "--kv-transfer-config",
-        required=True,
-        metavar="JSON|@FILE",
-        help="the connector config; '{tmp}' in strings becomes a fresh directory per scenario",
+    from kvx.proxy import cli as proxy_cli  # flags only: the proxy extra is imported on start
+
+    p_proxy = sub.add_parser(
+        "proxy",
+        help="disaggregated-serving proxy in front of prefill and decode servers",
+        description="An OpenAI-compatible proxy: each completion is prefilled on a --prefill "
+        "server and decoded on a --decode server, which loads the KV cache P computed.",
     )
-    p_conf.add_argument("--report", metavar="FILE", help="also write a Markdown report")
-    p_conf.add_argument(
-        "--scenario", action="append", metavar="NAME", help="run only this scenario (repeatable)"
-    )
-    p_conf.add_argument(
-        "--fault-timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="how long fault scenarios wait for the connector to give up",
-    )
-    p_conf.set_defaults(func=_cmd_conformance)
+    proxy_cli.add_arguments(p_proxy)
+    p_proxy.set_defaults(func=_cmd_proxy)
+
+    for entry in sorted(registry.commands().values(), key=lambda e: e.name):
+        if entry.name in sub.choices:  # kvx's own commands keep their names
+            continue
+        p_plugin = sub.add_parser(entry.name, help=entry.spec.summary, add_help=False)
+        p_plugin.set_defaults(func=None, plugin_command=entry.name)
     return parser
 
 
-def _status(entry: Registered[Any]) -> str:
+def _status(registry: Registry, kind: str, entry: Registered[Any]) -> str:
+    """ "ok" only when the entry's target imports; else what stops it."""
     hint = entry.install_hint()
-    return "ok" if hint is None else f"missing {', '.join(entry.missing())}: {hint}"
+    if hint is not None:
+        return f"missing {', '.join(entry.missing())}: {hint}"
+    return registry.import_problem(kind, entry.name) or "ok"
 
 
 def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
     registry = get_registry()
-    sections: dict[str, dict[str, Registered[Any]]] = {
-        "connectors": registry.connectors(),
-        "layouts": registry.layouts(),
-        "transforms": registry.transforms(),
-        "storage backends": registry.storage_backends(),
+    kinds = {
+        "connectors": "connector",
+        "layouts": "layout",
+        "transforms": "transform",
+        "storage backends": "storage backend",
+    }
+    sections = {title: registry.catalogs[kind].entries for title, kind in kinds.items()}
+    status = {
+        (title, name): _status(registry, kinds[title], entry)
+        for title, entries in sections.items()
+        for name, entry in entries.items()
     }
     if args.json:
         doc: dict[str, Any] = {
-            kind: [
+            title: [
                 {
                     "name": e.name,
                     "aliases": list(e.spec.aliases),
                     "source": e.source,
                     "plugin": e.plugin,
-                    "importable": not e.missing(),
+                    "importable": status[title, e.name] == "ok",
+                    "status": status[title, e.name],
                     "install_hint": e.install_hint(),
                     "summary": e.spec.summary,
                 }
                 for e in entries.values()
             ]
-            for kind, entries in sections.items()
+            for title, entries in sections.items()
         }
         doc["plugin_problems"] = [
             {"plugin": p.plugin, "message": p.message} for p in registry.problems
         ]
         out.print_json(json.dumps(doc))
         return EXIT_OK
-    for kind, entries in sections.items():
-        table = Table(title=f"{kind} ({len(entries)})", title_justify="left", expand=False)
+    for title, entries in sections.items():
+        table = Table(title=f"{title} ({len(entries)})", title_justify="left", expand=False)
         for column in ("name", "aliases", "provided by", "status", "summary"):
             table.add_column(column, overflow="fold")
         for e in sorted(entries.values(), key=lambda e: e.name):
-            cells = (e.name, ", ".join(e.spec.aliases), e.source, _status(e), e.spec.summary)
+            aliases = ", ".join(e.spec.aliases)
+            cells = (e.name, aliases, e.source, status[title, e.name], e.spec.summary)
             table.add_row(*(Text(cell) for cell in cells))
         out.print(table)
     for problem in registry.problems:
@@ -177,6 +185,15 @@ def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
     hint = entry.install_hint()
     if hint:
         notes.append(f"connector {entry.name!r} needs {', '.join(entry.missing())} to run: {hint}")
+        return notes
+    try:
+        registry.load_connector_class(entry.name)
+    except MissingDependencyError as exc:
+        notes.append(f"{exc} to run")
+    except RegistryError as exc:
+        raise RegistryError(
+            f"the config is valid but its connector cannot be used: {exc}"
+        ) from None
     return notes
 
 
@@ -205,56 +222,29 @@ def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     return run_demo(options, get_registry(), out)
 
 
-def _cmd_conformance(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from kvx.conformance.runner import (
-        FAILED,
-        PASSED,
-        ScenarioResult,
-        connector_claims,
-        markdown_report,
-        run_suite,
-    )
+def _run_plugin_command(registry: Registry, name: str, argv: list[str]) -> int:
+    """Run a subcommand a plugin registered (`kvx_cli_commands`): its `run(prog, argv)`."""
+    entry = registry.catalogs["command"].get(name)
+    run_command = load_target(entry.spec.target, what=f"command {name!r} (plugin {entry.plugin!r})")
+    if not callable(run_command):
+        raise RegistryError(f"command {name!r}: {entry.spec.target} is not callable")
+    return int(run_command(f"kvx {name}", argv))
 
-    kv = load_cli_arg(args.kv_transfer_config)
-    if not isinstance(kv, dict):
-        raise ConfigError([ConfigProblem("", f"expected a JSON object, got {type(kv).__name__}")])
-    registry = get_registry()
-    claims = connector_claims(kv, registry)
-    out.print(
-        f"kvx conformance: {kv.get('kv_connector')} claims "
-        f"{', '.join(sorted(c.value for c in claims)) or 'nothing'}",
-        highlight=False,
-    )
-    colour = {PASSED: "green", FAILED: "red"}
 
-    def show(result: ScenarioResult) -> None:
-        style = colour.get(result.outcome, "yellow")
-        detail = f"  {result.message}" if result.message else ""
-        out.print(
-            f"[{style}]{result.outcome:>11}[/] {result.name} ({result.seconds:.1f}s)"
-            f"{escape(detail)}",
+def _cmd_proxy(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from kvx.proxy import cli as proxy_cli
+
+    config = proxy_cli.config_from_args(args)
+    missing = proxy_cli.missing_extra()
+    if missing:
+        err.print(
+            f"error: kvx proxy needs the 'proxy' extra ({', '.join(missing)} not installed): "
+            "pip install 'kvx[proxy]'",
+            markup=False,
             highlight=False,
         )
-
-    try:
-        results = run_suite(
-            kv,
-            only=args.scenario,
-            registry=registry,
-            fault_timeout_s=args.fault_timeout,
-            on_result=show,
-        )
-    except ValueError as exc:
-        raise ConfigError([ConfigProblem("--scenario", str(exc))]) from None
-    failed = [r for r in results if r.outcome == FAILED]
-    passed = sum(r.outcome == PASSED for r in results)
-    out.print(
-        f"{passed} passed, {len(failed)} failed, {len(results) - passed - len(failed)} not claimed"
-    )
-    if args.report:
-        Path(args.report).write_text(markdown_report(kv, claims, results), encoding="utf-8")
-        out.print(f"report written to {args.report}")
-    return 1 if failed else 0
+        return EXIT_INTERNAL
+    return proxy_cli.run(config, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -263,9 +253,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     width = None if sys.stdout.isatty() else 10_000
     out = Console(soft_wrap=True, width=width)
     err = Console(stderr=True, soft_wrap=True, width=width)
-    parser = _build_parser()
     try:
-        args = parser.parse_args(argv)
+        registry = get_registry()
+        parser = _build_parser(registry)
+        args, rest = parser.parse_known_args(argv)
+        command = getattr(args, "plugin_command", None)
+        if command is not None:
+            return _run_plugin_command(registry, command, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return int(args.func(args, out, err))
     except SystemExit as exc:  # argparse: --help / --version (0) or usage errors (2)
         return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE

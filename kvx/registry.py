@@ -18,12 +18,13 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import pluggy
 
 from kvx import hookspecs
 from kvx._version import __version__
+from kvx.catalog import Catalog, Registered, copy_catalog
 from kvx.config import KVTransferConfig
 from kvx.contract import (
     CONTRACT_VERSION,
@@ -40,9 +41,16 @@ from kvx.errors import (
     quote,
     quoted_list,
 )
-from kvx.loading import install_hint, load_target, missing_requirements
+from kvx.loading import load_target
 from kvx.schema import join_path
-from kvx.specs import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
+from kvx.specs import (
+    CommandSpec,
+    ConnectorSpec,
+    KVLayout,
+    LayoutSpec,
+    StorageBackendSpec,
+    TransformSpec,
+)
 from kvx.types import EngineContext
 
 logger = logging.getLogger(__name__)
@@ -50,31 +58,6 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "kvx"
 DISABLE_AUTOLOAD_ENV = "KVX_DISABLE_PLUGIN_AUTOLOAD"
 BLOCKED_PLUGINS_ENV = "KVX_BLOCKED_PLUGINS"
-
-S = TypeVar("S", ConnectorSpec, LayoutSpec, TransformSpec, StorageBackendSpec)
-
-
-@dataclass(frozen=True)
-class Registered(Generic[S]):
-    """A spec together with where it came from."""
-
-    spec: S
-    plugin: str
-    source: str  # "<distribution> <version>" or "<plugin name>" for hand-registered plugins
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def missing(self) -> list[str]:
-        """Optional dependencies of this entry that are not installed."""
-        return missing_requirements(getattr(self.spec, "requires", ()))
-
-    def install_hint(self) -> str | None:
-        missing = self.missing()
-        if not missing:
-            return None
-        return install_hint(getattr(self.spec, "extra", None), missing[0])
 
 
 @dataclass(frozen=True)
@@ -95,52 +78,12 @@ class ExtraConfigTarget:
     unchecked: bool = False  # a module-path class that declares no schema
 
 
-class Catalog(Generic[S]):
-    """Names and aliases of one kind of plugin record, refusing silent overrides."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self.entries: dict[str, Registered[S]] = {}
-        self.aliases: dict[str, str] = {}
-
-    def check(self, entry: Registered[S]) -> None:
-        """Raise `RegistryError` if `entry` would take a name another plugin owns."""
-        for name in (entry.spec.name, *entry.spec.aliases):
-            owner = self.aliases.get(name, name if name in self.entries else None)
-            if owner is None:
-                continue
-            current = self.entries[owner]
-            if entry.spec.override and name == entry.spec.name:
-                continue
-            raise RegistryError(
-                f"{self.kind} name {name!r} from plugin {entry.plugin!r} ({entry.source}) is "
-                f"already registered by plugin {current.plugin!r} ({current.source}); "
-                "set override=True in the spec to replace it deliberately"
-            )
-
-    def add(self, entry: Registered[S]) -> None:
-        self.check(entry)
-        self.entries[entry.spec.name] = entry
-        for alias in entry.spec.aliases:
-            self.aliases[alias] = entry.spec.name
-
-    def get(self, name: str) -> Registered[S]:
-        canonical = self.aliases.get(name, name)
-        try:
-            return self.entries[canonical]
-        except KeyError:
-            known = sorted([*self.entries, *self.aliases])
-            raise RegistryError(
-                f"{name!r} is not a registered {self.kind}{did_you_mean(name, known)}; "
-                f"known: {quoted_list(known) or 'none'}"
-            ) from None
-
-
 _HOOKS: dict[str, tuple[str, type]] = {
     "connector": ("kvx_connectors", ConnectorSpec),
     "layout": ("kvx_layouts", LayoutSpec),
     "transform": ("kvx_transforms", TransformSpec),
     "storage backend": ("kvx_storage_backends", StorageBackendSpec),
+    "command": ("kvx_cli_commands", CommandSpec),
 }
 
 
@@ -183,46 +126,68 @@ class Registry:
     def register_plugin(
         self, plugin: object, name: str | None = None, source: str | None = None
     ) -> str:
-        """Register a plugin object or module; refuse it whole if it takes a taken name."""
+        """Register a plugin object or module with pluggy, or refuse it whole.
+
+        As pluggy's own `register` / `check_pending`: hook implementations are found by their
+        `@kvx.hookimpl` marker and checked against the hook specs. Refused, with a
+        `RegistryError` naming the plugin and the problem: an unmarked `kvx_*` function, a
+        `kvx_*` name that is no hook, arguments the hook does not provide, a hook returning
+        anything but its list of specs, a name another plugin owns.
+        """
         name = name or self.pm.get_canonical_name(plugin)
-        new = self._specs_of(plugin, name, source or name)
-        trial = {kind: _copy_catalog(cat) for kind, cat in self.catalogs.items()}
-        for kind, entry in new:
-            trial[kind].add(entry)
-        registered = self.pm.register(plugin, name=name)
-        if registered is None:
+        if self.pm.is_blocked(name):
             raise RegistryError(f"plugin {name!r} is blocked")
+        if self.pm.has_plugin(name):
+            raise RegistryError(f"a plugin named {name!r} is already registered")
+        _refuse_unmarked_hooks(self.pm, plugin, name)
+        try:
+            self.pm.register(plugin, name=name)
+            self.pm.check_pending()  # marked implementations of hooks that do not exist
+            trial = {kind: copy_catalog(cat) for kind, cat in self.catalogs.items()}
+            for kind, entry in self._specs_of(name, source or name):
+                trial[kind].add(entry)
+        except pluggy.PluginValidationError as exc:
+            self._forget(name)
+            raise RegistryError(_validation_message(self.pm, name, exc)) from None
+        except BaseException:
+            self._forget(name)
+            raise
         self.catalogs = trial
         self._sources[name] = source or name
         return name
+
+    def _forget(self, name: str) -> None:
+        if self.pm.has_plugin(name):
+            self.pm.unregister(name=name)
 
     def unregister_plugin(self, name: str) -> None:
         self.pm.unregister(name=name)
         self._sources.pop(name, None)
         self.catalogs = {kind: Catalog(kind) for kind in _HOOKS}
         for plugin_name, plugin in self.pm.list_name_plugin():
-            for kind, entry in self._specs_of(plugin, plugin_name, self._sources[plugin_name]):
+            if plugin is None:  # blocked
+                continue
+            for kind, entry in self._specs_of(plugin_name, self._sources[plugin_name]):
                 self.catalogs[kind].add(entry)
 
-    def _specs_of(self, plugin: object, name: str, source: str) -> list[tuple[str, Registered]]:
-        found: list[tuple[str, Registered]] = []
+    def _specs_of(self, name: str, source: str) -> list[tuple[str, Registered[Any]]]:
+        """What plugin `name` provides, each hook called through pluggy for it alone."""
+        others = [p for n, p in self.pm.list_name_plugin() if n != name and p is not None]
+        found: list[tuple[str, Registered[Any]]] = []
         for kind, (hook_name, spec_type) in _HOOKS.items():
-            impl = getattr(plugin, hook_name, None)
-            if impl is None:
-                continue
-            specs = impl()
-            if not isinstance(specs, (list, tuple)):
-                raise RegistryError(
-                    f"plugin {name!r}: {hook_name}() must return a list of "
-                    f"{spec_type.__name__}, got {type(specs).__name__}"
-                )
-            for spec in specs:
-                if not isinstance(spec, spec_type):
+            for specs in self.pm.subset_hook_caller(hook_name, remove_plugins=others)():
+                if not isinstance(specs, (list, tuple)):
                     raise RegistryError(
-                        f"plugin {name!r}: {hook_name}() returned "
-                        f"{spec!r}; expected {spec_type.__name__}"
+                        f"plugin {name!r}: {hook_name}() must return a list of "
+                        f"{spec_type.__name__}, got {type(specs).__name__}"
                     )
-                found.append((kind, Registered(spec, name, source)))
+                for spec in specs:
+                    if not isinstance(spec, spec_type):
+                        raise RegistryError(
+                            f"plugin {name!r}: {hook_name}() returned "
+                            f"{spec!r}; expected {spec_type.__name__}"
+                        )
+                    found.append((kind, Registered(spec, name, source)))
         return found
 
     # -- lookups -------------------------------------------------------------------------------
@@ -263,15 +228,45 @@ class Registry:
     def storage_backend_for_url(self, url: str) -> Registered[StorageBackendSpec]:
         """The backend registered for the scheme of `url` (`file://...` -> `file`)."""
         scheme = url.split("://", 1)[0] if "://" in url else "file"
-        for entry in self.catalogs["storage backend"].entries.values():
+        entries = list(self.catalogs["storage backend"].entries.values())
+        for entry in entries:
             if scheme in entry.spec.schemes:
                 return entry
-        known = sorted(s for e in self.storage_backends().values() for s in e.spec.schemes)
+        fallbacks = [e for e in entries if e.spec.other_schemes is not None]
+        for entry in fallbacks:
+            check = load_target(
+                str(entry.spec.other_schemes), what=f"storage backend {entry.name!r}'s schemes"
+            )
+            if callable(check) and check(scheme):
+                return entry
+        known = sorted(s for e in entries for s in e.spec.schemes)
+        also = "".join(f" (and those {e.name!r} knows)" for e in fallbacks)
         raise RegistryError(
             f"no storage backend for URL scheme {scheme!r} (from {url!r})"
             f"{did_you_mean(scheme, known)}; known schemes: "
-            f"{quoted_list(known) or 'none'}"
+            f"{quoted_list(known) or 'none'}{also}"
         )
+
+    def commands(self) -> dict[str, Registered[CommandSpec]]:
+        return dict(self.catalogs["command"].entries)
+
+    def import_problem(self, kind: str, name: str) -> str | None:
+        """None if the target of `kind` `name` imports (a connector's: and is a class of this
+        contract major), else what stops it. Imports the target: for `kvx list` / `validate`."""
+        entry = self.catalogs[kind].get(name)
+        try:
+            if kind == "connector":
+                self.load_connector_class(name)
+            else:
+                load_target(
+                    entry.spec.target,
+                    what=f"{kind} {entry.name!r}",
+                    requires=getattr(entry.spec, "requires", ()),
+                    extra=getattr(entry.spec, "extra", None),
+                )
+        except RegistryError as exc:  # MissingDependencyError included
+            return str(exc)
+        return None
 
     def load_layout(self, name: str) -> Any:
         entry = self.layout(name)
@@ -373,11 +368,43 @@ class Registry:
         )
 
 
-def _copy_catalog(catalog: Catalog[Any]) -> Catalog[Any]:
-    copy: Catalog[Any] = Catalog(catalog.kind)
-    copy.entries = dict(catalog.entries)
-    copy.aliases = dict(catalog.aliases)
-    return copy
+def _refuse_unmarked_hooks(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Refuse `kvx_*` functions pluggy would skip silently: unmarked hooks and misspellings."""
+    hooks = _hook_names(pm)
+    for attr in dir(plugin):
+        if not attr.startswith("kvx_") or pm.parse_hookimpl_opts(plugin, attr) is not None:
+            continue
+        if not callable(getattr(plugin, attr, None)):
+            continue
+        if attr in hooks:
+            raise RegistryError(
+                f"plugin {name!r}: {attr} is not marked @kvx.hookimpl, so pluggy would never "
+                "call it; mark it"
+            )
+        raise RegistryError(
+            f"plugin {name!r}: {attr} is not a kvx hook{did_you_mean(attr, hooks)}; hooks: "
+            f"{quoted_list(hooks)} (names starting with kvx_ are reserved for hooks)"
+        )
+
+
+def _hook_names(pm: pluggy.PluginManager) -> list[str]:
+    return sorted(name for name, hook in vars(pm.hook).items() if hook.has_spec())
+
+
+def _validation_message(
+    pm: pluggy.PluginManager, name: str, exc: pluggy.PluginValidationError
+) -> str:
+    """pluggy's refusal of plugin `name`, on one line and with kvx's hook names."""
+    text = str(exc)
+    if text.startswith("unknown hook"):  # check_pending: a marked kvx_* that is no hook
+        hook = text.split("'")[1]
+        hooks = _hook_names(pm)
+        return (
+            f"plugin {name!r}: {hook} is marked @kvx.hookimpl but is not a kvx hook"
+            f"{did_you_mean(hook, hooks)}; hooks: {quoted_list(hooks)}"
+        )
+    details = " ".join(line.strip() for line in text.splitlines()[1:])
+    return f"plugin {name!r}: {details or text} (kvx hooks take no arguments)"
 
 
 def _load_module_path_class(module_path: str, class_name: str) -> type[KVConnectorBase_V1]:
@@ -465,6 +492,18 @@ def get_registry() -> Registry:
     if _default is None:
         _default = Registry()
     return _default
+
+
+def get_layout(name: str) -> KVLayout:
+    """The layout registered as `name` (or an alias) through the `kvx_layouts` hook, from the
+    process-wide registry (`kvx list` shows them)."""
+    layout = get_registry().load_layout(name)
+    if not isinstance(layout, KVLayout):
+        raise RegistryError(
+            f"layout {name!r} resolves to {type(layout).__name__}, which is not a layout "
+            "(no name, shape, memory, blocks_dim and sizes_of)"
+        )
+    return layout
 
 
 def reset_registry() -> None:

@@ -7,6 +7,10 @@ imports a connector's heavy dependencies; the import happens on first use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,62 @@ class TransformSpec:
 
 @dataclass(frozen=True)
 class StorageBackendSpec:
-    """A storage backend chosen by URL scheme (`file`, `memory`, `redis`, ...)."""
+    """A storage backend chosen by URL scheme (`file`, `memory`, `redis`, ...).
+
+    - `target`: `"package.module:ClassName"` of a `kvx.StorageBackend` subclass.
+    - `schemes`: the URL schemes it serves.
+    - `other_schemes`: `"package.module:function"` of a predicate asked, lazily, about a
+      scheme no backend lists (True: this backend serves it too), e.g. a protocol registry
+      of the library behind the backend.
+    """
 
     name: str
     target: str
     schemes: tuple[str, ...] = ()
+    other_schemes: str | None = None
     summary: str = ""
     aliases: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     extra: str | None = None
     override: bool = False
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """A `kvx` subcommand a plugin provides (`kvx conformance` is one).
+
+    `target` is `"package.module:function"` of `run(prog: str, argv: list[str]) -> int`: it parses
+    `argv` (the words after the command's name) itself and returns the exit code. It is imported
+    only when the command runs, so `kvx --help` and the other commands stay cheap. Raising
+    `kvx.ConfigError` or `kvx.RegistryError` exits 2 with the message, as kvx's own commands do.
+    """
+
+    name: str
+    target: str
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    override: bool = False
+
+
+@runtime_checkable
+class KVLayout(Protocol):
+    """What every layout a `LayoutSpec` names offers (`kvx.layouts.Layout` is the built-in one):
+    its dims in tensor order (`shape`) and in memory order, and reading a tensor's sizes."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[str, ...]: ...
+
+    @property
+    def memory(self) -> tuple[str, ...]: ...
+
+    @property
+    def blocks_dim(self) -> int:
+        """Index of the `blocks` dim in `shape`."""
+        ...
+
+    def sizes_of(self, tensor: torch.Tensor) -> dict[str, int]:
+        """Each dim's size in `tensor`; ValueError if the tensor does not fit the layout."""
+        ...

@@ -1,8 +1,9 @@
 """The only serialisation kvx uses between processes: msgpack via msgspec, typed and bounded.
 
-Never pickle: a peer is untrusted, so every message is decoded into a declared type (whose
-fields carry their own bounds) and refused when it is larger than the caller's limit. Any
-malformed input, whatever msgspec or the type's checks raise on it, becomes `WireError`.
+A public module of kvx's API (for connectors that talk between processes). Never pickle: a peer
+is untrusted, so every message is decoded into a declared type (whose fields carry their own
+bounds) and refused when it is larger than the caller's limit. Any malformed input, whatever
+msgspec or the type's checks raise on it, becomes `WireError`.
 
 With a shared secret a message is sealed: an HMAC-SHA256 tag over a domain (which kind of
 message it is), the caller's context (e.g. the nonce it answers) and the body, in front of the
@@ -23,6 +24,19 @@ from typing import Any, TypeVar
 import msgspec
 
 T = TypeVar("T")
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "MAC_BYTES",
+    "ReplayGuard",
+    "WireError",
+    "decode",
+    "decode_sealed",
+    "encode",
+    "mac",
+    "seal",
+    "unseal",
+]
 
 DEFAULT_MAX_BYTES = 64 << 20
 MAC_BYTES = 32

@@ -24,7 +24,16 @@ from kvx.layouts.builtin import (
     NHD,
     get_layout,
 )
-from kvx.layouts.descriptor import DIMS, Layout
+from kvx.layouts.descriptor import (
+    BLOCKS,
+    DIMS,
+    HEAD_SIZE,
+    HEADS,
+    KV,
+    LAYERS,
+    TOKENS,
+    Layout,
+)
 
 if TYPE_CHECKING:
     from kvx.layouts.convert import convert_blocks
@@ -51,6 +60,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BLOCKS",
     "BUILTIN_LAYOUTS",
     "CPU_PACKED",
     "CROSS_FLASHINFER_HND",
@@ -61,9 +71,14 @@ __all__ = [
     "DIMS",
     "FLASHINFER_HND",
     "FLASHINFER_NHD",
+    "HEADS",
+    "HEAD_SIZE",
     "HND",
+    "KV",
+    "LAYERS",
     "MLA",
     "NHD",
+    "TOKENS",
     "Layout",
     "convert_blocks",
     "copy_kv_blocks",

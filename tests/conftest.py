@@ -14,6 +14,10 @@ import pytest
 from kvx import registry as registry_module
 from kvx.registry import Registry
 
+# Tools the Makefile installs into the venv (redis-server from PyPI where Debian's package cannot
+# be had) are found like system ones, by this process and its children.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
 TESTS_DIR = Path(__file__).resolve().parent
 PLUGIN_SOURCE = TESTS_DIR / "plugin_pkg"
 TEST_PLUGIN_MODULE = "kvx_test_plugin"

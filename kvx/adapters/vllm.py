@@ -49,8 +49,9 @@ from kvx.adapters.vllm_config import (
     known_connectors,
     kvx_transfer_config,
 )
+from kvx.adapters.vllm_guard import ReportGuard
+from kvx.adapters.vllm_plugin import PREFIX as PLUGIN_PREFIX
 from kvx.errors import ConfigError, did_you_mean, quoted_list
-from kvx.layouts import get_layout
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +85,7 @@ class KvxConnector(KVConnectorBase_V1):
         )
         self._kvx = kvx.create_connector(config, _ROLES[role], self._ctx)
         self._mirror = to_kvx.RequestMirror()
+        self._guard = ReportGuard(config.kv_connector or "?")
         self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
@@ -95,7 +97,7 @@ class KvxConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Checks each tensor is vLLM-CPU's packed layout for this engine, then hands them on."""
-        layout = get_layout(self._ctx.cache.layout)
+        layout = kvx.get_layout(self._ctx.cache.layout)
         cache = self._ctx.cache
         par = self._ctx.parallel
         heads = max(1, cache.num_kv_heads // par.tp_size)
@@ -238,10 +240,14 @@ class KvxConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> payloads.StepMetadata:
         self._mirror.refresh_all()
+        self._guard.note_loading(self._mirror.vllm_requests())
         out = to_kvx.scheduler_output(scheduler_output, self._mirror)
         return payloads.StepMetadata(self._kvx.build_connector_meta(out), out.preempted_req_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM calls this before it acts on the output's finished sets: reports for requests
+        vLLM is not waiting on are dropped first (see `vllm_guard`)."""
+        self._guard.filter(connector_output)
         self._kvx.update_connector_output(payloads.unwrap_output(connector_output))
 
     def request_finished(
@@ -251,6 +257,7 @@ class KvxConnector(KVConnectorBase_V1):
         try:
             delay, params = self._kvx.request_finished(self._mirror.get(request), list(block_ids))
             self._mirror.write_back(request)
+            self._guard.note_finished(request.request_id, delay)
         finally:
             self._mirror.forget(request.request_id)
         return delay, params
@@ -319,6 +326,18 @@ class KvxConnector(KVConnectorBase_V1):
         return cls._kvx_class(extra_config).requires_piecewise_for_cudagraph(kvx_extra)
 
     @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> payloads.PromMetrics:
+        """No Prometheus metrics (see `payloads.PromMetrics`), but an object vLLM's
+        MultiConnector requires of each child that reports stats."""
+        return payloads.PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> payloads.Stats:
         """Stats rebuilt in vLLM's logging process: the named kvx connector's own stats type
         on a name-bound class; kvx's generic `KVConnectorStats` on `KvxConnector` (the class
@@ -333,11 +352,17 @@ _BOUND: dict[str, type[KvxConnector]] = {}
 
 
 def connector_class(name: str) -> type[KvxConnector]:
-    """The adapter class bound to kvx connector `name` (made once per name)."""
+    """The adapter class bound to kvx connector `name` (made once per name).
+
+    Its `__name__` is the name kvx's vLLM plugin registers, `kvx.<name>`: vLLM's own
+    MultiConnector keys each child's stats by the child's class name and rebuilds them in the
+    API process through its connector factory, which must resolve that name to this class
+    (a bare `NixlConnector` would resolve to vLLM's own, with another stats type). `__qualname__`
+    stays `name`, the attribute of this module that gives the class back."""
     if name not in _BOUND:
         check_connector_name(name, "kv_connector")
         _BOUND[name] = type(
-            name,
+            PLUGIN_PREFIX + name,
             (KvxConnector,),
             {
                 "kvx_connector_name": name,

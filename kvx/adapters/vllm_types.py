@@ -65,6 +65,10 @@ class RequestMirror:
         for vllm_request, request in self._live.values():
             _refresh(request, vllm_request)
 
+    def vllm_requests(self) -> list[Any]:
+        """vLLM's live requests (those not yet finished)."""
+        return [vllm_request for vllm_request, _ in self._live.values()]
+
     def params_of(self, req_id: str) -> dict[str, Any] | None:
         entry = self._live.get(req_id)
         return entry[1].kv_transfer_params if entry else None

@@ -3,7 +3,9 @@
 Matches vLLM's `KVOutputAggregator`: a request is reported finished (sending or receiving) only
 once every worker has reported it, possibly in different steps; invalid blocks are unioned; stats
 and worker metadata are merged with `aggregate`; events are concatenated; a failed receive is
-held back until the same request is reported finished-receiving.
+held back until the same request is reported finished-receiving. A worker that reports the same
+request twice before every worker has reported it is recorded in `violations`: it is still counted
+(as vLLM counts reports), so the request looks finished early.
 """
 
 from __future__ import annotations
@@ -23,17 +25,34 @@ class KVOutputAggregator:
         self._send_remaining: dict[str, int] = {}
         self._recv_remaining: dict[str, int] = {}
         self._failed_pending: set[str] = set()
+        self._reporters: dict[tuple[str, str], set[int]] = {}  # (kind, request) -> ranks
+        self.violations: list[str] = []
 
     @classmethod
     def from_connector(cls, connector: KVConnectorBase_V1, world_size: int) -> KVOutputAggregator:
         """Use the connector's `get_finished_count()` override, else the worker count."""
         return cls(connector.get_finished_count() or world_size)
 
-    def _count(self, remaining: dict[str, int], req_ids: set[str] | None, done: set[str]) -> None:
+    def _count(
+        self,
+        kind: str,
+        remaining: dict[str, int],
+        req_ids: set[str] | None,
+        done: set[str],
+        rank: int,
+    ) -> None:
         for req_id in req_ids or ():
+            reporters = self._reporters.setdefault((kind, req_id), set())
+            if rank in reporters:
+                self.violations.append(
+                    f"worker {rank} reported request {req_id!r} in {kind} twice before every "
+                    "worker had reported it (each worker reports a request once)"
+                )
+            reporters.add(rank)
             left = remaining.get(req_id, self.expected_finished_count) - 1
             if left <= 0:
                 remaining.pop(req_id, None)
+                self._reporters.pop((kind, req_id), None)
                 done.add(req_id)
             else:
                 remaining[req_id] = left
@@ -50,11 +69,15 @@ class KVOutputAggregator:
         sending: set[str] = set()
         recving: set[str] = set()
         merged = KVConnectorOutput()
-        for out in outputs:
+        for rank, out in enumerate(outputs):
             if out is None:
                 continue
-            self._count(self._send_remaining, out.finished_sending, sending)
-            self._count(self._recv_remaining, out.finished_recving, recving)
+            self._count(
+                "finished_sending", self._send_remaining, out.finished_sending, sending, rank
+            )
+            self._count(
+                "finished_recving", self._recv_remaining, out.finished_recving, recving, rank
+            )
             self._failed_pending |= out.failed_recving
             merged.invalid_block_ids |= out.invalid_block_ids
             if out.kv_connector_stats is not None:

@@ -8,6 +8,7 @@ the least recently freed block first, like vLLM's free-block queue.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -30,16 +31,23 @@ class BlockPool:
     """Fixed set of block ids handed to requests.
 
     `ref_cnt[b]` counts the requests using block `b`; a block with count 0 sits in the free queue
-    (oldest first) and may still carry a cached hash.
+    (oldest first) and may still carry a cached hash. With `shuffle_seed` the free queue starts
+    in a random order, as it is in a long-running engine, so a request's blocks are scattered
+    (a connector that assumes them contiguous is caught).
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, shuffle_seed: int | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        order = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(order)
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in order)
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
 

@@ -74,11 +74,12 @@ def pd_configs(
     tp: tuple[int, int] = (1, 1),
     block_sizes: tuple[int, int] | None = None,
     layouts: tuple[str, str] | None = None,
+    roles: tuple[str, str] = ("kv_producer", "kv_consumer"),
 ) -> tuple[EngineConfig, EngineConfig]:
-    """P and D engine configs sharing a connector config; roles and engine ids set per side
-    (the engine id of each side is also its connector's `engine_id`)."""
+    """P and D engine configs sharing a connector config; `roles` (P's, D's `kv_role`) and
+    engine ids set per side (the engine id of each side is also its connector's `engine_id`)."""
     sides = []
-    for i, (role, name) in enumerate((("kv_producer", "prefill"), ("kv_consumer", "decode"))):
+    for i, (role, name) in enumerate(zip(roles, ("prefill", "decode"), strict=True)):
         engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
         ktc = KVTransferConfig.from_dict({**kv, "kv_role": role, "engine_id": engine_id})
         sides.append(
@@ -92,6 +93,10 @@ def pd_configs(
             )
         )
     return sides[0], sides[1]
+
+
+class EngineStall(EngineError):
+    """Neither engine made progress for the stall limit; the message says what is stuck."""
 
 
 class DisaggregatedPair:
@@ -213,6 +218,7 @@ class DisaggregatedPair:
         *,
         check_kv: bool = True,
         timeout_s: float = 300.0,
+        stall_s: float | None = None,
         on_finished: Callable[[RequestResult], None] | None = None,
     ) -> DisaggReport:
         """Send every prompt through P then D; return tokens, stats and KV mismatches."""
@@ -223,36 +229,71 @@ class DisaggregatedPair:
         self.on_finished = on_finished
         for rid, prompt in prompts.items():
             self.submit(rid, prompt, max_tokens, baseline[rid])
-        self.run_until_finished(timeout_s=timeout_s, check_kv=check_kv)
+        self.run_until_finished(timeout_s=timeout_s, check_kv=check_kv, stall_s=stall_s)
         return self.report(time.perf_counter() - start)
 
-    def run_until_finished(self, *, timeout_s: float = 300.0, check_kv: bool = True) -> None:
-        """Step until `finished()`; raise `EngineError` after `timeout_s` seconds.
+    @property
+    def violations(self) -> list[str]:
+        """Contract violations both engines recorded so far (see `Scheduler`)."""
+        return self.prefill.violations + self.decode.violations
+
+    def run_until_finished(
+        self, *, timeout_s: float = 300.0, check_kv: bool = True, stall_s: float | None = None
+    ) -> None:
+        """Step until `finished()`; raise `EngineError` after `timeout_s` seconds, or
+        `EngineStall` once `stall_s` seconds pass in which no engine produced output and
+        neither engine's counters (held and free blocks, loads, ...) changed.
 
         Rounds that produce no output sleep a millisecond, so connectors' background threads
         (loads, writes, network) get the CPU while the engines wait for them.
         """
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline, last_progress, last_state = now + timeout_s, now, self._progress_state()
         while not self.finished():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise EngineError(
                     f"disaggregated run did not finish within {timeout_s:.0f}s: "
                     f"{self.describe_unfinished()}"
                 )
-            if not self.step(check_kv):
+            progressed = self.step(check_kv)
+            state = self._progress_state()
+            if progressed or state != last_state:
+                last_progress, last_state = now, state
+            elif stall_s is not None and now - last_progress > stall_s:
+                raise EngineStall(f"no progress for {stall_s:.0f}s: {self.describe_unfinished()}")
+            if not progressed:
                 time.sleep(0.001)
 
+    def _progress_state(self) -> tuple[object, ...]:
+        return tuple(
+            tuple(sorted((k, v) for k, v in h.last_stats.items() if k != "steps"))
+            for h in (self.prefill, self.decode)
+        )
+
     def describe_unfinished(self) -> str:
-        """Which requests are not done and what the engines still hold."""
+        """Which requests are not done, what each engine holds and which connector report
+        it waits for."""
         open_reqs = [
             f"{r.request_id} ({r.status})"
             for r in self.results.values()
             if r.status in ("pending", "decoding")
         ]
-        return (
-            f"open requests: {', '.join(open_reqs) or 'none'}; prefill stats "
-            f"{self.prefill.last_stats}; decode stats {self.decode.last_stats}"
-        )
+        parts = [f"open requests: {', '.join(open_reqs) or 'none'}"]
+        for side, handle in (("prefill", self.prefill), ("decode", self.decode)):
+            if side in self._dead:
+                parts.append(f"{side}: killed")
+                continue
+            try:
+                lines = handle.diagnose()
+            except EngineError as exc:
+                lines = [f"could not ask it: {exc}"]
+            held = handle.last_stats.get("held_blocks", "?")
+            parts.append(
+                f"{side} ({handle.name}, {held} blocks held after finish): "
+                + ("; ".join(lines) or "idle")
+            )
+        return "\n  ".join(parts)
 
     def _finish(self, result: RequestResult, status: str) -> None:
         result.status = status

@@ -15,13 +15,21 @@ import torch
 from kvx.config import KVTransferConfig
 from kvx.contract import KVConnectorBase_V1, KVConnectorRole
 from kvx.engine.aggregator import KVOutputAggregator
+from kvx.engine.metadata_wire import decode_metadata, encode_metadata
 from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from kvx.engine.worker import Worker
 from kvx.events import KVConnectorKVEvents
 from kvx.registry import Registry, create_connector, get_registry
 from kvx.stats import KVConnectorStats
-from kvx.types import EngineContext, KVCacheSpec, ParallelInfo, Request, RequestStatus
+from kvx.types import (
+    EngineContext,
+    KVCacheSpec,
+    ParallelInfo,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     model_name: str = "kvx-toy"
     seed: int = 0
+    free_list_seed: int | None = None  # start with a shuffled (fragmented) block free list
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
     kv_transfer_config: KVTransferConfig | None = None
 
@@ -131,6 +140,8 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 enable_prefix_caching=config.enable_prefix_caching,
                 kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
+                kv_role=ktc.kv_role if ktc else None,
+                free_list_seed=config.free_list_seed,
             ),
             self.scheduler_connector,
         )
@@ -190,7 +201,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step over all workers."""
         out = self.scheduler.schedule()
-        results = [worker.execute(out) for worker in self.workers]
+        results = [worker.execute(view) for worker, view in zip(self.workers, self._views(out))]
         totals: dict[str, int] = {}
         for result in results:
             for req_id, score in result.scores.items():
@@ -205,6 +216,32 @@ class Engine:
                 self.kv_events.append(kv_output.kv_cache_events)
         self.steps += 1
         return self.scheduler.update_from_output(out, sampled, kv_output)
+
+    def _views(self, out: SchedulerOutput) -> list[SchedulerOutput]:
+        """Each worker's view of the step: its own copy of the connector metadata, rebuilt
+        from msgpack bytes as if sent to a worker process (`kvx.engine.metadata_wire`). The
+        rest of the output is shared: the reference workers only read it."""
+        meta = out.kv_connector_metadata
+        if meta is None:
+            return [out] * len(self.workers)
+        raw = encode_metadata(meta)
+        return [
+            replace(out, kv_connector_metadata=decode_metadata(raw, meta)) for _ in self.workers
+        ]
+
+    def take_violations(self) -> list[str]:
+        """Contract violations the scheduler and the output aggregator recorded since the
+        last call (empty for a conforming connector)."""
+        found = self.scheduler.take_violations()
+        if self.aggregator is not None:
+            found += self.aggregator.violations
+            self.aggregator.violations = []
+        return [f"{self.config.engine_id}: {v}" for v in found]
+
+    def diagnose(self) -> list[str]:
+        """What keeps this engine busy: each request's blocks and the report it waits for."""
+        pending = self.aggregator.pending() if self.aggregator is not None else None
+        return self.scheduler.diagnose(pending)
 
     def stats(self) -> dict[str, int]:
         """Step count, scheduler counters and block usage."""

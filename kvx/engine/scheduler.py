@@ -7,6 +7,11 @@ request, `update_connector_output` with the aggregated worker results. It implem
 caching by block hash, chunked prefill under a token budget, preemption when blocks run out,
 `WAITING_FOR_REMOTE_KVS` with promotion after the load (recomputing the last prompt token),
 delay-free blocks held until `finished_sending`, and `kv_load_failure_policy`.
+
+It also records contract violations instead of hiding them (`take_violations`): a request
+named in `finished_sending` / `finished_recving` that the engine does not hold for that transfer
+(unknown, or reported twice), and a connector acting against its `kv_role` (a pure producer
+offering tokens to load, a pure consumer holding blocks to send or offering KV to others).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     kv_load_failure_policy: str = "fail"
+    kv_role: str | None = None  # the connector's role; None: no role checks
+    free_list_seed: int | None = None  # start with a shuffled (fragmented) free list
 
 
 @dataclass
@@ -62,6 +69,8 @@ class _State:
     sync_loaded_tokens: int = 0  # tokens loaded synchronously in the current step
     loaded: bool = False  # promoted after a remote load, not yet scheduled
     kv_transfer_params_out: dict[str, Any] | None = None
+    finished_step: int = -1  # the scheduler step in which the request finished
+    asked_later: bool = False  # get_num_new_matched_tokens last answered None
 
 
 class Scheduler:
@@ -75,7 +84,11 @@ class Scheduler:
             )
         self.config = config
         self.connector = connector
-        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(
+            config.num_blocks, config.enable_prefix_caching, config.free_list_seed
+        )
+        self.steps = 0
+        self.violations: list[str] = []  # contract violations not yet taken
         self.states: dict[str, _State] = {}
         self.waiting: list[str] = []
         self.running: list[str] = []
@@ -91,6 +104,7 @@ class Scheduler:
             "external_tokens": 0,
             "external_blocks": 0,
             "load_errors": 0,
+            "min_free_blocks": config.num_blocks,
         }
 
     # -- requests --------------------------------------------------------------------------
@@ -197,6 +211,10 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._advance(scheduled)
+        self.steps += 1
+        self.stats["min_free_blocks"] = min(
+            self.stats["min_free_blocks"], self.pool.num_free_blocks
+        )
         return out
 
     def _schedule_waiting(
@@ -228,9 +246,15 @@ class Scheduler:
                     n_ext_or_none, load_async = self.connector.get_num_new_matched_tokens(
                         req, n_local
                     )
+                    state.asked_later = n_ext_or_none is None
                     if n_ext_or_none is None:
                         continue
                     n_ext = n_ext_or_none
+                    if n_ext and self.config.kv_role == "kv_producer":
+                        self._violate(
+                            f"role kv_producer: get_num_new_matched_tokens offered {n_ext} "
+                            f"tokens to load for request {req_id}; a pure producer never loads"
+                        )
             if load_async and n_ext > 0:
                 if not self._allocate(state, hits, n_local + n_ext):
                     return
@@ -362,7 +386,9 @@ class Scheduler:
         """Apply one step's results: load errors first, then sampled tokens, then transfers."""
         outputs, self._aborted = self._aborted, []
         discard: set[str] = set()
+        sendable = set(self._held_for_send)  # request_finished handed these over earlier
         if kv_output is not None:
+            self._check_finished_ids(kv_output, sendable)
             self._recved |= kv_output.finished_recving or set()
             if kv_output.invalid_block_ids or kv_output.failed_recving:
                 discard = self._handle_load_errors(kv_output, scheduler_output, outputs)
@@ -396,13 +422,42 @@ class Scheduler:
                 if held is not None:
                     self._recved.discard(req_id)
                     self.pool.free(held)
-            for req_id in kv_output.finished_sending or ():
-                held = self._held_for_send.pop(req_id, None)
-                if held is not None:
-                    self.pool.free(held)
+            for req_id in (kv_output.finished_sending or set()) & sendable:
+                self.pool.free(self._held_for_send.pop(req_id))
             if self.connector is not None:
                 self.connector.update_connector_output(kv_output)
         return outputs
+
+    def _violate(self, message: str) -> None:
+        self.violations.append(f"step {self.steps}: {message}")
+
+    def take_violations(self) -> list[str]:
+        """Contract violations recorded since the last call."""
+        taken, self.violations = self.violations, []
+        return taken
+
+    def _check_finished_ids(self, kv_output: KVConnectorOutput, sendable: set[str]) -> None:
+        """Record ids in the finished sets that name no transfer this engine is waiting for."""
+        for req_id in sorted((kv_output.finished_sending or set()) - sendable):
+            self._violate(
+                f"finished_sending names request {req_id!r}, which this engine does not hold "
+                "for sending: request_finished never returned True for it, or it was already "
+                "reported finished (ids in finished_sending must be held requests, once each)"
+            )
+        for req_id in sorted(kv_output.finished_recving or ()):
+            state = self.states.get(req_id)
+            loading = (
+                state is not None
+                and state.request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                and req_id not in self._recved
+            )
+            if not loading and req_id not in self._held_for_recv:
+                self._violate(
+                    f"finished_recving names request {req_id!r}, which is not loading "
+                    "asynchronously on this engine: unknown, never given an async load, or "
+                    "already reported finished (ids in finished_recving must be loading "
+                    "requests, once each)"
+                )
 
     def _handle_load_errors(
         self,
@@ -464,6 +519,13 @@ class Scheduler:
         delay_free, params = False, None
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(req, list(state.blocks))
+            if self.config.kv_role == "kv_consumer" and (delay_free or params):
+                self._violate(
+                    f"role kv_consumer: request_finished({req.request_id!r}) returned "
+                    f"({delay_free}, {params}); a pure consumer never holds blocks to send "
+                    "nor offers its KV to another engine"
+                )
+        state.finished_step = self.steps
         state.kv_transfer_params_out = params
         blocks, state.blocks = state.blocks, []
         if was_loading and req.request_id not in self._recved:
@@ -473,6 +535,57 @@ class Scheduler:
         else:
             self._recved.discard(req.request_id)
             self.pool.free(blocks)
+
+    def diagnose(self, pending: dict[str, dict[str, int]] | None = None) -> list[str]:
+        """One line per request that keeps this engine busy: what it holds and which
+        connector report the engine waits for. `pending` is the output aggregator's partial
+        reports (request -> workers still to report)."""
+        pending = pending or {"sending": {}, "recving": {}}
+        lines = []
+        for req_id, blocks in self._held_for_send.items():
+            left = pending["sending"].get(req_id)
+            lines.append(
+                f"request {req_id} finished at step {self.states[req_id].finished_step}; blocks "
+                f"{blocks} held for sending: the engine waits for get_finished() to report it "
+                "in finished_sending"
+                + (f" ({left} worker(s) still to report)" if left else " (no worker has)")
+            )
+        for req_id, blocks in self._held_for_recv.items():
+            lines.append(
+                f"request {req_id} aborted while loading; blocks {blocks} held until "
+                "get_finished() reports it in finished_recving"
+            )
+        for req_id in self.waiting:
+            state = self.states[req_id]
+            req = state.request
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                left = pending["recving"].get(req_id)
+                what = (
+                    "arrived, awaiting promotion"
+                    if req_id in self._recved
+                    else (
+                        "the engine waits for get_finished() to report it in finished_recving"
+                        + (f" ({left} worker(s) still to report)" if left else " (no worker has)")
+                    )
+                )
+                lines.append(
+                    f"request {req_id} loads its KV asynchronously into blocks {state.blocks}: "
+                    + what
+                )
+            elif state.asked_later:
+                lines.append(
+                    f"request {req_id} waiting: get_num_new_matched_tokens answered None "
+                    "(ask again later) at its last try"
+                )
+            else:
+                lines.append(f"request {req_id} waiting for free blocks ({req.status.value})")
+        for req_id in self.running:
+            state = self.states[req_id]
+            lines.append(
+                f"request {req_id} running with blocks {state.blocks} "
+                f"({state.request.num_computed_tokens} of {state.request.num_tokens} tokens)"
+            )
+        return lines
 
     def held_blocks(self) -> dict[str, list[int]]:
         """Blocks kept after finish for a connector (sending) or an in-flight read."""

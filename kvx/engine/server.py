@@ -42,11 +42,15 @@ class CheckKV(msgspec.Struct, tag=True):
     pass
 
 
+class Diagnose(msgspec.Struct, tag=True):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-Command = AddRequest | Abort | Step | CheckKV | Shutdown
+Command = AddRequest | Abort | Step | CheckKV | Diagnose | Shutdown
 
 
 class Reply(msgspec.Struct):
@@ -55,6 +59,8 @@ class Reply(msgspec.Struct):
     pending: bool = False
     mismatches: list[str] = []
     stats: dict[str, Any] = {}
+    violations: list[str] = []
+    diagnosis: list[str] = []
 
 
 class EngineError(RuntimeError):
@@ -76,7 +82,14 @@ def _handle(engine: Engine, cmd: Command) -> Reply:
         return Reply(pending=engine.has_pending_work())
     if isinstance(cmd, Step):
         outputs = engine.step()
-        return Reply(outputs=outputs, pending=engine.has_pending_work(), stats=engine.stats())
+        return Reply(
+            outputs=outputs,
+            pending=engine.has_pending_work(),
+            stats=engine.stats(),
+            violations=engine.take_violations(),
+        )
+    if isinstance(cmd, Diagnose):
+        return Reply(diagnosis=engine.diagnose(), pending=engine.has_pending_work())
     if isinstance(cmd, CheckKV):
         return Reply(mismatches=engine.check_kv(), pending=engine.has_pending_work())
     return Reply()
@@ -169,6 +182,7 @@ class EngineProcess:
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self._sock.connect(f"tcp://127.0.0.1:{first}")
         self.last_stats: dict[str, Any] = {}
+        self.violations: list[str] = []  # contract violations reported by every step so far
 
     def _call(self, cmd: Command) -> Reply:
         if not self.process.is_alive():
@@ -202,7 +216,12 @@ class EngineProcess:
         """One engine step: its outputs and whether work is still pending."""
         reply = self._call(Step())
         self.last_stats = reply.stats
+        self.violations += reply.violations
         return reply.outputs, reply.pending
+
+    def diagnose(self) -> list[str]:
+        """What keeps the engine busy (see `Engine.diagnose`)."""
+        return self._call(Diagnose()).diagnosis
 
     def check_kv(self) -> list[str]:
         return self._call(CheckKV()).mismatches
@@ -234,6 +253,7 @@ class LocalEngine:
         self.name = name
         self.engine = Engine(config)
         self.last_stats: dict[str, Any] = {}
+        self.violations: list[str] = []  # contract violations reported by every step so far
 
     def add_request(
         self,
@@ -251,7 +271,11 @@ class LocalEngine:
     def step(self) -> tuple[list[RequestOutput], bool]:
         outputs = self.engine.step()
         self.last_stats = self.engine.stats()
+        self.violations += self.engine.take_violations()
         return outputs, self.engine.has_pending_work()
+
+    def diagnose(self) -> list[str]:
+        return self.engine.diagnose()
 
     def check_kv(self) -> list[str]:
         return self.engine.check_kv()

@@ -27,6 +27,8 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
       head slice of a block is one contiguous byte range); null accepts the engine's layout and
       converts on receive.
     - `backends`: NIXL backends to instantiate; `num_threads`: backend threads (0: default).
+    - `idle_progress`: P keeps NIXL progressing from a thread while it holds blocks and its
+      engine does not poll (D's reads stall on an idle P otherwise).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -40,6 +42,7 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     required_layout: Literal["HND"] | None = "HND"
     backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     num_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    idle_progress: bool = True
 
     def __post_init__(self) -> None:
         try:

@@ -102,6 +102,11 @@ class Leases:
             del self._early[req_id]
             self._late(req_id)
 
+    @property
+    def holding(self) -> bool:
+        """Whether any request's blocks are held for D."""
+        return bool(self._sending)
+
     def take_finished(self) -> set[str]:
         finished, self._finished = self._finished, set()
         return finished

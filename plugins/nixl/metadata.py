@@ -24,6 +24,13 @@ class RemoteRead:
     remote_tp_size: int
     remote_pp_size: int
 
+    @property
+    def frees_only(self) -> bool:
+        """Nothing to read (D aborted the request before its blocks were allocated): only tell
+        P to free. The engine is not waiting on this request, so it is never reported received
+        (vLLM frees such a request at once and asserts on a later report)."""
+        return not self.local_block_ids
+
 
 @dataclass
 class Heartbeat:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvx.layouts import Layout
-from kvx.layouts.descriptor import BLOCKS, HEADS, KV
+from kvx.layouts import BLOCKS, HEADS, KV, Layout
 from kvx.plugins.nixl.handshake import Region
 
 if TYPE_CHECKING:

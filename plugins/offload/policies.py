@@ -87,4 +87,4 @@ class ARCPolicy:
         return None
 
 
-POLICIES = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[LRUPolicy | ARCPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import kvx
-from kvx import KVConnectorOutput, yield_req_data
+from kvx import ConnectorScheduler, KVConnectorOutput, yield_req_data
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
@@ -60,7 +60,7 @@ def _refuse(key: str, message: str) -> NoReturn:
     raise kvx.ConfigError([kvx.ConfigProblem(f"kv_connector_extra_config.{key}", message)])
 
 
-class OffloadScheduler:
+class OffloadScheduler(ConnectorScheduler):
     def __init__(self, options: OffloadingConfig, ctx: kvx.EngineContext) -> None:
         self.block_size = ctx.cache.block_size
         self.per_chunk, slots, disk_chunks = chunk_geometry(options, ctx)

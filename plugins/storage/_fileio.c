@@ -10,8 +10,8 @@
  * from memory: here they move about 256 KiB at a time and each piece is hashed (XXH3-64)
  * right before it is written or right after it is read, while it is in the cache.
  * `hash_buffers` hashes regions moved some other way (Redis). Digests equal
- * `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the system's xxhash header
- * (Debian: libxxhash-dev), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
+ * `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the vendored xxhash header
+ * (vendor/xxhash/), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
  * that have it.
  */
 #define _GNU_SOURCE /* fallocate() */

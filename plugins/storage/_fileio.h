@@ -5,7 +5,7 @@
 #include <stddef.h>
 
 #define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "vendor/xxhash/xxhash.h" /* vendored, see vendor/xxhash/README.md */
 
 /* XXH3_64bits_update built for AVX2 (only called on CPUs that have it). */
 void kvx_xxh3_update_avx2(XXH3_state_t *state, const void *data, size_t len);

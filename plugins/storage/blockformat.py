@@ -41,7 +41,7 @@ from __future__ import annotations
 import struct
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -50,6 +50,7 @@ import xxhash
 
 from kvx.layouts import Layout
 
+_hash_buffers: Callable[[Sequence[bytes | memoryview]], int] | None
 try:  # XXH3 over many buffers without the GIL (built when the system has xxhash.h)
     from kvx.plugins.storage._fileio import hash_buffers as _hash_buffers
 except ImportError:  # pragma: no cover - every `make` install builds it

@@ -38,6 +38,7 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
     namespace: str | None = None
     storage_block_size: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     redis_ttl_s: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    redis_client: Literal["resp", "redis-py"] = "resp"
     verify_checksums: bool = True
     max_inflight_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
@@ -81,6 +82,10 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.redis_ttl_s is not None and scheme not in REDIS_SCHEMES:
             raise ValueError(
                 f"redis_ttl_s: only redis:// storage expires keys; storage_url is {url!r}"
+            )
+        if self.redis_client != "resp" and scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"redis_client: only redis:// storage has a Redis client; storage_url is {url!r}"
             )
         if self.namespace is not None and not _NAMESPACE.match(self.namespace):
             raise ValueError(

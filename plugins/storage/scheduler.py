@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import kvx
-from kvx.plugins.storage.backends.base import StorageBackend
+from kvx import ConnectorScheduler, StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
@@ -28,7 +29,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
 
 
-class StorageScheduler:
+class StorageScheduler(ConnectorScheduler):
     """Existence checks are fresh on every call; what is learned is kept only until the step's
     `build_connector_meta`, since other engines add blocks (and TTLs drop them) at any time."""
 
@@ -39,10 +40,12 @@ class StorageScheduler:
         preferred_shards: int,
         preferred_pp: int,
         store: bool,
+        load: bool = True,
     ) -> None:
         self.geo = geometry
         self.backend = backend
-        self.store = store
+        self.store = store  # kv_producer or kv_both
+        self.load = load  # kv_consumer or kv_both
         self._partitions = [  # (writer PP size, head shards), own first
             (pp, shards)
             for pp in geometry.pp_sizes(preferred_pp)
@@ -66,7 +69,7 @@ class StorageScheduler:
         never the last prompt token (vLLM: `align_to_block_size(len - 1)`); loads are sync."""
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         cap = (len(request.prompt_token_ids) - 1) // ebs * ebs
-        if cap <= num_computed_tokens:
+        if not self.load or cap <= num_computed_tokens:
             return 0, False
         keys = self._request_keys(request)
         first = num_computed_tokens // bs
@@ -113,12 +116,17 @@ class StorageScheduler:
         self._found.clear()
         return meta
 
-    def request_finished(self, request: kvx.Request) -> None:
-        req_id = request.request_id
-        self._keys.pop(req_id, None)
-        self._reqs.pop(req_id, None)
-        self._found.pop(req_id, None)
-        self._loads.pop(req_id, None)
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are durable by the step's `wait_for_save`: blocks are never held."""
+        tables: tuple[dict[str, Any], ...] = (self._keys, self._reqs, self._found, self._loads)
+        for table in tables:
+            table.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.backend.close()
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -34,5 +34,8 @@ def test_bench_storage_tiny_run(tmp_path: Path) -> None:
         ("kvx redis://", "raw redis"),
         ("kvx offload CPU", "copy_ (memcpy)"),
     ]
+    ab = r"^A/B RESP client vs redis-py .*: save [\d.]+x wall .*, [\d.]+x CPU .*; load [\d.]+x wall"
+    assert re.search(ab, out, re.M), out
+    assert "kvx redis:// redis-py" in out
     assert "every loaded byte matched the saved bytes" in out
     assert list(tmp_path.iterdir()) == []  # the benchmark cleaned up after itself

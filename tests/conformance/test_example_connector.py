@@ -28,6 +28,7 @@ UNCLAIMED = {
     "stored_hetero_tp",
     "stored_block_size_mismatch",
     "stored_layout_conversion",
+    "roles_store_reuse",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 
@@ -67,10 +68,14 @@ def test_cli_writes_a_report(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 passed, 0 failed, 1 not claimed" in result.stdout
+    assert (
+        "1 passed, 0 failed, 1 not claimed; KV transfers tested by: pd_short_prompt"
+        in result.stdout
+    )
     text = report.read_text()
-    assert "| pd_short_prompt | passed |" in text
-    assert "| hetero_tp | not claimed |" in text and "needs hetero_tp" in text
+    assert "| pd_short_prompt | P kv_producer, D kv_consumer | passed |" in text
+    assert "| hetero_tp | P kv_producer, D kv_consumer | not claimed |" in text
+    assert "needs hetero_tp" in text
 
 
 @pytest.mark.timeout(60)
@@ -81,6 +86,10 @@ def test_cli_writes_a_report(tmp_path: Path) -> None:
         (
             ["--kv-transfer-config", json.dumps(CONFIG), "--scenario", "nope"],
             "unknown scenario(s) ['nope']",
+        ),
+        (
+            ["--kv-transfer-config", json.dumps(CONFIG), "--stall-timeout", "-1"],
+            "argument --stall-timeout: -1 is not a positive number of seconds",
         ),
     ],
 )
@@ -130,3 +139,41 @@ def test_docs_list_every_scenario() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "conformance.md").read_text()
     missing = [name for name in load_scenarios() if f"| `{name}` |" not in text]
     assert not missing, f"docs/conformance.md does not describe {missing}"
+
+
+EXAMPLE_TESTS = Path(__file__).resolve().parents[2] / "examples" / "kvx-example-connector" / "tests"
+
+
+@pytest.mark.timeout(600)
+def test_the_example_packages_own_tests_run_the_kit_on_two_configs(tmp_path: Path) -> None:
+    """The example package's three-line test file runs the kit from plain pytest, once with the
+    connector alone and once composed with a store on a Redis server its conftest starts."""
+    chosen = "pd_short_prompt or pd_prefill_block_pressure or roles_store_reuse or claims_cover"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(EXAMPLE_TESTS),
+            "-k",
+            chosen,
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(tmp_path / "base"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=580,
+        check=False,
+        cwd=EXAMPLE_TESTS.parent,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "7 passed, 1 skipped" in out, out
+    assert "not claimed: needs store_reuse" in out, out
+    assert (
+        "MultiConnector: 3 passed; KV transfers tested by pd_prefill_block_pressure, "
+        "pd_short_prompt, roles_store_reuse" in out
+    ), out

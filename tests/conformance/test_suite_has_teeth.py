@@ -1,25 +1,32 @@
-"""The conformance suite has teeth: every deliberately broken connector fails it."""
+"""The conformance suite has teeth: every deliberately broken connector fails it, with the rule
+it broke named in the message, and the good connectors pass the same scenarios."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from kvx.conformance import run_suite
-from kvx.conformance.runner import FAILED, PASSED
+from kvx.conformance import FAILED, PASSED, SuiteOptions, run_suite
 
 BROKEN_DIR = Path(__file__).resolve().parent / "broken"
-
-# The good connector passes these; each broken one fails the scenario named below.
-SCENARIOS = ["pd_block_multiple", "pd_long_prompts", "clean_shutdown"]
+EXAMPLE_EXTRA = {"directory": "{tmp}", "load_timeout_s": 5}
+STORAGE_EXTRA = {"storage_url": "file://{tmp}/store"}
+STORAGE_BASED = {"StoresAsConsumer", "LoadsAsProducer"}
+OPTIONS = SuiteOptions(fault_timeout_s=5, stall_timeout_s=5)
 
 
 def broken(name: str) -> dict[str, object]:
     return {
         "kv_connector": name,
         "kv_connector_module_path": "kvx_broken_connectors",
-        "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 5},
+        "kv_connector_extra_config": STORAGE_EXTRA if name in STORAGE_BASED else EXAMPLE_EXTRA,
     }
 
 
@@ -32,35 +39,114 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("connector", "caught_by"),
+    ("connector", "caught_by", "rule"),
     [
-        ("DropsBlock", "pd_long_prompts"),
-        ("SwapsBlocks", "pd_long_prompts"),
-        ("FinishesEarly", "pd_long_prompts"),
-        ("NeverFrees", "pd_block_multiple"),
-        ("WritesOtherHeads", "pd_block_multiple"),
-        ("LeaksThread", "clean_shutdown"),
+        ("DropsBlock", "pd_long_prompts", "differ"),
+        ("SwapsBlocks", "pd_long_prompts", "differ"),
+        ("FinishesEarly", "pd_long_prompts", "differ"),
+        ("NeverFrees", "pd_block_multiple", "waits for get_finished() to report it in "),
+        ("WritesOtherHeads", "pd_block_multiple", "differ"),
+        ("LeaksThread", "clean_shutdown", "threads still running after shutdown"),
+        ("SavesAsConsumer", "pd_short_prompt", "role kv_consumer: request_finished("),
+        ("StoresAsConsumer", "roles_store_reuse", "a pure consumer never saves"),
+        ("LoadsAsProducer", "roles_store_reuse", "a pure producer never loads"),
+        ("ReportsUnheldSends", "pd_short_prompt", "which this engine does not hold for sending"),
+        ("ReportsSendsTwice", "pd_block_multiple", "or it was already reported finished"),
+        ("AssumesContiguous", "pd_long_prompts", "differ"),
+        ("SavesLate", "pd_prefill_block_pressure", "differ"),
+        ("SendsALock", "pd_short_prompt", "cannot be sent to a worker process"),
     ],
 )
 def test_broken_connector_fails_the_suite(
-    broken_importable: None, connector: str, caught_by: str
+    broken_importable: None, connector: str, caught_by: str, rule: str
 ) -> None:
     import kvx_broken_connectors
 
     try:
-        (result,) = run_suite(broken(connector), only=[caught_by], fault_timeout_s=5)
+        (result,) = run_suite(broken(connector), only=[caught_by], options=OPTIONS)
     finally:
         for stop in kvx_broken_connectors.LEAKED_THREAD_STOPS:
             stop.set()
     assert result.outcome == FAILED, f"{connector} passed {caught_by}: {result}"
+    assert rule in result.message, result.message
 
 
 @pytest.mark.timeout(120)
-def test_the_good_connector_passes_the_same_subset(broken_importable: None) -> None:
-    config = broken("DropsBlock") | {
-        "kv_connector": "ExamplePDConnector",
-        "kv_connector_module_path": None,
-    }
-    config = {k: v for k, v in config.items() if v is not None}
-    results = run_suite(config, only=SCENARIOS, fault_timeout_s=10)
-    assert [r.outcome for r in results] == [PASSED] * len(SCENARIOS), results
+def test_a_connector_holding_blocks_forever_fails_fast_naming_them(
+    broken_importable: None,
+) -> None:
+    """No bare timeout: the stall names the request, its held blocks and the missing report,
+    well within 15 s at the default stall limit."""
+    start = time.monotonic()
+    (result,) = run_suite(broken("NeverFrees"), only=["pd_short_prompt"])
+    elapsed = time.monotonic() - start
+    assert result.outcome == FAILED
+    assert elapsed < 15, elapsed
+    message = result.message
+    assert message.startswith("EngineStall: no progress for 10s"), message
+    for needle in (
+        "prefill (prefill, 3 blocks held",
+        "req-0 finished at step",
+        "held for sending",
+        "blocks [",
+    ):
+        assert needle in message, message
+    assert "get_finished() to report it in finished_sending (no worker has)" in message
+
+
+@pytest.mark.timeout(60)
+def test_the_skeleton_that_claims_nothing_does_not_pass(broken_importable: None) -> None:
+    suite = run_suite(broken("DoesNothing"), options=OPTIONS)
+    assert suite.count(FAILED) == 0 and suite.count(PASSED) == 1  # idempotent_matching
+    assert not suite.ok() and suite.exit_code() == 1
+    assert "NO KV transfer was tested: DoesNothing claims nothing" in suite.summary()
+    assert suite.ok(allow_no_transfer=True) and suite.exit_code(allow_no_transfer=True) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_mutating_its_metadata_breaks_no_sibling(broken_importable: None) -> None:
+    """Every worker gets its own metadata, as across processes: clearing it is harmless."""
+    results = run_suite(broken("ClearsMetadata"), only=["aggregation_tp_pp"], options=OPTIONS)
+    assert [(r.outcome, r.message) for r in results] == [(PASSED, "")]
+
+
+@pytest.mark.timeout(180)
+def test_the_good_connectors_pass_the_same_scenarios(broken_importable: None) -> None:
+    example = {"kv_connector": "ExamplePDConnector", "kv_connector_extra_config": EXAMPLE_EXTRA}
+    scenarios = [
+        "pd_short_prompt",
+        "pd_block_multiple",
+        "pd_long_prompts",
+        "pd_prefill_block_pressure",
+        "clean_shutdown",
+    ]
+    results = run_suite(example, only=scenarios, options=OPTIONS)
+    assert [(r.name, r.outcome, r.message) for r in results] == [
+        (name, PASSED, "") for name in scenarios
+    ]
+    storage = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": STORAGE_EXTRA}
+    (result,) = run_suite(storage, only=["roles_store_reuse"], options=OPTIONS)
+    assert (result.outcome, result.message) == (PASSED, "")
+
+
+KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("extra", "code"), [([], 1), (["--allow-no-transfer"], 0)])
+def test_the_cli_fails_a_run_that_tested_no_transfer(extra: list[str], code: int) -> None:
+    assert KVX is not None
+    config = broken("DoesNothing") | {"kv_role": "kv_both"}
+    result = subprocess.run(
+        [KVX, "conformance", "--kv-transfer-config", json.dumps(config), *extra],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(BROKEN_DIR)},
+    )
+    assert result.returncode == code, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "DoesNothing claims nothing" in out
+    assert "the config's kv_role 'kv_both' is not used" in out
+    assert "1 passed, 0 failed, 31 not claimed; NO KV transfer was tested" in out

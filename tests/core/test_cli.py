@@ -34,6 +34,12 @@ def test_list_shows_sources_status_and_problems(plugin_env: Path) -> None:
     out = result.stdout
     assert "EchoConnector" in out and "kvx-test-plugin 0.0.1" in out and "TestEcho" in out
     assert "missing kvx_test_never_installed_dependency: pip install 'kvx[fake-extra]'" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
+    assert "│ ok " in rows["EchoConnector"]
+    # "ok" only for targets that import: one naming a missing class says what is wrong
+    assert "│ ok " not in rows["BrokenTarget"]
+    assert "'kvx_test_plugin.connectors' has no attribute 'NoSuchClass'" in rows["BrokenTarget"]
+    assert "not a subclass of kvx.KVConnectorBase_V1" in rows["NotAConnector"]
     assert "warning: plugin 'kvx_test_plugin_broken' not loaded: RuntimeError" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -49,10 +55,15 @@ def test_list_json(plugin_env: Path) -> None:
         "source": "kvx-test-plugin 0.0.1",
         "plugin": "kvx_test_plugin",
         "importable": True,
+        "status": "ok",
         "install_hint": None,
         "summary": "does nothing, answers every hook",
     }
     assert connectors["NeedsMissingDependency"]["importable"] is False
+    assert connectors["BrokenTarget"]["importable"] is False
+    assert connectors["BrokenTarget"]["status"] == (
+        "connector 'BrokenTarget': 'kvx_test_plugin.connectors' has no attribute 'NoSuchClass'"
+    )
     assert {
         "plugin": "kvx_test_plugin_broken",
         "message": "RuntimeError: this plugin is broken on purpose",
@@ -143,3 +154,23 @@ def test_help_exits_0() -> None:
     result = kvx_cmd("--help")
     assert result.returncode == 0
     assert "validate" in result.stdout and "list" in result.stdout
+
+
+def test_validate_refuses_a_connector_whose_target_does_not_import(plugin_env: Path) -> None:
+    result = kvx_cmd(
+        "validate", "--kv-transfer-config", '{"kv_connector": "BrokenTarget", "kv_role": "kv_both"}'
+    )
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip() == (
+        "error: the config is valid but its connector cannot be used: connector 'BrokenTarget': "
+        "'kvx_test_plugin.connectors' has no attribute 'NoSuchClass'"
+    )
+
+
+def test_plugins_register_subcommands(plugin_env: Path) -> None:
+    result = kvx_cmd("echo-args", "--anything", "goes", "-h")
+    assert (result.returncode, result.stdout) == (3, "kvx echo-args --anything goes -h\n")
+    assert "echo-args" in kvx_cmd("--help").stdout
+    unknown = kvx_cmd("list", "--no-such-flag")
+    assert unknown.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in unknown.stderr

@@ -275,3 +275,102 @@ def test_hma_requires_supports_hma(plugin_registry: Registry) -> None:
 
     assert plugin_registry.supports_hma_config(composite("EchoHMAConnector", "EchoHMAConnector"))
     assert not plugin_registry.supports_hma_config(composite("EchoHMAConnector", "TestEcho"))
+
+
+def _refused(registry: Registry, plugin: object, name: str) -> str:
+    """Register `plugin`, expect a refusal, check nothing of it stayed; the message."""
+    before = registry.connectors()
+    with pytest.raises(RegistryError) as info:
+        registry.register_plugin(plugin, name=name)
+    assert not registry.pm.has_plugin(name)
+    assert registry.connectors() == before
+    assert registry.pm.hook.kvx_connectors.get_hookimpls() == [
+        impl for impl in registry.pm.hook.kvx_connectors.get_hookimpls() if impl.plugin_name != name
+    ]
+    return str(info.value)
+
+
+def _spec() -> list[ConnectorSpec]:
+    return [ConnectorSpec(name="Refused", target="x:Y")]
+
+
+def test_hook_without_marker_is_refused(plugin_registry: Registry) -> None:
+    class Unmarked:
+        def kvx_connectors(self) -> list[ConnectorSpec]:
+            return _spec()
+
+    assert _refused(plugin_registry, Unmarked(), "unmarked") == (
+        "plugin 'unmarked': kvx_connectors is not marked @kvx.hookimpl, so pluggy would never "
+        "call it; mark it"
+    )
+
+
+def test_misspelt_hook_is_refused_marked_or_not(plugin_registry: Registry) -> None:
+    class Marked:
+        @kvx.hookimpl
+        def kvx_conectors(self) -> list[ConnectorSpec]:
+            return _spec()
+
+    class Plain:
+        def kvx_conectors(self) -> list[ConnectorSpec]:
+            return _spec()
+
+    hooks = (
+        '"kvx_cli_commands", "kvx_connectors", "kvx_layouts", "kvx_storage_backends", '
+        '"kvx_transforms"'
+    )
+    assert _refused(plugin_registry, Marked(), "marked-typo") == (
+        "plugin 'marked-typo': kvx_conectors is marked @kvx.hookimpl but is not a kvx hook "
+        f'(did you mean "kvx_connectors"?); hooks: {hooks}'
+    )
+    assert _refused(plugin_registry, Plain(), "plain-typo") == (
+        "plugin 'plain-typo': kvx_conectors is not a kvx hook (did you mean \"kvx_connectors\"?); "
+        f"hooks: {hooks} (names starting with kvx_ are reserved for hooks)"
+    )
+
+
+def test_hook_with_a_wrong_argument_is_refused(plugin_registry: Registry) -> None:
+    class WrongArgument:
+        @kvx.hookimpl
+        def kvx_connectors(self, config: dict[str, str]) -> list[ConnectorSpec]:
+            return _spec()
+
+    message = _refused(plugin_registry, WrongArgument(), "wrong-argument")
+    assert message.startswith("plugin 'wrong-argument': hookimpl definition: kvx_connectors(")
+    assert "{'config'} are declared in the hookimpl but can not be found in the hookspec" in message
+    assert message.endswith("(kvx hooks take no arguments)")
+
+
+def test_refused_entry_point_plugin_is_recorded_with_the_reason(
+    plugin_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A third-party plugin with a misspelt hook, found through its entry point."""
+    dist = tmp_path / "kvx_typo_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvx-typo-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvx]\ntypo = kvx_typo_plugin\n")
+    (tmp_path / "kvx_typo_plugin.py").write_text(
+        "import kvx\n\n@kvx.hookimpl\ndef kvx_layots():\n    return []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems = {p.plugin: p.message for p in Registry().problems}
+    assert problems["typo"].startswith(
+        "RegistryError: plugin 'typo': kvx_layots is marked @kvx.hookimpl but is not a kvx hook "
+        '(did you mean "kvx_layouts"?)'
+    )
+
+
+def test_hooks_are_called_through_pluggy(plugin_registry: Registry) -> None:
+    """Every catalog entry comes from a pluggy hook call: the hook's results are its specs."""
+    called = [spec.name for specs in plugin_registry.pm.hook.kvx_connectors() for spec in specs]
+    assert sorted(called) == sorted(plugin_registry.connectors())
+
+
+def test_get_layout_is_the_public_lookup(plugin_registry: Registry) -> None:
+    layout = kvx.get_layout("NHD")
+    assert isinstance(layout, kvx.KVLayout)
+    assert (layout.name, layout.blocks_dim) == ("NHD", 1)
+    with pytest.raises(RegistryError, match=r"'NHDD' is not a registered layout \(did you mean"):
+        kvx.get_layout("NHDD")
+    with pytest.raises(RegistryError, match="'TEST_LAYOUT' resolves to str, which is not a layout"):
+        kvx.get_layout("TEST_LAYOUT")

@@ -111,6 +111,10 @@ def test_the_same_worker_reporting_twice_counts_twice() -> None:
     agg = KVOutputAggregator(2)
     assert agg.aggregate([out(finished_sending={"a"})]).finished_sending is None  # type: ignore[union-attr]
     assert agg.aggregate([out(finished_sending={"a"})]).finished_sending == {"a"}  # type: ignore[union-attr]
+    assert agg.violations == [
+        "worker 0 reported request 'a' in finished_sending twice before every worker had "
+        "reported it (each worker reports a request once)"
+    ]
 
 
 @pytest.mark.parametrize(("count", "world", "expected"), [(None, 4, 4), (1, 4, 1), (2, 8, 2)])

@@ -225,4 +225,5 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "stored_hetero_tp",
         "stored_block_size_mismatch",
         "stored_layout_conversion",
+        "roles_store_reuse",
     }

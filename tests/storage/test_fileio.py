@@ -23,7 +23,7 @@ from kvx.plugins.storage.blockformat import BlockShape
 
 
 def test_the_native_reader_is_built_and_used_for_local_files(tmp_path: Path) -> None:
-    # `make` installs libxxhash-dev before building kvx: every install it makes has it.
+    # The module builds against the vendored xxhash.h: every install with a C compiler has it.
     assert _fileio.vector() in ("avx2", "baseline")
     assert FsspecBackend(f"file://{tmp_path}", BackendOptions()).hashed_io
     assert not FsspecBackend("memory://kvx-fileio", BackendOptions()).hashed_io

@@ -143,6 +143,8 @@ def config(extra: dict[str, Any]) -> KVTransferConfig:
         ({"storage_url": "s4://bucket/kv"}, "no storage backend for URL scheme 's4'"),
         ({"storage_url": "file:///x", "redis_ttl_s": 10}, "redis_ttl_s: only redis://"),
         ({"redis_ttl_s": 0}, "redis_ttl_s"),
+        ({"storage_url": "file:///x", "redis_client": "redis-py"}, "redis_client: only redis://"),
+        ({"redis_client": "hiredis"}, "redis_client"),
         ({"namespace": "a/b"}, "namespace: 'a/b' is not allowed"),
         ({"io_threads": 0}, "io_threads"),
         ({"storage_url": "file:///a", "shared_storage_path": "/b"}, "not both"),

@@ -251,7 +251,7 @@ def test_redis_py_path_for_tls_and_unix_urls(
     backend: RedisBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same calls through redis-py (what `rediss://` and `unix://` URLs use)."""
-    monkeypatch.setattr(backend, "_tcp", False)
+    monkeypatch.setattr(backend, "_resp", False)
     monkeypatch.setattr(redis_backend, "RespConnection", None)  # never used on this path
     cache = Cache(2, seed=3)
     want = cache.value(0)
@@ -358,3 +358,31 @@ def test_hostile_server_is_a_clear_error(reply: bytes, message: str) -> None:
         assert conn.closed and out == bytes(4)
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_redis_client_setting_forces_redis_py(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`redis_client: "redis-py"`: the same values round trip, and no RESP connection is made
+    (the RESP path keeps its connection for reuse; this one has none)."""
+    cache = Cache(3, seed=7)
+    want = [cache.value(i) for i in range(3)]
+    forced = RedisBackend(redis_url, BackendOptions(redis_client="redis-py"))
+    resp = RedisBackend(redis_url, BackendOptions())
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(redis_backend, "RespConnection", None)  # never used on this path
+            forced.put_vectored([(f"forced/v{i}", cache.buffers(i)) for i in range(3)])
+            cache.clear()
+            sizes = forced.get_vectored(
+                [f"forced/v{i}" for i in range(3)], [cache.buffers(i) for i in range(3)]
+            )
+        assert sizes == [len(w) for w in want]
+        assert [cache.value(i) for i in range(3)] == want
+        assert forced._idle == []
+        resp.get_vectored(["forced/v0"], [cache.buffers(0)])
+        assert len(resp._idle) == 1  # the other path, for contrast: one pooled RESP connection
+    finally:
+        forced.close()
+        resp.close()

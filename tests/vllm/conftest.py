@@ -59,9 +59,9 @@ SENTENCES = [
 ]
 
 
-def build_tiny_llama(out: Path, seed: int = 0) -> Path:
-    """A random 2-layer Llama (head_dim 32: vLLM-CPU's attention needs 32, 64, 80, ...) and a
-    byte-level BPE tokenizer padded to its 512-token vocabulary."""
+def build_tiny_llama(out: Path, seed: int = 0, positions: int = 512) -> Path:
+    """A random 2-layer Llama (head_dim 32: vLLM-CPU's attention needs 32, 64, 80, ...) with
+    `positions` positions and a byte-level BPE tokenizer padded to its 512-token vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -86,7 +86,7 @@ def build_tiny_llama(out: Path, seed: int = 0) -> Path:
         eos_token="</s>",
         pad_token="<pad>",
     )
-    fast.model_max_length = VOCAB
+    fast.model_max_length = positions
     fast.save_pretrained(out)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -96,7 +96,7 @@ def build_tiny_llama(out: Path, seed: int = 0) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
@@ -111,6 +111,18 @@ def build_tiny_llama(out: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 2,048 positions, for prompts over 1,000 tokens (the serving tests)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"), positions=2048)
+
+
+@pytest.fixture(scope="session")
+def in_process_engine() -> Any:
+    """`engine(model, kv_transfer=None, **options)`: the in-process engine context manager."""
+    return engine
 
 
 @pytest.fixture(scope="session")

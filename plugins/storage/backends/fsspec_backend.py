@@ -11,15 +11,17 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 from kvx.userdirs import make_private_dirs
 
+_fileio: ModuleType | None
 try:  # one-pass read + checksum (built when the system has xxhash.h)
     from kvx.plugins.storage import _fileio
 except ImportError:  # pragma: no cover - every `make` install builds it
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 
 
-class FsspecBackend:
+class FsspecBackend(StorageBackend):
     """Values are files `<root>/<key>`; written to a temporary name and renamed into place
     (`os.replace` on local disks), or put in one request where a put is atomic. Local files
     go through plain `os` calls: fsspec's file objects cost more than writing a block does."""
@@ -247,7 +249,7 @@ class FsspecBackend:
         """The `_fileio` module, or a clear error where it cannot serve (not local files, or
         not built)."""
         if not self.hashed_io:
-            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
+            raise NotImplementedError(f"{self.url}: one-pass checksummed IO needs local files")
         return _fileio
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

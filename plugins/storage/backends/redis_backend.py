@@ -11,7 +11,8 @@ Two clients share the work:
 - Everything else (ping, `put_many`, `get_many`/`get_into` with GETRANGE, exists, TTL) goes
   through one redis-py client, as do the vectored calls for TLS (`rediss://`) and unix-socket
   URLs, which the RESP client does not speak (there the buffers are joined on save and
-  copied on load).
+  copied on load), and all calls when the config sets `redis_client: "redis-py"` (for
+  proxies or managed Redis that the small client may not suit, and for debugging).
 
 One value per key, each written with a single SET (a value is whole or absent); a batch of
 keys is one pipelined round trip. Nothing waits on a dead or hung server beyond `timeout_s`
@@ -29,7 +30,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvx.plugins.storage.backends.base import BackendOptions, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
 from kvx.plugins.storage.backends.resp import RespConnection
 
 KEY_PREFIX = "kvx/"
@@ -46,7 +47,7 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
-class RedisBackend:
+class RedisBackend(StorageBackend):
     """A pipelined key -> bytes store on a Redis server (values up to 512 MB, optional TTL)."""
 
     def __init__(self, url: str, options: BackendOptions) -> None:
@@ -87,7 +88,9 @@ class RedisBackend:
                 "example `redis-server --port 6379 --bind 127.0.0.1`) or fix storage_url"
             ) from None
         pool = self.client.connection_pool
-        self._tcp = pool.connection_class is redis.connection.Connection
+        self._resp = (
+            pool.connection_class is redis.connection.Connection and options.redis_client == "resp"
+        )
         self._connect_kwargs = pool.connection_kwargs
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
@@ -123,17 +126,18 @@ class RedisBackend:
             sizes.append(len(value) if value else None)
         return sizes
 
-    def put_vectored(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> None:
+    def put_vectored(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
         """Store each key = the concatenation of its buffers (sent from them, not joined);
         raise on failure (values already written may stay)."""
         if not items:
             return
-        if not self._tcp:
+        if not self._resp:
             self.put_many([(key, b"".join(parts)) for key, parts in items])
             return
         conn = self._take()
         try:
-            conn.set_vectored([(KEY_PREFIX + key, parts) for key, parts in items], self.ttl_s)
+            values = [(KEY_PREFIX + key, [memoryview(p) for p in parts]) for key, parts in items]
+            conn.set_vectored(values, self.ttl_s)
         except BaseException:
             conn.close()
             raise
@@ -148,7 +152,7 @@ class RedisBackend:
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists; one per key")
         if not keys:
             return []
-        if not self._tcp:
+        if not self._resp:
             return self._get_vectored_redis_py(keys, buffers)
         conn = self._take()
         try:

@@ -1,4 +1,5 @@
-"""Deliberately broken connectors: each wraps the good example connector and breaks one rule.
+"""Deliberately broken connectors: each wraps a good connector (the example connector, or the
+built-in shared-storage connector for store roles) and breaks one rule.
 
 The conformance suite must fail each of them (tests/conformance/test_suite_has_teeth.py). The
 faults are real misbehaviour of a real connector, not mocks of the suite.
@@ -7,17 +8,24 @@ faults are real misbehaviour of a real connector, not mocks of the suite.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvx_example_connector.connector import ExamplePDConnector, LoadSpec
+import kvx
+from kvx import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvx.plugins.storage.connector import SharedStorageConnector
+from kvx_example_connector.connector import ExamplePDConnector
+from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, SaveSpec
+from kvx_example_connector.worker import ExamplePDWorker, _write_atomic
 
 LEAKED_THREAD_STOPS: list[threading.Event] = []  # the test stops the leaked threads after it
 
 
-class DropsBlock(ExamplePDConnector):
+class DropsBlockWorker(ExamplePDWorker):
     """Loads every block but the last one (whatever was there before stays)."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -28,7 +36,7 @@ class DropsBlock(ExamplePDConnector):
             cache.index_copy_(dim, last, before[name])
 
 
-class SwapsBlocks(ExamplePDConnector):
+class SwapsBlocksWorker(ExamplePDWorker):
     """Writes the first two loaded blocks into each other's place."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -48,25 +56,25 @@ class SwapsBlocks(ExamplePDConnector):
         )
 
 
-class FinishesEarly(ExamplePDConnector):
+class FinishesEarlyWorker(ExamplePDWorker):
     """Reports a load finished as soon as it starts, before the data has landed."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving = super().get_finished(finished_req_ids)
         early = set(self._loading)
         self._loading.clear()  # forget them: the loads keep running unobserved
-        return sending, (recving or set()) | early or None
+        return sending, recving | early
 
 
-class NeverFrees(ExamplePDConnector):
+class NeverFreesWorker(ExamplePDWorker):
     """Holds a finished prompt's blocks and never reports them sent."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         _, recving = super().get_finished(finished_req_ids)
-        return None, recving
+        return set(), recving
 
 
-class WritesOtherHeads(ExamplePDConnector):
+class WritesOtherHeadsWorker(ExamplePDWorker):
     """Loads the right blocks but puts each head's KV into the next head's place."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -77,7 +85,7 @@ class WritesOtherHeads(ExamplePDConnector):
             cache.index_copy_(dim, index, blocks.roll(1, dims=-2))
 
 
-class LeaksThread(ExamplePDConnector):
+class LeaksThreadWorker(ExamplePDWorker):
     """Starts a helper thread that outlives `shutdown()`."""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -85,3 +93,181 @@ class LeaksThread(ExamplePDConnector):
         stop = threading.Event()
         LEAKED_THREAD_STOPS.append(stop)
         threading.Thread(target=stop.wait, name="leaked-by-connector", daemon=True).start()
+
+
+class DropsBlock(ExamplePDConnector):
+    worker_type = DropsBlockWorker
+
+
+class SwapsBlocks(ExamplePDConnector):
+    worker_type = SwapsBlocksWorker
+
+
+class FinishesEarly(ExamplePDConnector):
+    worker_type = FinishesEarlyWorker
+
+
+class NeverFrees(ExamplePDConnector):
+    worker_type = NeverFreesWorker
+
+
+class WritesOtherHeads(ExamplePDConnector):
+    worker_type = WritesOtherHeadsWorker
+
+
+class LeaksThread(ExamplePDConnector):
+    worker_type = LeaksThreadWorker
+
+
+class SavesAsConsumer(ExamplePDConnector):
+    """Ignores its kv_role: offers every finished request's KV, also on a pure consumer (D)."""
+
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not (request.kv_transfer_params or {}).get("do_remote_decode"):
+            request.kv_transfer_params = {
+                **(request.kv_transfer_params or {}),
+                "do_remote_decode": True,
+            }
+        return super().request_finished(request, block_ids)
+
+
+class StoresAsConsumer(SharedStorageConnector):
+    """Ignores its kv_role: a pure consumer stores the KV of its own requests."""
+
+    def __init__(self, config: kvx.KVTransferConfig, role: KVConnectorRole, ctx: Any) -> None:
+        super().__init__(config, role, ctx)
+        if self._scheduler is not None:
+            self._scheduler.store = True
+
+
+class LoadsAsProducer(SharedStorageConnector):
+    """Ignores its kv_role: a pure producer loads what is stored."""
+
+    def __init__(self, config: kvx.KVTransferConfig, role: KVConnectorRole, ctx: Any) -> None:
+        super().__init__(config, role, ctx)
+        if self._scheduler is not None:
+            self._scheduler.load = True
+
+
+class ReportsUnheldSends(ExamplePDConnector):
+    """Reports every request it received (D) as finished sending too, which it never held."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)
+        return (sending or set()) | (recving or set()) or None, recving
+
+
+class ReportsSendsTwice(ExamplePDConnector):
+    """Reports each finished send again in the next step."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)
+        again, self._reported = getattr(self, "_reported", set()), set(sending or ())
+        return (sending or set()) | again or None, recving
+
+
+class AssumesContiguousWorker(ExamplePDWorker):
+    """Loads into the run of blocks starting at the first one, as if blocks were contiguous."""
+
+    def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
+        first = load.local_block_ids[0]
+        local = list(range(first, first + len(load.local_block_ids)))
+        super()._load(
+            path,
+            LoadSpec(
+                load.req_id,
+                local,
+                load.remote_engine_id,
+                load.remote_request_id,
+                load.remote_block_ids,
+            ),
+            dim,
+        )
+
+
+class SavesLateWorker(ExamplePDWorker):
+    """Reports a save finished as soon as it is queued, and reads the blocks when it flushes
+    its queue, at the end of the next step."""
+
+    _queued: list[SaveSpec]
+
+    def start_load_kv(self, metadata: ExamplePDMetadata) -> None:
+        saves, metadata.saves = metadata.saves, []
+        super().start_load_kv(metadata)  # the loads
+        self._flush, self._queued = getattr(self, "_queued", []), saves
+        for save in saves:
+            self._saving[save.req_id] = _done()
+
+    def wait_for_save(self) -> None:
+        for save in self._flush:
+            index = torch.tensor(save.block_ids, dtype=torch.long)
+            snapshot = {n: t.index_select(self.dim, index) for n, t in self._caches.items()}
+            path = self._path(self.engine_id, save.req_id)
+            self._pool.submit(_write_atomic, path, snapshot)
+        self._flush = []
+
+
+def _done() -> Future[None]:
+    future: Future[None] = Future()
+    future.set_result(None)
+    return future
+
+
+@dataclass
+class UnsendableMetadata(KVConnectorMetadata):
+    """Carries a live lock to the workers: it cannot cross a process boundary."""
+
+    lock: Any = None
+
+
+class SendsALock(ExamplePDConnector):
+    """Puts an object no serialiser can send into its metadata."""
+
+    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> KVConnectorMetadata:
+        super().build_connector_meta(scheduler_output)
+        return UnsendableMetadata(threading.Lock())
+
+
+class ClearsMetadata(ExamplePDConnector):
+    """Empties the metadata it was given once it started its work. Harmless in a real engine,
+    where every worker gets its own copy: it must pass."""
+
+    def start_load_kv(self, forward_context: kvx.ForwardContext, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ExamplePDMetadata)
+        meta.saves.clear()
+        meta.loads.clear()
+
+
+class DoesNothing(KVConnectorBase_V1):
+    """The skeleton of docs/writing-a-connector.md: claims nothing, moves nothing."""
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None: ...
+
+    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, forward_context: kvx.ForwardContext, **kwargs: Any) -> None: ...
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None: ...
+    def wait_for_save(self) -> None: ...
+
+
+class AssumesContiguous(ExamplePDConnector):
+    worker_type = AssumesContiguousWorker
+
+
+class SavesLate(ExamplePDConnector):
+    worker_type = SavesLateWorker

@@ -162,3 +162,9 @@ class ScriptedConnector(EchoConnector):
         cls, data: dict[str, Any] | None = None
     ) -> kvx.KVConnectorStats | None:
         return kvx.KVConnectorStats(dict(data or {}))
+
+
+def echo_args(prog: str, argv: list[str]) -> int:
+    """The `kvx echo-args` subcommand: prints its name and words; exits 3 to be recognised."""
+    print(prog, *argv)
+    return 3

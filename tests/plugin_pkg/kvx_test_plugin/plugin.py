@@ -1,7 +1,7 @@
 """Hook implementations: what this plugin provides (names only, nothing imported)."""
 
 import kvx
-from kvx import ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
+from kvx import CommandSpec, ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
 
 
 @kvx.hookimpl
@@ -51,6 +51,11 @@ def kvx_connectors() -> list[ConnectorSpec]:
             summary="built for contract 2.0",
         ),
         ConnectorSpec(
+            name="BrokenTarget",
+            target="kvx_test_plugin.connectors:NoSuchClass",
+            summary="its target names a class its module does not have",
+        ),
+        ConnectorSpec(
             name="NotAConnector",
             target="kvx_test_plugin.connectors:NotAConnector",
             summary="a class that is not a KVConnectorBase_V1",
@@ -77,3 +82,8 @@ def kvx_storage_backends() -> list[StorageBackendSpec]:
             schemes=("testmem",),
         )
     ]
+
+
+@kvx.hookimpl
+def kvx_cli_commands() -> list[CommandSpec]:
+    return [CommandSpec("echo-args", "kvx_test_plugin.connectors:echo_args", summary="prints argv")]

@@ -1,0 +1,16 @@
+"""Registers `kvx conformance` (kvx's core CLI does not import this package)."""
+
+from __future__ import annotations
+
+import kvx
+
+
+@kvx.hookimpl
+def kvx_cli_commands() -> list[kvx.CommandSpec]:
+    return [
+        kvx.CommandSpec(
+            "conformance",
+            "kvx.conformance.cli:run",
+            summary="run the conformance suite against a connector",
+        )
+    ]

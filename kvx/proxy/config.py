@@ -1,0 +1,151 @@
+"""The proxy's settings, checked once: every problem names the flag, the value and what is allowed.
+
+Pure Python (no third-party imports), so `kvx proxy --help` and flag errors work without the
+`proxy` extra installed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
+
+ROUTING_POLICIES = ("round_robin", "least_outstanding")
+"""How the proxy picks among the servers of one role (see `kvx.proxy.routing`)."""
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+MAX_BODY_BYTES_LIMIT = 1024 * 1024 * 1024
+"""The largest --max-body-bytes accepted: a client body is held in memory whole."""
+
+
+class ProxySettingError(ConfigError):
+    """A proxy setting was rejected; `problems` names each flag, its value and what is allowed."""
+
+    def _render(self) -> str:
+        if len(self.problems) == 1:
+            return f"invalid proxy setting: {self.problems[0]}"
+        return "\n".join(
+            [f"invalid proxy settings ({len(self.problems)} problems):"]
+            + [f"  - {p}" for p in self.problems]
+        )
+
+
+def normalize_server_url(url: str) -> str:
+    """`http(s)://HOST[:PORT]` with no trailing slash; ValueError says what is wrong."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError("expected a server URL such as http://127.0.0.1:8100")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("expected http://HOST:PORT or https://HOST:PORT")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("the port must be an integer in 1-65535") from None
+    if not parts.hostname:
+        raise ValueError("the URL names no host; expected http://HOST:PORT")
+    if port == 0:
+        raise ValueError("the port must be an integer in 1-65535")
+    if parts.username is not None or parts.query or parts.fragment:
+        raise ValueError("expected http://HOST:PORT without credentials, query or fragment")
+    if parts.path not in ("", "/"):
+        raise ValueError(
+            f"expected the server's root URL without a path (the proxy adds /v1/...), "
+            f"got path {parts.path!r}"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _positive_seconds(flag: str, value: float, problems: list[ConfigProblem]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        problems.append(ConfigProblem(flag, f"{quote(value)} is not a number of seconds"))
+    elif not (math.isfinite(value) and value > 0):
+        problems.append(ConfigProblem(flag, f"{quote(value)} is not allowed; expected seconds > 0"))
+
+
+def _server_problems(flag: str, urls: Iterable[str], problems: list[ConfigProblem]) -> None:
+    seen: set[str] = set()
+    for url in urls:
+        try:
+            normal = normalize_server_url(url)
+        except ValueError as exc:
+            problems.append(ConfigProblem(flag, f"{quote(url)}: {exc}"))
+            continue
+        if normal in seen:
+            problems.append(ConfigProblem(flag, f"{quote(url)} is given twice"))
+        seen.add(normal)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything `kvx proxy` is told. Invalid values raise `ProxySettingError` naming the
+    flag (`--request-timeout`, ...), the value and what is allowed.
+
+    `prefill` and `decode` may be empty in the Python API (servers can be added at run time
+    through `ServerPool.add`); the CLI requires at least one of each.
+    """
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    routing: str = "round_robin"
+    health_interval: float = 2.0
+    """Seconds between two rounds of GET /health on every server."""
+    health_timeout: float = 5.0
+    """Seconds a server has to answer GET /health before it counts as down."""
+    request_timeout: float = 300.0
+    """Seconds an upstream server has to connect, answer, and send each next chunk of a stream;
+    a non-streamed answer must arrive whole within it. Also bounds reading a client's body."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+        problems: list[ConfigProblem] = []
+        _server_problems("--prefill", self.prefill, problems)
+        _server_problems("--decode", self.decode, problems)
+        if not isinstance(self.host, str) or not self.host.strip():
+            problems.append(ConfigProblem("--host", f"{quote(self.host)} is not a host name"))
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port <= 65535
+        ):
+            problems.append(
+                ConfigProblem(
+                    "--port", f"{quote(self.port)} is not allowed; expected an integer in 0-65535"
+                )
+            )
+        if self.routing not in ROUTING_POLICIES:
+            problems.append(
+                ConfigProblem(
+                    "--routing",
+                    f"{quote(self.routing)} is not a routing policy; allowed: "
+                    f"{quoted_list(ROUTING_POLICIES)}"
+                    f"{did_you_mean(str(self.routing), ROUTING_POLICIES)}",
+                )
+            )
+        _positive_seconds("--health-interval", self.health_interval, problems)
+        _positive_seconds("--health-timeout", self.health_timeout, problems)
+        _positive_seconds("--request-timeout", self.request_timeout, problems)
+        if (
+            isinstance(self.max_body_bytes, bool)
+            or not isinstance(self.max_body_bytes, int)
+            or not 1 <= self.max_body_bytes <= MAX_BODY_BYTES_LIMIT
+        ):
+            problems.append(
+                ConfigProblem(
+                    "--max-body-bytes",
+                    f"{quote(self.max_body_bytes)} is not allowed; expected an integer in "
+                    f"1-{MAX_BODY_BYTES_LIMIT}",
+                )
+            )
+        if problems:
+            raise ProxySettingError(problems)
+        object.__setattr__(self, "prefill", tuple(normalize_server_url(u) for u in self.prefill))
+        object.__setattr__(self, "decode", tuple(normalize_server_url(u) for u in self.decode))

@@ -1,0 +1,31 @@
+"""Types of the native module built from `_fileio.c` (see its method table for the behaviour)."""
+
+from collections.abc import Sequence
+
+from typing_extensions import Buffer
+
+_Region = tuple[Buffer, int, int, int]  # (buffer, start, size, step)
+
+def hash_buffers(buffers: Sequence[Buffer], /) -> int: ...
+def write_blocks(
+    paths: Sequence[str],
+    tmp_paths: Sequence[str],
+    seeds: Sequence[bytes],
+    prefix: Buffer,
+    regions: Sequence[_Region],
+    blocks: Sequence[int],
+    baseline: bool = False,
+    /,
+) -> list[int]: ...
+def read_blocks(
+    paths: Sequence[str],
+    seeds: Sequence[bytes],
+    skip_start: int,
+    skip_end: int,
+    heads: Sequence[Buffer],
+    regions: Sequence[_Region],
+    blocks: Sequence[int],
+    baseline: bool = False,
+    /,
+) -> list[tuple[int | None, int | None, int]]: ...
+def vector() -> str: ...
