@@ -195,6 +195,7 @@ def summary_table(report: DisaggReport, base: EngineConfig, connector: str) -> T
         ("KV bytes moved", f"{kv_bytes / 2**20:.2f} MiB"),
         ("throughput (end to end)", f"{(prompt_tokens + generated) / seconds:.0f} tokens/s"),
         ("wall time", f"{report.elapsed_s:.2f} s"),
+        ("KV saves failed", f"{int(report.prefill_stats.get('kv_save_errors', 0))}"),
         (
             "KV byte checks",
             "passed" if not report.kv_mismatches else f"{len(report.kv_mismatches)} mismatches",
