@@ -16,7 +16,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
+from kvx.errors import ConfigError, ConfigProblem
 from kvx.registry import get_registry
 
 
@@ -25,11 +27,17 @@ class StorageBackendOptions:
     """What the connector's config says about IO (backends ignore what does not apply):
     `ttl_s`, seconds a stored value lives (None: until removed); `timeout_s`, how long one
     call may wait on the store; `redis_client`, the Redis backend's client for values
-    ("resp", kvx's own, or "redis-py")."""
+    ("resp", kvx's own, or "redis-py"); `file_mode`, of new local files (0600: the owner's)."""
 
     ttl_s: int | None = None
     timeout_s: float = 10.0
     redis_client: str = "resp"
+    file_mode: int = 0o600
+    """Mode of new local files; directories get it with the execute bits added (0700)."""
+
+    @property
+    def dir_mode(self) -> int:
+        return self.file_mode | (self.file_mode & 0o444) >> 2
 
 
 StorageRegionTable = Sequence[tuple[memoryview, int, int, int]]
@@ -157,5 +165,16 @@ def open_storage_backend(url: str, options: StorageBackendOptions) -> StorageBac
             f"storage backend {entry.name!r} ({entry.spec.target}) is not a subclass of "
             "kvx.StorageBackend; see docs/writing-a-storage-backend.md"
         )
-    backend: StorageBackend = cls(url, options)
+    try:
+        backend: StorageBackend = cls(url, options)
+    except (OSError, ValueError, ImportError) as exc:  # unreachable, unwritable, missing extra
+        shown = (
+            url if (password := urlsplit(url).password) is None else url.replace(password, "***")
+        )
+        problem = ConfigProblem(STORAGE_URL_KEY, f"cannot open {shown!r}: {exc}")
+        raise ConfigError([problem]) from None
     return backend
+
+
+STORAGE_URL_KEY = "kv_connector_extra_config.storage_url"
+"""Where a store that cannot be opened at start-up is reported."""

@@ -244,13 +244,15 @@ class Engine:
         return self.scheduler.diagnose(pending)
 
     def stats(self) -> dict[str, int]:
-        """Step count, scheduler counters and block usage."""
+        """Step count, scheduler counters, block usage and the connector's failed saves."""
         held = sum(len(b) for b in self.scheduler.held_blocks().values())
+        save_errors = sum(int(s.data.get("save_errors", 0)) for s in self.kv_stats)
         return {
             "steps": self.steps,
             **self.scheduler.stats,
             "held_blocks": held,
             "free_blocks": self.scheduler.pool.num_free_blocks,
+            "kv_save_errors": save_errors,
         }
 
     def check_kv(self) -> list[str]:

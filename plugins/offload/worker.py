@@ -49,8 +49,14 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
         self.fs: fsspec.AbstractFileSystem | None = None
         if disk_url is not None:
-            self.fs, self.root = fsspec.core.url_to_fs(disk_url)
-            self.fs.makedirs(self.root, exist_ok=True)
+            try:
+                self.fs, self.root = fsspec.core.url_to_fs(disk_url)
+                self.fs.makedirs(self.root, exist_ok=True)
+            except (OSError, ValueError, ImportError) as exc:
+                problem = kvx.ConfigProblem(
+                    "kv_connector_extra_config.disk_url", f"cannot open {disk_url!r}: {exc}"
+                )
+                raise kvx.ConfigError([problem]) from None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.gpu = dict(kv_caches)

@@ -12,7 +12,7 @@ from kvx import (
     StorageBackendOptions,
     open_storage_backend,
 )
-from kvx.plugins.storage.config import SharedStorageConfig
+from kvx.plugins.storage.config import FILE_MODES, SharedStorageConfig
 from kvx.plugins.storage.keys import Geometry
 from kvx.plugins.storage.metadata import StorageMetadata
 from kvx.plugins.storage.scheduler import StorageScheduler
@@ -72,6 +72,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
                 ttl_s=options.redis_ttl_s,
                 timeout_s=options.timeout_s,
                 redis_client=options.redis_client,
+                file_mode=FILE_MODES[options.permissions],
             ),
         )
         return options, geometry, backend
