@@ -105,13 +105,16 @@ def caches(shape: Shape, tp: int, rank: int, seed: int | None) -> dict[str, torc
     return out
 
 
+IDLE_PROGRESS = {"idle_progress": True}  # set from --no-idle-progress (read by both processes)
+
+
 def connector(role: KVConnectorRole, kv_role: str, engine_id: str, ctx: EngineContext) -> Any:
     config = KVTransferConfig.from_dict(
         {
             "kv_connector": "NixlConnector",
             "kv_role": kv_role,
             "engine_id": engine_id,
-            "kv_connector_extra_config": {"kv_lease_duration": 120},
+            "kv_connector_extra_config": {"kv_lease_duration": 120, **IDLE_PROGRESS},
         }
     )
     return create_connector(config, role, ctx)
@@ -120,7 +123,8 @@ def connector(role: KVConnectorRole, kv_role: str, engine_id: str, ctx: EngineCo
 # -- prefill process ---------------------------------------------------------------------------
 
 
-def prefill(shape: Shape, tp: int, conn: Connection) -> None:
+def prefill(shape: Shape, tp: int, conn: Connection, idle_progress: bool) -> None:
+    IDLE_PROGRESS["idle_progress"] = idle_progress
     engine_id = f"P-{uuid.uuid4().hex[:6]}"
     workers, raw = [], []
     for rank in range(tp):
@@ -299,7 +303,8 @@ class Decode:
 def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill, args=(shape, p_tp, child), daemon=True)
+    args = (shape, p_tp, child, IDLE_PROGRESS["idle_progress"])
+    proc = ctx.Process(target=prefill, args=args, daemon=True)
     proc.start()
     try:
         raw_md = parent.recv()
@@ -330,7 +335,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     parser.add_argument("--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated")
+    parser.add_argument(
+        "--no-idle-progress",
+        action="store_true",
+        help="P's connector without its idle progress thread (the before/after comparison)",
+    )
     args = parser.parse_args()
+    IDLE_PROGRESS["idle_progress"] = not args.no_idle_progress
     cases = [tuple(int(n) for n in case.split(":")) for case in args.cases.split(",")]
     shape = Shape(8, 8, 128, 16, 8, 1024)
     if args.quick:

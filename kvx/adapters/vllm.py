@@ -50,6 +50,7 @@ from kvx.adapters.vllm_config import (
     kvx_transfer_config,
 )
 from kvx.adapters.vllm_guard import ReportGuard
+from kvx.adapters.vllm_plugin import PREFIX as PLUGIN_PREFIX
 from kvx.errors import ConfigError, did_you_mean, quoted_list
 
 if TYPE_CHECKING:
@@ -325,6 +326,18 @@ class KvxConnector(KVConnectorBase_V1):
         return cls._kvx_class(extra_config).requires_piecewise_for_cudagraph(kvx_extra)
 
     @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> payloads.PromMetrics:
+        """No Prometheus metrics (see `payloads.PromMetrics`), but an object vLLM's
+        MultiConnector requires of each child that reports stats."""
+        return payloads.PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> payloads.Stats:
         """Stats rebuilt in vLLM's logging process: the named kvx connector's own stats type
         on a name-bound class; kvx's generic `KVConnectorStats` on `KvxConnector` (the class
@@ -339,11 +352,17 @@ _BOUND: dict[str, type[KvxConnector]] = {}
 
 
 def connector_class(name: str) -> type[KvxConnector]:
-    """The adapter class bound to kvx connector `name` (made once per name)."""
+    """The adapter class bound to kvx connector `name` (made once per name).
+
+    Its `__name__` is the name kvx's vLLM plugin registers, `kvx.<name>`: vLLM's own
+    MultiConnector keys each child's stats by the child's class name and rebuilds them in the
+    API process through its connector factory, which must resolve that name to this class
+    (a bare `NixlConnector` would resolve to vLLM's own, with another stats type). `__qualname__`
+    stays `name`, the attribute of this module that gives the class back."""
     if name not in _BOUND:
         check_connector_name(name, "kv_connector")
         _BOUND[name] = type(
-            name,
+            PLUGIN_PREFIX + name,
             (KvxConnector,),
             {
                 "kvx_connector_name": name,

@@ -162,5 +162,4 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.pool = pool
-    app.state.config = config
     return app

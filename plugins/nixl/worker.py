@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,41 +32,27 @@ from kvx.plugins.nixl.handshake import (
 )
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.posting import ReadJob, ReadPoster
 from kvx.plugins.nixl.progress import IdleProgress
-from kvx.plugins.nixl.regions import block_descs, layer_regions
+from kvx.plugins.nixl.regions import layer_regions
 from kvx.plugins.nixl.remote import (
     LocalView,
-    RankKey,
     RemoteEngine,
     build_remote,
     fetch_remote,
 )
-from kvx.plugins.nixl.staging import Staging, convert_staged, plan_staging
+from kvx.plugins.nixl.staging import convert_staged
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
 from kvx.wire import WireError, encode
 
 logger = logging.getLogger(__name__)
-LOCAL = "NIXL_INIT_AGENT"
-
-
-@dataclass
-class ReadJob:
-    spec: RemoteRead
-    remote: RemoteEngine
-    local_block_ids: list[int]
-    start_token: int
-    started: float
-    handles: list[Any] = field(default_factory=list)
-    staging: Staging | None = None
-    nbytes: int = 0
-    ndescs: int = 0
 
 
 HandshakeKey = tuple[str, str, int, int, int]
 
 
-class NixlWorker:
+class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
         self.ctx = ctx
@@ -89,7 +74,7 @@ class NixlWorker:
         self._registration: Any = None
         self._mem_type = "DRAM"
         self._device = 0
-        self._local_dlists: dict[tuple[int, int], Any] = {}
+        self._poster: ReadPoster | None = None
         self._view: LocalView | None = None
         # D side
         self._pool: ThreadPoolExecutor | None = None
@@ -143,6 +128,16 @@ class NixlWorker:
             cache.head_size,
             num_blocks=regions[0].num_blocks,
         )
+        self._poster = ReadPoster(
+            self.agent,
+            self._caches,
+            regions,
+            self.heads,
+            cache.block_size,
+            cache.head_size,
+            self._device,
+            self._mem_type,
+        )
         if self._producer and self.options.idle_progress:
             self._progress = IdleProgress(self.agent, self._lock)
 
@@ -177,7 +172,7 @@ class NixlWorker:
             self._start_load_kv(meta)
             self._want_progress()
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         with self._lock:
             finished = self._get_finished()
             self._want_progress()
@@ -286,11 +281,12 @@ class NixlWorker:
             self._complete(job)
             return
         try:
+            assert self._poster is not None, "register_kv_caches must run before loads"
             _check_block_ids(spec, remote)
             if remote.direct:
-                self._post_direct(job)
+                self._poster.post_direct(job)
             else:
-                self._post_staged(job)
+                self._poster.post_staged(job)
         except Exception as exc:  # a bad peer or a NIXL error: never crash the step
             logger.error("request %s: could not start the read: %s", spec.request_id, exc)
             self._abandon(job)
@@ -298,106 +294,6 @@ class NixlWorker:
             self._fail(spec, local)
             return
         self._reading[spec.request_id] = job
-
-    def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
-        key = (head_offset, num_heads)
-        if key not in self._local_dlists:
-            descs = block_descs(self._regions, head_offset, num_heads, self.heads, self._device)
-            self._local_dlists[key] = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
-        return self._local_dlists[key]
-
-    def _make_remote_dlist(
-        self, agent: str, meta: AgentMetadata, head_offset: int, num_heads: int
-    ) -> Any:
-        heads = len(
-            KVGeometry(
-                meta.tp_size, meta.num_kv_heads, meta.block_size, meta.layout, meta.is_mla
-            ).heads_of(meta.tp_rank)
-        )
-        descs = block_descs(meta.regions, head_offset, num_heads, heads, meta.device_id)
-        return self.agent.prep_xfer_dlist(agent, descs, meta.mem_type)
-
-    def _post(
-        self,
-        job: ReadJob,
-        local_dlist: Any,
-        local_ids: list[int],
-        key: RankKey,
-        remote_dlist: Any,
-        remote_ids: list[int],
-        nbytes: int,
-    ) -> None:
-        handle = self.agent.make_prepped_xfer(
-            "READ", local_dlist, local_ids, remote_dlist, remote_ids
-        )
-        job.handles.append(handle)
-        job.nbytes += nbytes
-        job.ndescs += len(local_ids)
-        if self.agent.transfer(handle) == "ERR":
-            raise RuntimeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
-
-    def _post_direct(self, job: ReadJob) -> None:
-        """READ each remote (head slice of a) block straight into the local block."""
-        remote, spec = job.remote, job.spec
-        bs = self.geometry.block_size
-        remote_ids = spec.remote_block_ids[job.start_token // bs :][: len(job.local_block_ids)]
-        if len(remote_ids) != len(job.local_block_ids):
-            raise ValueError(
-                f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
-            )
-        my_index = {(r.layer, r.kv): i for i, r in enumerate(self._regions)}
-        for read in remote.plan.reads:
-            full = read.num_heads == self.heads
-            lo, nh = (0, 0) if full else (read.local_head_offset, read.num_heads)
-            local_dlist = self._local_dlist(lo, nh)
-            for stage in sorted(set(remote.stage_of_layer.values())):
-                key = (stage, read.remote_tp_rank)
-                meta = remote.metas[key]
-                remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
-                whole = read.num_heads == remote_heads and full
-                ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
-                local_ids, rids, nbytes = [], [], 0
-                for ri, region in enumerate(meta.regions):
-                    li = my_index.get((region.layer, region.kv))
-                    if li is None:
-                        continue
-                    mine = self._regions[li]
-                    local_ids += [li * mine.num_blocks + b for b in job.local_block_ids]
-                    rids += [ri * region.num_blocks + b for b in remote_ids]
-                    nbytes += len(remote_ids) * mine.block_len * read.num_heads // self.heads
-                if local_ids:
-                    remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
-                    self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
-
-    def _post_staged(self, job: ReadJob) -> None:
-        """READ whole remote blocks into registered staging buffers (see `staging.py`)."""
-        cache = next(iter(self._caches.values()))
-        staging = plan_staging(
-            job.remote,
-            job.spec.remote_block_ids,
-            job.spec.remote_num_tokens,
-            job.start_token,
-            list(self._caches),
-            self.ctx.cache.head_size,
-            cache.dtype,
-            cache.device,
-        )
-        staging.registration = self.agent.register_memory(
-            [
-                (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
-                for t in staging.tensors.values()
-            ],
-            self._mem_type,
-        )
-        job.staging = staging
-        for read in staging.reads:
-            descs = block_descs(read.regions, device=self._device)
-            dlist = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
-            staging.dlists.append(dlist)
-            remote_dlist = job.remote.remote_dlist(read.key, 0, 0, self._make_remote_dlist)
-            nbytes = sum(r.block_len * r.num_blocks for r in read.regions)
-            local_ids = list(range(len(read.remote_ids)))
-            self._post(job, dlist, local_ids, read.key, remote_dlist, read.remote_ids, nbytes)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -559,9 +455,9 @@ class NixlWorker:
                 except Exception as exc:  # a dead peer
                     logger.warning("shutdown: removing agent %s failed: %s", agent, exc)
         self._remotes.clear()
-        for dlist in self._local_dlists.values():
-            self.agent.release_dlist_handle(dlist)
-        self._local_dlists.clear()
+        if self._poster is not None:
+            self._poster.release()
+            self._poster = None
         if self._registration is not None:
             self.agent.deregister_memory(self._registration)
             self._registration = None

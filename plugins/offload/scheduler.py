@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import kvx
-from kvx import KVConnectorOutput, yield_req_data
+from kvx import ConnectorScheduler, KVConnectorOutput, yield_req_data
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
@@ -54,7 +54,7 @@ def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[i
     return per_chunk, slots, disk
 
 
-class OffloadScheduler:
+class OffloadScheduler(ConnectorScheduler):
     def __init__(self, options: OffloadingConfig, ctx: kvx.EngineContext) -> None:
         self.block_size = ctx.cache.block_size
         self.per_chunk, slots, disk_chunks = chunk_geometry(options, ctx)

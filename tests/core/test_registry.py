@@ -364,3 +364,13 @@ def test_hooks_are_called_through_pluggy(plugin_registry: Registry) -> None:
     """Every catalog entry comes from a pluggy hook call: the hook's results are its specs."""
     called = [spec.name for specs in plugin_registry.pm.hook.kvx_connectors() for spec in specs]
     assert sorted(called) == sorted(plugin_registry.connectors())
+
+
+def test_get_layout_is_the_public_lookup(plugin_registry: Registry) -> None:
+    layout = kvx.get_layout("NHD")
+    assert isinstance(layout, kvx.KVLayout)
+    assert (layout.name, layout.blocks_dim) == ("NHD", 1)
+    with pytest.raises(RegistryError, match=r"'NHDD' is not a registered layout \(did you mean"):
+        kvx.get_layout("NHDD")
+    with pytest.raises(RegistryError, match="'TEST_LAYOUT' resolves to str, which is not a layout"):
+        kvx.get_layout("TEST_LAYOUT")

@@ -85,7 +85,7 @@ def start_proxy() -> Iterator[Callable[..., RunningProxy]]:
 
     def start(prefill: list[str], decode: list[str], **settings: Any) -> RunningProxy:
         settings.setdefault("health_interval", 0.1)
-        settings.setdefault("health_timeout", 1.0)
+        settings.setdefault("health_timeout", 5.0)
         settings.setdefault("request_timeout", 10.0)
         config = ProxyConfig(prefill=tuple(prefill), decode=tuple(decode), port=0, **settings)
         proxy = serve_in_thread(config)

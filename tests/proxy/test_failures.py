@@ -17,6 +17,8 @@ import pytest
 
 pytestmark = pytest.mark.timeout(90)
 
+HOLD_LIMIT_S = 20.0  # how long the stub holds a request at most (upstream_server.HOLD_LIMIT_S)
+
 
 def health_of(client: httpx.Client, proxy_url: str, role: str, url: str) -> str:
     servers = client.get(f"{proxy_url}/kvx/servers").json()[role]
@@ -130,7 +132,7 @@ def test_hanging_prefill_gives_504_within_the_request_timeout(stub, start_proxy,
     assert answer.json()["error"]["message"] == (
         f"prefill server {p.url}: no answer within 1 s (--request-timeout)"
     )
-    assert elapsed < 8, f"the 504 took {elapsed:.1f} s"
+    assert elapsed < HOLD_LIMIT_S / 2, f"the 504 took {elapsed:.1f} s"
     assert d.behaviour.completions() == []
 
 
@@ -138,7 +140,7 @@ def test_hanging_decode_stream_ends_with_an_error_event(stub, start_proxy, clien
     p, d = stub("P"), stub("D")
     d.behaviour.stream_chunks = [b"data: one\n\n", b"data: [DONE]\n\n"]
     d.behaviour.hold_after_first_chunk = threading.Event()  # sends one chunk, then nothing
-    proxy = start_proxy([p.url], [d.url], request_timeout=1.0)
+    proxy = start_proxy([p.url], [d.url], request_timeout=3.0)
     with client.stream("POST", f"{proxy.url}/v1/completions", json={"stream": True}) as answer:
         assert answer.status_code == 200
         received = b"".join(answer.iter_raw())
@@ -147,7 +149,7 @@ def test_hanging_decode_stream_ends_with_an_error_event(stub, start_proxy, clien
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     error = json.loads(event[len(b"data: ") :])["error"]
     assert error["code"] == 504
-    assert error["message"] == f"decode server {d.url}: no answer within 1 s (--request-timeout)"
+    assert error["message"] == f"decode server {d.url}: no answer within 3 s (--request-timeout)"
 
 
 def test_decode_dying_mid_stream_ends_with_an_error_event(stub, start_proxy, client):
@@ -213,10 +215,10 @@ def test_client_body_that_never_ends_gives_408(stub, start_proxy, client):
 def test_hanging_non_streamed_decode_gives_504(stub, start_proxy, client):
     p, d = stub("P"), stub("D")
     d.behaviour.hold = threading.Event()
-    proxy = start_proxy([p.url], [d.url], request_timeout=1.0)
+    proxy = start_proxy([p.url], [d.url], request_timeout=3.0)
     answer = client.post(f"{proxy.url}/v1/completions", json={"prompt": "x"})
     assert answer.status_code == 504
     error = answer.json()["error"]
     assert error["attempts"] == [
-        {"server": d.url, "role": "decode", "reason": "no answer within 1 s (--request-timeout)"}
+        {"server": d.url, "role": "decode", "reason": "no answer within 3 s (--request-timeout)"}
     ]

@@ -5,7 +5,7 @@ It speaks the part of vLLM's API the proxy uses, over real HTTP on a loopback po
 GET /v1/models, POST /v1/completions and /v1/chat/completions. A request carrying
 `kv_transfer_params.do_remote_decode` is answered as a vLLM prefill server answers (one token and
 `kv_transfer_params` naming this server's blocks); any other is answered as a decode server
-answers, whole or as server-sent events. `Behaviour` lets a test make it slow, failing, unhealthy
+answers, whole or as server-sent events. `Behaviour` lets a test make it hang, fail, look unhealthy
 or cut a stream; every request it gets is recorded.
 
 Run as a script (`python upstream_server.py --port N --name D2`) it serves the same app in its own
@@ -51,13 +51,10 @@ class Behaviour:
     """Any other status answers completions with an error body of that status."""
     prefill_params: dict[str, Any] | None = None
     """The kv_transfer_params a prefill answer carries (default: this server's made-up blocks)."""
-    answer_delay_s: float = 0.0
-    """Seconds before answering a completion."""
     hold: threading.Event | None = None
     """If set, completions wait for it (at most HOLD_LIMIT_S) before answering."""
     stream_chunks: list[bytes] | None = None
     """The exact bytes a streamed decode answer sends, chunk by chunk."""
-    chunk_gap_s: float = 0.0
     hold_after_first_chunk: threading.Event | None = None
     """If set, a stream sends its first chunk, then waits for this before sending the rest."""
     cut_stream_after: int | None = None
@@ -96,8 +93,6 @@ def build_upstream_app(behaviour: Behaviour) -> Starlette:
         behaviour.received.append(Received(request.url.path, body, dict(request.headers)))
         if behaviour.hold is not None:
             await _wait(behaviour.hold)
-        if behaviour.answer_delay_s:
-            await asyncio.sleep(behaviour.answer_delay_s)
         if behaviour.completion_status != 200:
             return JSONResponse(
                 {"error": {"message": f"{behaviour.name} refuses", "code": 42}},
@@ -133,8 +128,6 @@ def build_upstream_app(behaviour: Behaviour) -> Starlette:
                 raise ConnectionAbortedError("stub cuts the stream on purpose")
             if i == 1 and behaviour.hold_after_first_chunk is not None:
                 await _wait(behaviour.hold_after_first_chunk)
-            elif i and behaviour.chunk_gap_s:
-                await asyncio.sleep(behaviour.chunk_gap_s)
             yield chunk
 
     return Starlette(

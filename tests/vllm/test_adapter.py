@@ -76,7 +76,8 @@ def test_vllm_plugin_registers_kvx_names_in_vllms_factory(
     )
     config = EngineArgs.from_cli_args(args).create_engine_config()
     cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
-    assert (cls.__name__, cls.kvx_connector_name) == ("SharedStorageConnector",) * 2
+    assert (cls.__qualname__, cls.kvx_connector_name) == ("SharedStorageConnector",) * 2
+    assert cls.__name__ == "kvx.SharedStorageConnector"  # the name kvx's vLLM plugin registers
     with harness.engine(kv) as llm:
         assert harness.tokens(harness.generate(llm)) == baseline
     assert any(p.is_file() for p in tmp_path.rglob("*"))  # it stored

@@ -17,7 +17,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 
 _fileio: ModuleType | None
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 
 
-class FsspecBackend:
+class FsspecBackend(StorageBackend):
     """Values are files `<root>/<key>`; written to a temporary name and renamed into place
     (`os.replace` on local disks), or put in one request where a put is atomic. Local files
     go through plain `os` calls: fsspec's file objects cost more than writing a block does."""
@@ -245,7 +245,7 @@ class FsspecBackend:
         """The `_fileio` module, or a clear error where it cannot serve (not local files, or
         not built)."""
         if not self.hashed_io:
-            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
+            raise NotImplementedError(f"{self.url}: one-pass checksummed IO needs local files")
         return _fileio
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import serving_client as client
 import serving_cluster as cluster
 from serving_client import Request, Result
 
@@ -168,3 +169,19 @@ def eventually(check: Callable[[], None], timeout_s: float = 15.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def serve_rounds(
+    dep: Deployment, workload: list[Request], reference: list[list[int]]
+) -> list[list[Result]]:
+    """Send the workload through the proxy `ROUNDS` times; every request must return exactly
+    the reference tokens and every server must stay up. Returns each round's results."""
+    rounds = []
+    for n in range(ROUNDS):
+        results = client.run(dep.proxy.url, dep.model.name, workload, gap_s=GAP_S)
+        bad = mismatches(workload, results, reference)
+        assert not bad, f"round {n}: {len(bad)}/{len(workload)} requests wrong:\n" + "\n".join(bad)
+        dead = [s.name for s in [*dep.engines, dep.proxy] if not s.alive]
+        assert not dead, f"round {n}: {dead} died"
+        rounds.append(results)
+    return rounds

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import serving_cluster as cluster
 import serving_kit as kit
-from serving_client import Request, run
+from serving_client import Request
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -92,15 +92,10 @@ def test_forty_requests_equal_one_engines_tokens_and_d_loads_the_kv(
     pd: tuple[str, kit.Deployment], workload: list[Request], reference: list[list[int]]
 ) -> None:
     name, dep = pd
-    for round_ in range(kit.ROUNDS):
-        results = run(dep.proxy.url, dep.model.name, workload, gap_s=kit.GAP_S)
-        bad = kit.mismatches(workload, results, reference)
-        assert not bad, f"round {round_}: {len(bad)}/40 requests wrong:\n" + "\n".join(bad)
+    for n, results in enumerate(kit.serve_rounds(dep, workload, reference)):
         if name != "nixl":
             cached = [(len(r.prompt), res.cached_tokens) for r, res in zip(workload, results)]
-            want = [(n, store_loadable(n)) for n, _ in cached]
-            assert cached == want, f"round {round_}: D's cached prompt tokens (got, want)"
-        dead = [s.name for s in [*dep.engines, dep.proxy] if not s.alive]
-        assert not dead, f"round {round_}: {dead} died"
+            want = [(m, store_loadable(m)) for m, _ in cached]
+            assert cached == want, f"round {n}: D's cached prompt tokens (got, want)"
     # vLLM logs D's stats once per second, after the steps that produced them
     kit.eventually(lambda: CHECK_STATS[name](kit.logged_stats(dep.decodes[0]), workload))

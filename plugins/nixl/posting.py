@@ -1,0 +1,163 @@
+"""Posting one request's NIXL READs on D: descriptor lists prepared once per head slice and
+remote rank, transfers made per request with `make_prepped_xfer` (split out of `worker.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvx.plugins.nixl.handshake import AgentMetadata, Region
+from kvx.plugins.nixl.metadata import RemoteRead
+from kvx.plugins.nixl.regions import block_descs
+from kvx.plugins.nixl.remote import RankKey, RemoteEngine
+from kvx.plugins.nixl.staging import Staging, plan_staging
+from kvx.topology import KVGeometry
+
+LOCAL = "NIXL_INIT_AGENT"
+
+
+@dataclass
+class ReadJob:
+    spec: RemoteRead
+    remote: RemoteEngine
+    local_block_ids: list[int]
+    start_token: int
+    started: float
+    handles: list[Any] = field(default_factory=list)
+    staging: Staging | None = None
+    nbytes: int = 0
+    ndescs: int = 0
+
+
+class ReadPoster:
+    """This worker's registered KV (regions, `heads` per block, device and memory type) and
+    the local descriptor lists prepared on it; posts READs for `ReadJob`s."""
+
+    def __init__(
+        self,
+        agent: Any,
+        caches: dict[str, torch.Tensor],
+        regions: list[Region],
+        heads: int,
+        block_size: int,
+        head_size: int,
+        device: int,
+        mem_type: str,
+    ) -> None:
+        self.agent = agent
+        self._caches = caches
+        self._regions = regions
+        self.heads = heads
+        self.block_size = block_size
+        self.head_size = head_size
+        self._device = device
+        self._mem_type = mem_type
+        self._local_dlists: dict[tuple[int, int], Any] = {}
+
+    def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
+        key = (head_offset, num_heads)
+        if key not in self._local_dlists:
+            descs = block_descs(self._regions, head_offset, num_heads, self.heads, self._device)
+            self._local_dlists[key] = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
+        return self._local_dlists[key]
+
+    def _make_remote_dlist(
+        self, agent: str, meta: AgentMetadata, head_offset: int, num_heads: int
+    ) -> Any:
+        heads = len(
+            KVGeometry(
+                meta.tp_size, meta.num_kv_heads, meta.block_size, meta.layout, meta.is_mla
+            ).heads_of(meta.tp_rank)
+        )
+        descs = block_descs(meta.regions, head_offset, num_heads, heads, meta.device_id)
+        return self.agent.prep_xfer_dlist(agent, descs, meta.mem_type)
+
+    def _post(
+        self,
+        job: ReadJob,
+        local_dlist: Any,
+        local_ids: list[int],
+        key: RankKey,
+        remote_dlist: Any,
+        remote_ids: list[int],
+        nbytes: int,
+    ) -> None:
+        handle = self.agent.make_prepped_xfer(
+            "READ", local_dlist, local_ids, remote_dlist, remote_ids
+        )
+        job.handles.append(handle)
+        job.nbytes += nbytes
+        job.ndescs += len(local_ids)
+        if self.agent.transfer(handle) == "ERR":
+            raise RuntimeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
+
+    def post_direct(self, job: ReadJob) -> None:
+        """READ each remote (head slice of a) block straight into the local block."""
+        remote, spec = job.remote, job.spec
+        bs = self.block_size
+        remote_ids = spec.remote_block_ids[job.start_token // bs :][: len(job.local_block_ids)]
+        if len(remote_ids) != len(job.local_block_ids):
+            raise ValueError(
+                f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
+            )
+        my_index = {(r.layer, r.kv): i for i, r in enumerate(self._regions)}
+        for read in remote.plan.reads:
+            full = read.num_heads == self.heads
+            lo, nh = (0, 0) if full else (read.local_head_offset, read.num_heads)
+            local_dlist = self._local_dlist(lo, nh)
+            for stage in sorted(set(remote.stage_of_layer.values())):
+                key = (stage, read.remote_tp_rank)
+                meta = remote.metas[key]
+                remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
+                whole = read.num_heads == remote_heads and full
+                ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
+                local_ids, rids, nbytes = [], [], 0
+                for ri, region in enumerate(meta.regions):
+                    li = my_index.get((region.layer, region.kv))
+                    if li is None:
+                        continue
+                    mine = self._regions[li]
+                    local_ids += [li * mine.num_blocks + b for b in job.local_block_ids]
+                    rids += [ri * region.num_blocks + b for b in remote_ids]
+                    nbytes += len(remote_ids) * mine.block_len * read.num_heads // self.heads
+                if local_ids:
+                    remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
+                    self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
+
+    def post_staged(self, job: ReadJob) -> None:
+        """READ whole remote blocks into registered staging buffers (see `staging.py`)."""
+        cache = next(iter(self._caches.values()))
+        staging = plan_staging(
+            job.remote,
+            job.spec.remote_block_ids,
+            job.spec.remote_num_tokens,
+            job.start_token,
+            list(self._caches),
+            self.head_size,
+            cache.dtype,
+            cache.device,
+        )
+        staging.registration = self.agent.register_memory(
+            [
+                (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
+                for t in staging.tensors.values()
+            ],
+            self._mem_type,
+        )
+        job.staging = staging
+        for read in staging.reads:
+            descs = block_descs(read.regions, device=self._device)
+            dlist = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
+            staging.dlists.append(dlist)
+            remote_dlist = job.remote.remote_dlist(read.key, 0, 0, self._make_remote_dlist)
+            nbytes = sum(r.block_len * r.num_blocks for r in read.regions)
+            local_ids = list(range(len(read.remote_ids)))
+            self._post(job, dlist, local_ids, read.key, remote_dlist, read.remote_ids, nbytes)
+
+    def release(self) -> None:
+        """Release the prepared local descriptor lists."""
+        for dlist in self._local_dlists.values():
+            self.agent.release_dlist_handle(dlist)
+        self._local_dlists.clear()
