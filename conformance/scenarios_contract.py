@@ -18,7 +18,7 @@ from kvx import (
     Request,
     create_connector,
 )
-from kvx.conformance.harness import Harness, run_engine
+from kvx.conformance.harness import PD_ROLES, Harness, run_engine
 from kvx.conformance.scenario import check, scenario
 from kvx.engine.server import LocalEngine
 
@@ -29,9 +29,12 @@ BOTH = "kv_both on every engine"
 @scenario(
     "idempotent_matching",
     "get_num_new_matched_tokens answers the same, without side effects, when asked again",
+    roles="P kv_producer, D kv_consumer (kv_both on both without remote_prefill)",
 )
 def idempotent_matching(h: Harness) -> None:
-    with h.pair() as pair:
+    # A connector without P/D hand-off is not given P/D roles: kv_both on both engines.
+    roles = PD_ROLES if Capability.REMOTE_PREFILL in h.claims else ("kv_both", "kv_both")
+    with h.pair(roles=roles) as pair:
         report = pair.run({"seed": h.prompts([40])["req-0"]}, 2)
         params = report.results["seed"].kv_transfer_params
         config = pair.decode_config

@@ -36,6 +36,7 @@ from kvx.events import (
     KVConnectorKVEvents,
 )
 from kvx.registry import Registry, create_connector, get_layout, get_registry
+from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.specs import (
     CommandSpec,
     ConnectorSpec,
@@ -45,6 +46,13 @@ from kvx.specs import (
     TransformSpec,
 )
 from kvx.stats import KVConnectorStats
+from kvx.storage import (
+    StorageBackend,
+    StorageBackendOptions,
+    StorageRegionTable,
+    copy_into,
+    open_storage_backend,
+)
 from kvx.types import (
     BlockIds,
     CachedRequestData,
@@ -74,7 +82,9 @@ __all__ = [
     "CommandSpec",
     "ConfigError",
     "ConfigProblem",
+    "ConnectorScheduler",
     "ConnectorSpec",
+    "ConnectorWorker",
     "CopyBlocksOp",
     "EngineContext",
     "ForwardContext",
@@ -102,16 +112,22 @@ __all__ = [
     "RegistryError",
     "Request",
     "RequestStatus",
+    "RoleSplitConnector",
     "SchedulerOutput",
+    "StorageBackend",
+    "StorageBackendOptions",
     "StorageBackendSpec",
+    "StorageRegionTable",
     "SupportsHMA",
     "TransformSpec",
     "__version__",
+    "copy_into",
     "create_connector",
     "get_layout",
     "get_registry",
     "hookimpl",
     "load_cli_arg",
+    "open_storage_backend",
     "supports_hma",
     "yield_req_data",
 ]

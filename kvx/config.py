@@ -34,6 +34,9 @@ LoadFailurePolicy = Literal["recompute", "fail"]
 LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 LEGACY_FIELDS: tuple[str, ...] = ("kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip")
 MAX_CONFIG_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64
+MAX_NESTING = 8
+"""How deep composite connectors (a MultiConnector inside a MultiConnector...) may nest."""
 
 
 @dataclass
@@ -193,7 +196,7 @@ def parse_json(text: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(text, parse_constant=no_constants)
+        value = json.loads(text, parse_constant=no_constants)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             [
@@ -204,6 +207,24 @@ def parse_json(text: str) -> Any:
         ) from None
     except (ValueError, RecursionError) as exc:
         raise ConfigError([ConfigProblem("", f"not valid JSON: {exc}")]) from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ConfigError(
+            [ConfigProblem("", f"config nests deeper than {MAX_JSON_DEPTH} levels of JSON")]
+        )
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (iterative: no recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            todo.extend(
+                (child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
 
 
 def _not_allowed(value: Any, allowed: tuple[str, ...]) -> str:
@@ -252,11 +273,24 @@ def _rule_problems(data: Mapping[str, Any], path: str) -> list[ConfigProblem]:
 
 
 def _validate(
-    data: Any, path: str, registry: Registry | None, parent: Mapping[str, Any] | None
+    data: Any,
+    path: str,
+    registry: Registry | None,
+    parent: Mapping[str, Any] | None,
+    depth: int = 0,
 ) -> dict[str, Any]:
     """Check one config dict (and its children); return it normalised or raise ConfigError."""
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem(path, f"expected a JSON object, got {schema.show(data)}")])
+    if depth > MAX_NESTING:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    path,
+                    f"connectors nest {depth} deep here; at most {MAX_NESTING} levels allowed",
+                )
+            ]
+        )
     data = dict(data)
     if parent is not None:  # MultiConnector children inherit engine id and role (vLLM semantics)
         data.setdefault("engine_id", parent.get("engine_id"))
@@ -275,16 +309,24 @@ def _validate(
     ):
         extra = data.get("kv_connector_extra_config", {})
         try:
-            data["kv_connector_extra_config"] = _validate_extra(data, extra, path, registry)
+            data["kv_connector_extra_config"] = _validate_extra(data, extra, path, registry, depth)
         except ConfigError as exc:
             problems += exc.problems
+    elif connector is None and data.get("kv_connector_extra_config"):
+        problems.append(
+            ConfigProblem(
+                schema.join_path(path, "kv_connector_extra_config"),
+                "given, but kv_connector is not set: there is no connector to configure; "
+                "set kv_connector or leave kv_connector_extra_config out",
+            )
+        )
     if problems:
         raise ConfigError(problems)
     return data
 
 
 def _validate_extra(
-    data: dict[str, Any], extra: Any, path: str, registry: Registry
+    data: dict[str, Any], extra: Any, path: str, registry: Registry, depth: int
 ) -> dict[str, Any]:
     """Validate `kv_connector_extra_config` against the connector's declared schema."""
     extra_path = schema.join_path(path, "kv_connector_extra_config")
@@ -312,7 +354,7 @@ def _validate_extra(
             for i, child in enumerate(children):
                 try:
                     normalised[key].append(
-                        _validate(child, schema.join_path(child_path, i), registry, data)
+                        _validate(child, schema.join_path(child_path, i), registry, data, depth + 1)
                     )
                 except ConfigError as exc:
                     problems += exc.problems

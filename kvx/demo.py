@@ -26,8 +26,10 @@ from kvx.config import KVTransferConfig, load_cli_arg
 from kvx.contract import Capability
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, pd_configs
 from kvx.engine.engine import EngineConfig
-from kvx.errors import ConfigError, ConfigProblem
+from kvx.errors import ConfigError, ConfigProblem, did_you_mean
 from kvx.registry import Registry
+from kvx.topology import TopologyError
+from kvx.topology.heads import check_tp_heads
 
 PROMPT_LENGTHS = (5, 16, 37, 64, 100, 150, 257)
 TMP_PLACEHOLDER = "{tmp}"  # as in `kvx conformance`: the demo's own temporary directory
@@ -46,18 +48,30 @@ class DemoOptions:
     seed: int = 0
 
 
-def parse_tp(text: str) -> tuple[int, int]:
-    """`"P:D"` -> (P, D) tensor-parallel sizes."""
+MAX_TP = 16
+"""Largest demo TP size: every rank is a process on this machine."""
+
+
+def parse_tp(text: str, num_kv_heads: int | None = None) -> tuple[int, int]:
+    """`"P:D"` -> (P, D) tensor-parallel sizes (each 1-16, and fitting `num_kv_heads`)."""
     parts = text.split(":")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 2 or not all(p.isdigit() and 0 < int(p) <= MAX_TP for p in parts):
         raise ConfigError(
             [
                 ConfigProblem(
-                    "--tp", f"{text!r} is not of the form P:D with positive integers, e.g. 2:1"
+                    "--tp",
+                    f"{text!r} is not of the form P:D with integers 1-{MAX_TP}, e.g. 2:1",
                 )
             ]
         )
-    return int(parts[0]), int(parts[1])
+    sizes = int(parts[0]), int(parts[1])
+    if num_kv_heads is not None:
+        for size in sizes:
+            try:
+                check_tp_heads(num_kv_heads, size)
+            except TopologyError as exc:
+                raise ConfigError([ConfigProblem("--tp", f"{text!r}: {exc}")]) from None
+    return sizes
 
 
 def default_kv_config(registry: Registry, workdir: Path) -> dict[str, Any]:
@@ -163,7 +177,18 @@ def run_demo(options: DemoOptions, registry: Registry, console: Console) -> int:
 
 
 def _run_demo(options: DemoOptions, registry: Registry, console: Console) -> int:
-    tp = parse_tp(options.tp)
+    tp = parse_tp(options.tp, EngineConfig().num_kv_heads)
+    layouts = registry.layouts()
+    if options.layout not in layouts:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "--layout",
+                    f"{options.layout!r} is not a registered layout; allowed: "
+                    f"{', '.join(sorted(layouts))}{did_you_mean(options.layout, layouts)}",
+                )
+            ]
+        )
     with tempfile.TemporaryDirectory(prefix="kvx-demo-") as workdir:
         if options.kv_transfer_config:
             kv = load_cli_arg(options.kv_transfer_config)
@@ -252,6 +277,7 @@ def summary_table(
         ("KV bytes moved", f"{kv_bytes / 2**20:.2f} MiB"),
         ("throughput (end to end)", f"{(prompt_tokens + generated) / seconds:.0f} tokens/s"),
         ("wall time", f"{report.elapsed_s:.2f} s"),
+        ("KV saves failed", f"{int(report.prefill_stats.get('kv_save_errors', 0))}"),
         (
             "KV byte checks",
             f"{len(report.kv_mismatches)} mismatches"

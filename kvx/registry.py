@@ -228,14 +228,23 @@ class Registry:
     def storage_backend_for_url(self, url: str) -> Registered[StorageBackendSpec]:
         """The backend registered for the scheme of `url` (`file://...` -> `file`)."""
         scheme = url.split("://", 1)[0] if "://" in url else "file"
-        for entry in self.catalogs["storage backend"].entries.values():
+        entries = list(self.catalogs["storage backend"].entries.values())
+        for entry in entries:
             if scheme in entry.spec.schemes:
                 return entry
-        known = sorted(s for e in self.storage_backends().values() for s in e.spec.schemes)
+        fallbacks = [e for e in entries if e.spec.other_schemes is not None]
+        for entry in fallbacks:
+            check = load_target(
+                str(entry.spec.other_schemes), what=f"storage backend {entry.name!r}'s schemes"
+            )
+            if callable(check) and check(scheme):
+                return entry
+        known = sorted(s for e in entries for s in e.spec.schemes)
+        also = "".join(f" (and those {e.name!r} knows)" for e in fallbacks)
         raise RegistryError(
             f"no storage backend for URL scheme {scheme!r} (from {url!r})"
             f"{did_you_mean(scheme, known)}; known schemes: "
-            f"{quoted_list(known) or 'none'}"
+            f"{quoted_list(known) or 'none'}{also}"
         )
 
     def commands(self) -> dict[str, Registered[CommandSpec]]:

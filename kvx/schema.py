@@ -100,6 +100,9 @@ def convert(value: Any, schema: type[T], path: str = "") -> T:
 def _from_msgspec_error(text: str, path: str) -> ConfigProblem:
     match = re.search(r" - at `\$(.*)`$", text)
     if not match:
+        key = re.match(r"([a-z_][a-z0-9_]*): ", text)  # a __post_init__'s "key: why"
+        if key:
+            return ConfigProblem(join_path(path, key.group(1)), text[key.end() :])
         return ConfigProblem(path, text)
     where = match.group(1)
     full = (path + where) if path else where.lstrip(".")
@@ -231,3 +234,52 @@ def _check_object(value: Any, t: Any, path: str, out: list[ConfigProblem]) -> No
                     join_path(path, name), f"required key is missing; expected {describe(f.type)}"
                 )
             )
+
+
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot name a local file or directory (None if it can): empty, a NUL byte,
+    a lone surrogate, a component over 255 bytes or the whole over 4096 bytes (Linux limits)."""
+    if not path:
+        return "is empty"
+    if "\x00" in path:
+        return "contains a NUL byte"
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    if len(encoded) > MAX_PATH_BYTES:
+        return f"is {len(encoded)} bytes long; at most {MAX_PATH_BYTES} allowed"
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > MAX_NAME_BYTES:
+        return (
+            f"has a {len(longest)}-byte name {longest[:20].decode(errors='replace')!r}...; "
+            f"at most {MAX_NAME_BYTES} bytes per name"
+        )
+    return None
+
+
+LOCAL_SCHEMES = ("file", "local")
+
+
+def url_problem(url: str) -> str | None:
+    """Why a storage URL cannot work (None if it may): its text (NUL, lone surrogate, length),
+    and for a local URL (`file://`, `local://`) its path, which must not be the root."""
+    if "\x00" in url:
+        return "contains a NUL byte"
+    scheme, sep, rest = url.partition("://")
+    if scheme in LOCAL_SCHEMES and sep:
+        problem = path_problem(rest)
+        if problem is None and rest.strip("/") == "":
+            problem = "is the root directory; give a directory of its own, e.g. file:///var/kv"
+        return None if problem is None else f"its path {problem}"
+    try:
+        encoded = url.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    if len(encoded) > MAX_PATH_BYTES:
+        return f"is {len(encoded)} bytes long; at most {MAX_PATH_BYTES} allowed"
+    return None

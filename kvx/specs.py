@@ -64,11 +64,19 @@ class TransformSpec:
 
 @dataclass(frozen=True)
 class StorageBackendSpec:
-    """A storage backend chosen by URL scheme (`file`, `memory`, `redis`, ...)."""
+    """A storage backend chosen by URL scheme (`file`, `memory`, `redis`, ...).
+
+    - `target`: `"package.module:ClassName"` of a `kvx.StorageBackend` subclass.
+    - `schemes`: the URL schemes it serves.
+    - `other_schemes`: `"package.module:function"` of a predicate asked, lazily, about a
+      scheme no backend lists (True: this backend serves it too), e.g. a protocol registry
+      of the library behind the backend.
+    """
 
     name: str
     target: str
     schemes: tuple[str, ...] = ()
+    other_schemes: str | None = None
     summary: str = ""
     aliases: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()

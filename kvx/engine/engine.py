@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
 from kvx.config import KVTransferConfig
-from kvx.contract import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvx.contract import KVConnectorBase_V1, KVConnectorRole
 from kvx.engine.aggregator import KVOutputAggregator
 from kvx.engine.metadata_wire import decode_metadata, encode_metadata
 from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
@@ -225,8 +224,6 @@ class Engine:
         meta = out.kv_connector_metadata
         if meta is None:
             return [out] * len(self.workers)
-        if _bare_marker(meta):
-            return [replace(out, kv_connector_metadata=type(meta)()) for _ in self.workers]
         raw = encode_metadata(meta)
         return [
             replace(out, kv_connector_metadata=decode_metadata(raw, meta)) for _ in self.workers
@@ -247,13 +244,15 @@ class Engine:
         return self.scheduler.diagnose(pending)
 
     def stats(self) -> dict[str, int]:
-        """Step count, scheduler counters and block usage."""
+        """Step count, scheduler counters, block usage and the connector's failed saves."""
         held = sum(len(b) for b in self.scheduler.held_blocks().values())
+        save_errors = sum(int(s.data.get("save_errors", 0)) for s in self.kv_stats)
         return {
             "steps": self.steps,
             **self.scheduler.stats,
             "held_blocks": held,
             "free_blocks": self.scheduler.pool.num_free_blocks,
+            "kv_save_errors": save_errors,
         }
 
     def check_kv(self) -> list[str]:
@@ -305,8 +304,3 @@ class Engine:
                 errors.append(exc)
         if errors:
             raise errors[-1]
-
-
-def _bare_marker(meta: Any) -> bool:
-    """The field-less `KVConnectorMetadata` base itself: nothing to send."""
-    return type(meta) is KVConnectorMetadata and not vars(meta)

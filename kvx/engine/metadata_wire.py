@@ -8,7 +8,8 @@ msgspec (`kvx.wire`, never pickle) and rebuilds one independent copy per worker 
 Decoding needs the concrete classes, which the bytes do not carry (a field may be typed with
 the `KVConnectorMetadata` marker base, as MultiConnector's children are). The copy is therefore
 rebuilt along the shape of the original object: dataclasses and msgspec Structs keep their class,
-every value comes from the decoded bytes.
+every value comes from the decoded bytes. A field-less plain subclass of the marker (or the
+marker itself, as a connector skeleton returns) carries nothing and is sent as an empty map.
 """
 
 from __future__ import annotations
@@ -20,7 +21,25 @@ from typing import Any
 
 import msgspec
 
-from kvx import wire
+from kvx.contract import KVConnectorMetadata
+
+
+def _encode_marker(obj: Any) -> Any:
+    if _is_plain_marker(obj) and not vars(obj):
+        return {}
+    raise TypeError(f"Encoding objects of type {type(obj).__name__} is unsupported")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_encode_marker)
+
+
+def _is_plain_marker(obj: Any) -> bool:
+    """A `KVConnectorMetadata` that is neither a dataclass nor a msgspec Struct."""
+    return (
+        isinstance(obj, KVConnectorMetadata)
+        and not dataclasses.is_dataclass(obj)
+        and not isinstance(obj, msgspec.Struct)
+    )
 
 
 class MetadataWireError(TypeError):
@@ -30,7 +49,7 @@ class MetadataWireError(TypeError):
 def encode_metadata(metadata: Any) -> bytes:
     """msgpack bytes of `metadata`; `MetadataWireError` naming the type if it cannot be."""
     try:
-        return wire.encode(metadata)
+        return _encoder.encode(metadata)
     except (TypeError, msgspec.EncodeError) as exc:
         raise MetadataWireError(
             f"connector metadata of type {type(metadata).__name__} cannot be sent to a worker "
@@ -45,6 +64,8 @@ def decode_metadata(data: bytes, template: Any) -> Any:
 
 
 def _rebuild(template: Any, raw: Any) -> Any:
+    if _is_plain_marker(template):
+        return type(template)()
     if isinstance(template, msgspec.Struct):
         names = template.__struct_fields__
         values = raw if isinstance(raw, list) else [raw[n] for n in names]

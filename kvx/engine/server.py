@@ -20,6 +20,7 @@ import zmq
 from kvx import wire
 from kvx.engine.engine import Engine, EngineConfig
 from kvx.engine.scheduler import RequestOutput
+from kvx.errors import ConfigError, ConfigProblem, RegistryError
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -99,6 +100,12 @@ def _serve(config_bytes: bytes, conn: Connection) -> None:
     parent = os.getppid()
     try:
         engine = Engine(wire.decode(config_bytes, EngineConfig))
+    except ConfigError as exc:  # bad input: the parent raises it again as a ConfigError
+        conn.send(("config", [(p.path, p.message) for p in exc.problems]))
+        return
+    except RegistryError as exc:  # e.g. a connector's missing dependency
+        conn.send(("config", [("kv_connector", str(exc))]))
+        return
     except Exception as exc:
         conn.send(f"error: {type(exc).__name__}: {exc}")
         return
@@ -160,6 +167,11 @@ class EngineProcess:
             raise EngineError(
                 f"{name} exited during start-up (exit code {self.process.exitcode})"
             ) from None
+        if isinstance(first, tuple):
+            self.process.join(5)
+            raise ConfigError(
+                ConfigProblem(path, f"{message} ({name})") for path, message in first[1]
+            )
         if isinstance(first, str):
             self.process.join(5)
             raise EngineError(f"{name} failed to start: {first.removeprefix('error: ')}")

@@ -52,7 +52,7 @@ def malformed_params(params: dict[str, Any]) -> str | None:
     return None
 
 
-class NixlScheduler:
+class NixlScheduler(kvx.ConnectorScheduler):
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
         self.config = config
@@ -139,7 +139,7 @@ class NixlScheduler:
 
     # -- both -----------------------------------------------------------------------------
 
-    def build_connector_meta(self) -> NixlMetadata:
+    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> NixlMetadata:
         meta = NixlMetadata(self._recv, self._send, self._not_processed, self._heartbeats())
         self._recv, self._send, self._not_processed = [], {}, []
         return meta

@@ -10,6 +10,7 @@ import time
 
 import zmq
 
+from kvx import ConfigError, ConfigProblem
 from kvx.plugins.nixl.handshake import (
     MAX_REQUEST_BYTES,
     NONCE_BYTES,
@@ -62,7 +63,15 @@ class SideChannelServer:
         except zmq.ZMQError as exc:
             self._socket.close()
             self._context.term()
-            raise HandshakeError(f"cannot bind the side channel to {host}:{port}: {exc}") from None
+            where = "side_channel_port" if port else "side_channel_host"
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        f"kv_connector_extra_config.{where}",
+                        f"cannot listen on {host}:{port}: {exc}",
+                    )
+                ]
+            ) from None
         self.host, self.port = host, port
         self.served = self.refused = 0
         self._quiet_until = 0.0

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 HandshakeKey = tuple[str, str, int, int, int]
 
 
-class NixlWorker:
+class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
         self.ctx = ctx
@@ -172,7 +172,7 @@ class NixlWorker:
             self._start_load_kv(meta)
             self._want_progress()
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         with self._lock:
             finished = self._get_finished()
             self._want_progress()

@@ -4,26 +4,27 @@ finished request's blocks may be freed."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import kvx
-from kvx import KVConnectorOutput, yield_req_data
+from kvx import ConnectorScheduler, KVConnectorOutput, yield_req_data
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 
 
 def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[int, int, int]:
-    """(engine blocks per chunk, chunks the CPU budget holds, chunks the disk budget holds)."""
+    """(engine blocks per chunk, chunks the CPU budget holds, chunks the disk budget holds);
+    `ConfigError` when the config does not fit this engine or this machine."""
     spec = ctx.cache
-    if options.blocks_per_chunk is not None and options.block_size is not None:
-        raise ValueError("kv_connector_extra_config: give blocks_per_chunk or block_size, not both")
     if options.block_size is not None:
         if options.block_size % spec.block_size:
-            raise ValueError(
-                f"kv_connector_extra_config.block_size: {options.block_size} is "
-                f"not a multiple of the engine block size {spec.block_size}"
+            _refuse(
+                "block_size",
+                f"{options.block_size} is not a multiple of the engine block size "
+                f"{spec.block_size}",
             )
         per_chunk = options.block_size // spec.block_size
     else:
@@ -32,29 +33,34 @@ def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[i
     parts = 1 if spec.use_mla else 2
     element = spec.torch_dtype.itemsize
     chunk_bytes = per_chunk * spec.block_size * spec.num_layers * parts * heads * spec.head_size
-    slots = options.cpu_bytes_to_use // (chunk_bytes * element)
+    chunk_bytes *= element
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if options.cpu_bytes_to_use > memory:
+        _refuse(
+            "cpu_bytes_to_use",
+            f"{options.cpu_bytes_to_use} bytes is more than this machine's memory ({memory} bytes)",
+        )
+    slots = options.cpu_bytes_to_use // chunk_bytes
     if slots < 1:
-        raise ValueError(
-            f"kv_connector_extra_config.cpu_bytes_to_use: "
-            f"{options.cpu_bytes_to_use} bytes hold no chunk of "
-            f"{chunk_bytes * element} bytes; allowed: at least that much"
+        _refuse(
+            "cpu_bytes_to_use",
+            f"{options.cpu_bytes_to_use} bytes hold no chunk of {chunk_bytes} bytes; "
+            "allowed: at least that much",
         )
-    if (options.disk_url is None) != (options.disk_bytes_to_use is None):
-        raise ValueError(
-            "kv_connector_extra_config: disk_url and disk_bytes_to_use go "
-            "together (give both for a disk tier, or neither)"
-        )
-    disk = (options.disk_bytes_to_use or 0) // (chunk_bytes * element)
+    disk = (options.disk_bytes_to_use or 0) // chunk_bytes
     if options.disk_url is not None and disk < 1:
-        raise ValueError(
-            f"kv_connector_extra_config.disk_bytes_to_use: "
-            f"{options.disk_bytes_to_use} bytes hold no chunk of "
-            f"{chunk_bytes * element} bytes"
+        _refuse(
+            "disk_bytes_to_use",
+            f"{options.disk_bytes_to_use} bytes hold no chunk of {chunk_bytes} bytes",
         )
     return per_chunk, slots, disk
 
 
-class OffloadScheduler:
+def _refuse(key: str, message: str) -> NoReturn:
+    raise kvx.ConfigError([kvx.ConfigProblem(f"kv_connector_extra_config.{key}", message)])
+
+
+class OffloadScheduler(ConnectorScheduler):
     def __init__(self, options: OffloadingConfig, ctx: kvx.EngineContext) -> None:
         self.block_size = ctx.cache.block_size
         self.per_chunk, slots, disk_chunks = chunk_geometry(options, ctx)

@@ -16,12 +16,13 @@ import fsspec
 import torch
 
 import kvx
-from kvx import KVConnectorStats
+from kvx import ConnectorWorker, KVConnectorStats
 from kvx.layouts import copy_kv_blocks, get_layout
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
+from kvx.plugins.offload.stats import OffloadStats
 
 
-class OffloadWorker:
+class OffloadWorker(ConnectorWorker[OffloadMetadata]):
     def __init__(
         self,
         ctx: kvx.EngineContext,
@@ -44,12 +45,18 @@ class OffloadWorker:
         self._load_errors: set[int] = set()
         self._load_blocks: dict[str, list[int]] = {}
         self._pending_stores: list[StoreSpec] = []
-        self.stats = KVConnectorStats()
+        self.stats = OffloadStats()
         self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
         self.fs: fsspec.AbstractFileSystem | None = None
         if disk_url is not None:
-            self.fs, self.root = fsspec.core.url_to_fs(disk_url)
-            self.fs.makedirs(self.root, exist_ok=True)
+            try:
+                self.fs, self.root = fsspec.core.url_to_fs(disk_url)
+                self.fs.makedirs(self.root, exist_ok=True)
+            except (OSError, ValueError, ImportError) as exc:
+                problem = kvx.ConfigProblem(
+                    "kv_connector_extra_config.disk_url", f"cannot open {disk_url!r}: {exc}"
+                )
+                raise kvx.ConfigError([problem]) from None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.gpu = dict(kv_caches)
@@ -60,7 +67,7 @@ class OffloadWorker:
                 shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
             )
 
-    def handle_preemptions(self) -> None:
+    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """Wait for every submitted store: preempted blocks may be overwritten next."""
         for jobs in self._stores.values():
             for future, _ in jobs:
@@ -94,7 +101,7 @@ class OffloadWorker:
         cpu_blocks = [s * per + o for s in store.slots for o in range(per)]
         copy_kv_blocks(self.gpu, self.cpu, store.gpu_blocks, cpu_blocks, "d2h", layout=self.layout)
         nbytes = len(cpu_blocks) * self._block_bytes()
-        self._count("store", nbytes, time.perf_counter() - start)
+        self.stats.count("store", nbytes, time.perf_counter() - start)
 
     def _load(self, load: LoadSpec) -> None:
         start = time.perf_counter()
@@ -121,7 +128,7 @@ class OffloadWorker:
                 "h2d",
                 layout=self.layout,
             )
-        self._count("load", len(load.slots) * self._block_bytes(), time.perf_counter() - start)
+        self.stats.count("load", len(load.slots) * self._block_bytes(), time.perf_counter() - start)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}.{self.rank}.kv"
@@ -143,7 +150,7 @@ class OffloadWorker:
         with self.fs.open(tmp, "wb") as f:
             f.write(data)
         self.fs.mv(tmp, self._path(key))
-        self._count("spill", len(data), time.perf_counter() - start)
+        self.stats.count("spill", len(data), time.perf_counter() - start)
 
     def _read_chunk(self, key: str) -> dict[str, torch.Tensor]:
         """A spilled chunk, per layer, shaped like the layer with `blocks_per_chunk` blocks."""
@@ -169,13 +176,7 @@ class OffloadWorker:
         assert self.fs is not None
         self.fs.rm_file(self._path(key))
 
-    def _count(self, kind: str, nbytes: int, seconds: float) -> None:
-        data = self.stats.data
-        data[f"{kind}s"] = data.get(f"{kind}s", 0) + 1
-        data[f"{kind}_bytes"] = data.get(f"{kind}_bytes", 0) + nbytes
-        data[f"{kind}_seconds"] = data.get(f"{kind}_seconds", 0.0) + seconds
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Requests whose loads are done, and held requests with no store left."""
         recving = set()
         for req_id, future in list(self._loads.items()):

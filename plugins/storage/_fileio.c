@@ -385,8 +385,9 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
     PyObject *paths, *tmps, *seeds, *spec, *blocks;
     Py_buffer prefix;
     int baseline = 0;
-    if (!PyArg_ParseTuple(args, "OOOy*OO|p:write_blocks", &paths, &tmps, &seeds, &prefix, &spec,
-                          &blocks, &baseline))
+    int mode = 0600; /* new files are their owner's unless the caller says otherwise */
+    if (!PyArg_ParseTuple(args, "OOOy*OO|pi:write_blocks", &paths, &tmps, &seeds, &prefix, &spec,
+                          &blocks, &baseline, &mode))
         return NULL;
     update_fn update = baseline ? update_baseline : best_update;
     static const int where[4] = {1, 2, 3, 6};
@@ -413,7 +414,7 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *tmp = PyBytes_AS_STRING(temps.paths[i]);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (mode_t)mode);
         if (fd < 0) {
             errors[i] = errno;
             continue;
@@ -539,7 +540,7 @@ static PyMethodDef methods[] = {
      "hash_buffers(buffers) -> digest: XXH3-64 of the buffers' bytes in order, computed "
      "without the GIL (for values read or written some other way)."},
     {"write_blocks", write_blocks, METH_VARARGS,
-     "write_blocks(paths, tmp_paths, seeds, prefix, regions, blocks, baseline=False) -> errnos: per value i, "
+     "write_blocks(paths, tmp_paths, seeds, prefix, regions, blocks, baseline=False, mode=0o600) -> errnos: per value i, "
      "create tmp_paths[i] (which must not exist), write the regions of blocks[i] after a "
      "header of len(prefix) + 8 bytes, then the header: prefix and XXH3-64 (little-endian) of "
      "seeds[i] then the regions, and rename it to paths[i]. `regions` is a sequence of "

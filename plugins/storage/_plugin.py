@@ -4,27 +4,6 @@ imported until a connector or backend is built)."""
 import kvx
 from kvx import ConnectorSpec, StorageBackendSpec
 
-# fsspec protocols served by FsspecBackend; s3/gs/az/... need their fsspec package (s3fs, gcsfs,
-# adlfs...), which fsspec names when it is missing.
-FSSPEC_SCHEMES = (
-    "file",
-    "local",
-    "memory",
-    "s3",
-    "s3a",
-    "gs",
-    "gcs",
-    "az",
-    "abfs",
-    "abfss",
-    "oss",
-    "hdfs",
-    "sftp",
-    "ssh",
-    "ftp",
-    "smb",
-)
-
 
 @kvx.hookimpl
 def kvx_connectors() -> list[ConnectorSpec]:
@@ -32,7 +11,7 @@ def kvx_connectors() -> list[ConnectorSpec]:
         ConnectorSpec(
             name="SharedStorageConnector",
             aliases=("ExampleConnector",),
-            target="kvx.plugins.storage:SharedStorageConnector",
+            target="kvx.plugins.storage.connector:SharedStorageConnector",
             summary="stores full KV blocks by prefix hash in files, object stores or Redis",
             config_schema="kvx.plugins.storage.config:SharedStorageConfig",
         )
@@ -45,7 +24,8 @@ def kvx_storage_backends() -> list[StorageBackendSpec]:
         StorageBackendSpec(
             name="fsspec",
             target="kvx.plugins.storage.backends.fsspec_backend:FsspecBackend",
-            schemes=FSSPEC_SCHEMES,
+            schemes=("file", "local", "memory"),
+            other_schemes="kvx.plugins.storage.backends.schemes:fsspec_knows",
             summary="files through fsspec: local disk, memory, object stores",
         ),
         StorageBackendSpec(

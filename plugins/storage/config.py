@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
-DEFAULT_STORAGE_URL = "file://" + os.path.join(tempfile.gettempdir(), "kvx-kv")
+from kvx import schema
+from kvx.userdirs import user_cache_dir
+
+DEFAULT_STORAGE_URL = "file://" + user_cache_dir("kv")
+"""The user's own store (`~/.cache/kvx/kv`), never a shared directory such as /tmp."""
+FILE_MODES = {"owner": 0o600, "group": 0o640}
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 REDIS_SCHEMES = ("redis", "rediss")
@@ -23,6 +28,9 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
     instead of it. `storage_block_size` is the tokens per stored block (the key granularity):
     engines that share a store must use the same value, and it must divide, or be a multiple
     of, each engine's block size (default 16, or the engine's block size when 16 does not fit).
+    Local files are readable only by their owner (`permissions: "owner"`, files 0600 and
+    directories 0700) unless `permissions` is `"group"` (0640 / 0750). The default store is
+    the user's own cache directory.
     """
 
     storage_url: str = DEFAULT_STORAGE_URL
@@ -35,9 +43,13 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_inflight_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    permissions: Literal["owner", "group"] = "owner"
 
     def __post_init__(self) -> None:
         if self.shared_storage_path is not None:
+            problem = schema.path_problem(self.shared_storage_path)
+            if problem is not None:
+                raise ValueError(f"shared_storage_path: {self.shared_storage_path!r} {problem}")
             if self.storage_url != DEFAULT_STORAGE_URL:
                 raise ValueError(
                     "give either storage_url or shared_storage_path (vLLM's name for a local "
@@ -54,6 +66,13 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
                 "'file:///var/kv', 'memory://kv', 's3://bucket/kv', 'redis://127.0.0.1:6379/0'"
             )
         scheme = match.group(1)
+        problem = schema.url_problem(url)
+        if problem is not None:
+            raise ValueError(f"storage_url: {url[:200]!r} {problem}")
+        if scheme in REDIS_SCHEMES:
+            redis_problem = _redis_url_problem(url)
+            if redis_problem is not None:
+                raise ValueError(f"storage_url: {_redacted(url)!r}: {redis_problem}")
         import kvx
 
         try:
@@ -80,3 +99,25 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.shared_storage_path is not None:
             return "file://" + os.path.abspath(self.shared_storage_path)
         return self.storage_url
+
+
+def _redis_url_problem(url: str) -> str | None:
+    """What is wrong with a `redis://host:port/db` URL (None if nothing)."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as exc:
+        return f"{exc}; use redis://host:port/db with a port of 1-65535"
+    if not parts.hostname:
+        return "has no host; use redis://host:port/db"
+    db = parts.path.strip("/")
+    if db and not (db.isdigit() and int(db) < 1 << 16):
+        return f"database {db[:20]!r} is not a number 0-65535"
+    return None
+
+
+def _redacted(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(parts.password, "***")

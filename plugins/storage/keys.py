@@ -122,10 +122,12 @@ class Geometry:
             if max(block_size, engine) % min(block_size, engine):
                 block_size = engine
         elif max(block_size, engine) % min(block_size, engine):
-            raise ValueError(
-                f"kv_connector_extra_config.storage_block_size: {block_size} neither divides nor "
-                f"is a multiple of the engine's block size {engine}"
+            problem = kvx.ConfigProblem(
+                "kv_connector_extra_config.storage_block_size",
+                f"{block_size} neither divides nor is a multiple of the engine's block size "
+                f"{engine}",
             )
+            raise kvx.ConfigError([problem])
         return cls(
             namespace=namespace or default_namespace(ctx),
             block_size=block_size,

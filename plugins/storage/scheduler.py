@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import kvx
-from kvx.plugins.storage.backends.base import StorageBackend
+from kvx import ConnectorScheduler, StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
@@ -28,7 +29,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
 
 
-class StorageScheduler:
+class StorageScheduler(ConnectorScheduler):
     """Existence checks are fresh on every call; what is learned is kept only until the step's
     `build_connector_meta`, since other engines add blocks (and TTLs drop them) at any time."""
 
@@ -115,12 +116,17 @@ class StorageScheduler:
         self._found.clear()
         return meta
 
-    def request_finished(self, request: kvx.Request) -> None:
-        req_id = request.request_id
-        self._keys.pop(req_id, None)
-        self._reqs.pop(req_id, None)
-        self._found.pop(req_id, None)
-        self._loads.pop(req_id, None)
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are durable by the step's `wait_for_save`: blocks are never held."""
+        tables: tuple[dict[str, Any], ...] = (self._keys, self._reqs, self._found, self._loads)
+        for table in tables:
+            table.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.backend.close()
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -37,10 +37,12 @@ class Parent(KVConnectorMetadata):
 
 
 def test_metadata_is_rebuilt_from_bytes_with_its_classes() -> None:
-    meta = Parent((Child([3, 1], {"r": 1.5}), Child()), Frozen("x", (1, 2)), {"a"})
+    meta = Parent((Child([3, 1], {"r": 1.5}), KVConnectorMetadata()), Frozen("x", (1, 2)), {"a"})
     raw = encode_metadata(meta)
     first, second = decode_metadata(raw, meta), decode_metadata(raw, meta)
-    assert first == meta and type(first.children[0]) is Child
+    assert first.children[0] == meta.children[0] and type(first.children[0]) is Child
+    assert type(first.children[1]) is KVConnectorMetadata  # the field-less marker a skeleton sends
+    assert first.frozen == meta.frozen and first.extra == meta.extra
     assert isinstance(first.frozen, Frozen) and first.frozen.ids == (1, 2)
     first.children[0].block_ids.clear()  # a worker mutating its copy
     first.extra.add("b")

@@ -176,8 +176,8 @@ def test_kvx_demo_with_tp2_and_hnd() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--tp", "x"], "--tp: 'x' is not of the form P:D with positive integers, e.g. 2:1"),
-        (["--tp", "2:0"], "--tp: '2:0' is not of the form P:D with positive integers, e.g. 2:1"),
+        (["--tp", "x"], "--tp: 'x' is not of the form P:D with integers 1-16, e.g. 2:1"),
+        (["--tp", "2:0"], "--tp: '2:0' is not of the form P:D with integers 1-16, e.g. 2:1"),
         (["--prompts", "0"], "argument --prompts: '0' is not allowed: use a whole number of 1"),
     ],
 )

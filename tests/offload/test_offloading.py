@@ -125,16 +125,9 @@ def test_config_errors(extra: dict[str, object], message: str) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (
-            {"cpu_bytes_to_use": 1 << 20, "block_size": 32, "blocks_per_chunk": 2},
-            "give blocks_per_chunk or block_size, not both",
-        ),
         ({"cpu_bytes_to_use": 1 << 20, "block_size": 24}, "24 is not a multiple of the engine"),
-        ({"cpu_bytes_to_use": 100}, "hold no chunk"),
-        (
-            {"cpu_bytes_to_use": 1 << 20, "disk_url": "memory://x"},
-            "disk_url and disk_bytes_to_use go together",
-        ),
+        ({"cpu_bytes_to_use": 100}, "cpu_bytes_to_use: 100 bytes hold no chunk"),
+        ({"cpu_bytes_to_use": 1 << 49}, "more than this machine's memory"),
     ],
 )
 def test_geometry_errors(extra: dict[str, object], message: str) -> None:
@@ -145,8 +138,39 @@ def test_geometry_errors(extra: dict[str, object], message: str) -> None:
             "kv_connector_extra_config": extra,
         }
     )
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         Engine(EngineConfig(kv_transfer_config=config))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"cpu_bytes_to_use": 1 << 20, "block_size": 32, "blocks_per_chunk": 2},
+            "block_size: give blocks_per_chunk .2. or block_size .32., not both",
+        ),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "disk_url": "memory://x"},
+            "disk_bytes_to_use: required with disk_url",
+        ),
+        ({"cpu_bytes_to_use": 1 << 20, "disk_bytes_to_use": 1 << 20}, "disk_url: required"),
+        ({"cpu_bytes_to_use": 2**64}, "cpu_bytes_to_use: 18446744073709551616 .integer. is out"),
+        ({"cpu_bytes_to_use": 1 << 20, "block_size": 2**64}, "block_size: 18446744073709551616"),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "disk_url": "file:///a\x00", "disk_bytes_to_use": 1},
+            "disk_url: 'file:///a.x00' contains a NUL byte",
+        ),
+    ],
+)
+def test_config_errors_are_found_by_validation(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match="kv_connector_extra_config." + message):
+        KVTransferConfig.from_dict(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": extra,
+            }
+        )
 
 
 @pytest.mark.timeout(300)

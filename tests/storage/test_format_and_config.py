@@ -27,6 +27,7 @@ from kvx.plugins.storage.blockformat import (
 from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import block_keys, chain_seed, shard_counts
 from kvx.topology import physical_head_range as rank_heads
+from kvx.userdirs import user_cache_dir
 
 MakeRig = Callable[..., Any]  # conftest's Rig factory
 SHAPE = BlockShape(  # layers 4-5 of 8, heads 2-3 of 8: one stage's value for one head shard
@@ -158,7 +159,8 @@ def test_bad_config_is_a_clear_error(extra: dict[str, Any], message: str) -> Non
 
 def test_defaults_are_filled_in() -> None:
     extra = config({}).kv_connector_extra_config
-    assert extra["storage_url"].startswith("file://") and extra["storage_url"].endswith("kvx-kv")
+    assert extra["storage_url"] == "file://" + user_cache_dir("kv")  # the user's own
+    assert not extra["storage_url"].startswith("file:///tmp/")
     assert SharedStorageConfig(shared_storage_path="rel").url.startswith("file:///")
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
+from kvx.userdirs import make_private_dirs
 
 _fileio: ModuleType | None
 try:  # one-pass read + checksum (built when the system has xxhash.h)
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 
 
-class FsspecBackend:
+class FsspecBackend(StorageBackend):
     """Values are files `<root>/<key>`; written to a temporary name and renamed into place
     (`os.replace` on local disks), or put in one request where a put is atomic. Local files
     go through plain `os` calls: fsspec's file objects cost more than writing a block does."""
@@ -58,8 +59,9 @@ class FsspecBackend:
         self._dirs_lock = threading.Lock()
         self._tmp_tag = uuid.uuid4().hex  # temporary names: unique per backend, then a serial
         self._tmp_serial = itertools.count()
+        self.file_mode, self.dir_mode = options.file_mode, options.dir_mode
         if self.local:
-            os.makedirs(self.root, exist_ok=True)
+            make_private_dirs(self.root, self.dir_mode)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -99,12 +101,12 @@ class FsspecBackend:
         create = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a new file, never an existing one
         try:
             try:
-                fd = os.open(tmp, create, 0o644)
+                fd = os.open(tmp, create, self.file_mode)
             except FileNotFoundError:  # the directory was pruned since it was made
                 with self._dirs_lock:
                     self._dirs.discard(directory)
                 self._makedirs(directory)
-                fd = os.open(tmp, create, 0o644)
+                fd = os.open(tmp, create, self.file_mode)
             try:
                 write(fd)
             finally:
@@ -207,6 +209,8 @@ class FsspecBackend:
                 prefix,
                 regions,
                 [blocks[i] for i in todo],
+                False,
+                self.file_mode,
             )
             failed = [(i, e) for i, e in zip(todo, errors, strict=True) if e]
             todo = [i for i, e in failed if e == errno.ENOENT]
@@ -245,7 +249,7 @@ class FsspecBackend:
         """The `_fileio` module, or a clear error where it cannot serve (not local files, or
         not built)."""
         if not self.hashed_io:
-            raise RuntimeError(f"{self.url}: one-pass checksummed IO needs local files")
+            raise NotImplementedError(f"{self.url}: one-pass checksummed IO needs local files")
         return _fileio
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -255,7 +259,7 @@ class FsspecBackend:
         if directory in self._dirs:
             return
         if self.local:
-            os.makedirs(directory, exist_ok=True)
+            make_private_dirs(directory, self.dir_mode)
         else:
             self.fs.makedirs(directory, exist_ok=True)
         with self._dirs_lock:

@@ -30,7 +30,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvx.plugins.storage.backends.base import BackendOptions, copy_into
+from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
 from kvx.plugins.storage.backends.resp import RespConnection
 
 KEY_PREFIX = "kvx/"
@@ -47,7 +47,7 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
-class RedisBackend:
+class RedisBackend(StorageBackend):
     """A pipelined key -> bytes store on a Redis server (values up to 512 MB, optional TTL)."""
 
     def __init__(self, url: str, options: BackendOptions) -> None:
@@ -126,7 +126,7 @@ class RedisBackend:
             sizes.append(len(value) if value else None)
         return sizes
 
-    def put_vectored(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> None:
+    def put_vectored(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
         """Store each key = the concatenation of its buffers (sent from them, not joined);
         raise on failure (values already written may stay)."""
         if not items:
@@ -136,7 +136,8 @@ class RedisBackend:
             return
         conn = self._take()
         try:
-            conn.set_vectored([(KEY_PREFIX + key, parts) for key, parts in items], self.ttl_s)
+            values = [(KEY_PREFIX + key, [memoryview(p) for p in parts]) for key, parts in items]
+            conn.set_vectored(values, self.ttl_s)
         except BaseException:
             conn.close()
             raise

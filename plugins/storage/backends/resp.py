@@ -7,13 +7,16 @@ everything else goes through redis-py.
 
 The server is treated as an untrusted peer: reply lines are at most 64 KiB, bulk lengths at most
 512 MiB (Redis' own limit), a value of an unexpected size is read and dropped 1 MiB at a time,
-nothing is evaluated. Every socket call is bounded by `timeout_s`. After any error the
-connection is closed, never reused (the stream may be out of sync).
+nothing is evaluated. Each command (a whole pipelined batch) must finish within `timeout_s`:
+every socket call gets what is left of that deadline, so a server dripping bytes cannot hold a
+call longer. After any error the connection is closed, never reused (the stream may be out of
+sync).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -61,6 +64,7 @@ class RespConnection:
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
         self._scratch: memoryview | None = None  # where unwanted values are dropped
+        self._deadline = 0.0  # time.monotonic() by which the current command must finish
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except TimeoutError:
@@ -135,6 +139,7 @@ class RespConnection:
         sizes: list[int | None] = []
         failed: tuple[str, str] | None = None
         with self._io("GET") as sock:
+            self._budget(sock)
             sock.sendall(request)
             for key, views in zip(keys, targets, strict=True):
                 line = self._read_line(sock)
@@ -164,6 +169,7 @@ class RespConnection:
             b"$%d\r\n%s\r\n" % (len(a), a) for a in encoded
         )
         with self._io(args[0]) as sock:
+            self._budget(sock)
             sock.sendall(request)
             line = self._read_line(sock)
             if line[:1] == b"-":
@@ -202,6 +208,7 @@ class RespConnection:
         sends (`parts` is consumed)."""
         i = 0
         while i < len(parts):
+            self._budget(sock)
             sent = sock.sendmsg(parts[i : i + self._iov_max])
             i = advance(parts, i, sent)
 
@@ -213,6 +220,7 @@ class RespConnection:
             unread = self._end - self._start
             self._buf[:unread] = self._buf[self._start : self._end]
             self._start, self._end = 0, unread
+        self._budget(sock)
         n = sock.recv_into(self._view[self._end :])
         if not n:
             raise ConnectionError("the server closed the connection")
@@ -274,6 +282,7 @@ class RespConnection:
             last = i + len(batch) == len(views)
             if last:
                 batch.append(self._view)
+            self._budget(sock)
             n = sock.recvmsg_into(batch)[0]
             if not n:
                 raise ConnectionError("the server closed the connection")
@@ -290,6 +299,7 @@ class RespConnection:
             self._scratch = memoryview(bytearray(DISCARD_CHUNK))
         while size:
             assert self._scratch is not None
+            self._budget(sock)
             got = sock.recv_into(self._scratch, min(size, DISCARD_CHUNK))
             if not got:
                 raise ConnectionError("the server closed the connection")
@@ -302,12 +312,21 @@ class RespConnection:
             raise RespProtocolError(f"Redis at {self.address} sent a value without its CRLF")
         self._start += 2
 
+    def _budget(self, sock: socket.socket) -> None:
+        """Give the next socket call what is left of the command's deadline."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+
     @contextmanager
     def _io(self, command: str) -> Iterator[socket.socket]:
-        """The socket for one exchange; on any error the connection is closed, a timeout is
-        a TimeoutError and other socket errors a ConnectionError, both naming the server."""
+        """The socket for one exchange, which must end within `timeout_s`; on any error the
+        connection is closed, a timeout is a TimeoutError and other socket errors a
+        ConnectionError, both naming the server."""
         if self._sock is None:
             raise ConnectionError(f"the connection to Redis at {self.address} is closed")
+        self._deadline = time.monotonic() + self.timeout_s
         try:
             yield self._sock
         except TimeoutError:

@@ -17,20 +17,15 @@ import torch
 
 import kvx
 from kvx import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from kvx.layouts import get_layout
-from kvx.plugins.storage import SharedStorageConnector
-from kvx_example_connector.connector import (
-    ExamplePDConnector,
-    ExamplePDMetadata,
-    LoadSpec,
-    SaveSpec,
-    _write_atomic,
-)
+from kvx.plugins.storage.connector import SharedStorageConnector
+from kvx_example_connector.connector import ExamplePDConnector
+from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, SaveSpec
+from kvx_example_connector.worker import ExamplePDWorker, _write_atomic
 
 LEAKED_THREAD_STOPS: list[threading.Event] = []  # the test stops the leaked threads after it
 
 
-class DropsBlock(ExamplePDConnector):
+class DropsBlockWorker(ExamplePDWorker):
     """Loads every block but the last one (whatever was there before stays)."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -41,7 +36,7 @@ class DropsBlock(ExamplePDConnector):
             cache.index_copy_(dim, last, before[name])
 
 
-class SwapsBlocks(ExamplePDConnector):
+class SwapsBlocksWorker(ExamplePDWorker):
     """Writes the first two loaded blocks into each other's place."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -61,25 +56,25 @@ class SwapsBlocks(ExamplePDConnector):
         )
 
 
-class FinishesEarly(ExamplePDConnector):
+class FinishesEarlyWorker(ExamplePDWorker):
     """Reports a load finished as soon as it starts, before the data has landed."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving = super().get_finished(finished_req_ids)
         early = set(self._loading)
         self._loading.clear()  # forget them: the loads keep running unobserved
-        return sending, (recving or set()) | early or None
+        return sending, recving | early
 
 
-class NeverFrees(ExamplePDConnector):
+class NeverFreesWorker(ExamplePDWorker):
     """Holds a finished prompt's blocks and never reports them sent."""
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         _, recving = super().get_finished(finished_req_ids)
-        return None, recving
+        return set(), recving
 
 
-class WritesOtherHeads(ExamplePDConnector):
+class WritesOtherHeadsWorker(ExamplePDWorker):
     """Loads the right blocks but puts each head's KV into the next head's place."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -90,7 +85,7 @@ class WritesOtherHeads(ExamplePDConnector):
             cache.index_copy_(dim, index, blocks.roll(1, dims=-2))
 
 
-class LeaksThread(ExamplePDConnector):
+class LeaksThreadWorker(ExamplePDWorker):
     """Starts a helper thread that outlives `shutdown()`."""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -98,6 +93,30 @@ class LeaksThread(ExamplePDConnector):
         stop = threading.Event()
         LEAKED_THREAD_STOPS.append(stop)
         threading.Thread(target=stop.wait, name="leaked-by-connector", daemon=True).start()
+
+
+class DropsBlock(ExamplePDConnector):
+    worker_type = DropsBlockWorker
+
+
+class SwapsBlocks(ExamplePDConnector):
+    worker_type = SwapsBlocksWorker
+
+
+class FinishesEarly(ExamplePDConnector):
+    worker_type = FinishesEarlyWorker
+
+
+class NeverFrees(ExamplePDConnector):
+    worker_type = NeverFreesWorker
+
+
+class WritesOtherHeads(ExamplePDConnector):
+    worker_type = WritesOtherHeadsWorker
+
+
+class LeaksThread(ExamplePDConnector):
+    worker_type = LeaksThreadWorker
 
 
 class SavesAsConsumer(ExamplePDConnector):
@@ -149,7 +168,7 @@ class ReportsSendsTwice(ExamplePDConnector):
         return (sending or set()) | again or None, recving
 
 
-class AssumesContiguous(ExamplePDConnector):
+class AssumesContiguousWorker(ExamplePDWorker):
     """Loads into the run of blocks starting at the first one, as if blocks were contiguous."""
 
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
@@ -168,28 +187,24 @@ class AssumesContiguous(ExamplePDConnector):
         )
 
 
-class SavesLate(ExamplePDConnector):
+class SavesLateWorker(ExamplePDWorker):
     """Reports a save finished as soon as it is queued, and reads the blocks when it flushes
     its queue, at the end of the next step."""
 
     _queued: list[SaveSpec]
 
-    def start_load_kv(self, forward_context: kvx.ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ExamplePDMetadata)
-        saves, meta.saves = meta.saves, []
-        super().start_load_kv(forward_context, **kwargs)  # the loads
+    def start_load_kv(self, metadata: ExamplePDMetadata) -> None:
+        saves, metadata.saves = metadata.saves, []
+        super().start_load_kv(metadata)  # the loads
         self._flush, self._queued = getattr(self, "_queued", []), saves
         for save in saves:
             self._saving[save.req_id] = _done()
 
     def wait_for_save(self) -> None:
-        assert self._pool is not None
-        dim = get_layout(self.engine_context.cache.layout).blocks_dim
         for save in self._flush:
             index = torch.tensor(save.block_ids, dtype=torch.long)
-            snapshot = {n: t.index_select(dim, index) for n, t in self._caches.items()}
-            path = self._path(str(self.kv_transfer_config.engine_id), save.req_id)
+            snapshot = {n: t.index_select(self.dim, index) for n, t in self._caches.items()}
+            path = self._path(self.engine_id, save.req_id)
             self._pool.submit(_write_atomic, path, snapshot)
         self._flush = []
 
@@ -248,3 +263,11 @@ class DoesNothing(KVConnectorBase_V1):
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None: ...
     def wait_for_save(self) -> None: ...
+
+
+class AssumesContiguous(ExamplePDConnector):
+    worker_type = AssumesContiguousWorker
+
+
+class SavesLate(ExamplePDConnector):
+    worker_type = SavesLateWorker

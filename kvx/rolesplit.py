@@ -1,0 +1,275 @@
+"""`RoleSplitConnector`: a connector written as a scheduler half and a worker half.
+
+The engine builds a connector once per role, and an instance only ever runs one role's methods.
+A `RoleSplitConnector` subclass says how to build each half (`build_scheduler`,
+`build_worker`); the facade builds the half of its role and forwards every contract method to
+it, so connector code is two plain classes (`ConnectorScheduler`, `ConnectorWorker`) with no
+role checks. A method of the other role fails with an error that names the method, the role it
+belongs to and the role the instance was built for.
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from kvx.contract import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from kvx.events import KVCacheEvent
+from kvx.stats import KVConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvx.config import KVTransferConfig
+    from kvx.types import EngineContext, ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+
+M = TypeVar("M", bound=KVConnectorMetadata)
+
+
+class ConnectorScheduler(ABC):
+    """The scheduler half: the contract's scheduler-side methods, same names, arguments and
+    defaults (see `KVConnectorBase_V1`), plus `shutdown`."""
+
+    def on_new_request(self, request: Request) -> None:
+        """A request was added to the engine."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` the connector can supply, and whether async."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for `request`; record what to load."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's work for the workers."""
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The aggregated worker results of a step arrived."""
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished: keep its blocks (True) and the params of its output."""
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV cache events since the last call."""
+        return ()
+
+    def reset_cache(self) -> bool | None:
+        """Drop cached KV if the connector can (None: not supported)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Close threads, sockets and files."""
+
+
+class ConnectorWorker(ABC, Generic[M]):
+    """The worker half: the contract's worker-side methods, given this step's metadata (of
+    type `M`, checked by the facade) where they need it. Results are drained by `take_*`."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The KV cache tensors exist (layer name -> tensor)."""
+
+    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
+        """Finish or cancel saves that read the preempted requests' blocks."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: M) -> None:
+        """Start this step's loads (before the forward pass)."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until `layer_name`'s KV is loaded (default: loads are not layer by layer)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, metadata: M) -> None:
+        """The layer wrote its KV for this step (default: nothing is saved per layer)."""
+
+    def wait_for_save(self) -> None:
+        """The forward pass is over: the blocks being saved must be safe to reuse on return."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests done sending, requests done receiving) since the last call."""
+        return set(), set()
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed, since the last call."""
+        return set()
+
+    def take_stats(self) -> KVConnectorStats | None:
+        """Statistics since the last call, or None."""
+        return None
+
+    def take_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Metadata for the scheduler half after this step, or None."""
+        return None
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """What peers need to connect to this worker (after `register_kv_caches`), or None."""
+        return None
+
+    def shutdown(self) -> None:
+        """Finish or cancel async work; close threads, sockets and files."""
+
+
+S = TypeVar("S", bound=ConnectorScheduler)
+W = TypeVar("W", bound=ConnectorWorker[Any])
+
+
+class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
+    """A connector that is a thin facade over a scheduler half (`S`) and a worker half (`W`).
+
+    Subclasses implement `build_scheduler` and `build_worker` and set `metadata_type` (what
+    `build_connector_meta` returns; the worker half gets it checked) and, if they have their
+    own, `stats_type`. They may still override any contract method, e.g. to reach a half
+    through `self.scheduler` / `self.worker`.
+    """
+
+    metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
+    stats_type: ClassVar[type[KVConnectorStats]] = KVConnectorStats
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext) -> None:
+        super().__init__(config, role, ctx)
+        self._scheduler: S | None = None
+        self._worker: W | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = self.build_scheduler()
+        else:
+            self._worker = self.build_worker()
+
+    @abstractmethod
+    def build_scheduler(self) -> S:
+        """The scheduler half (config and engine context: `self.kv_transfer_config`,
+        `self.engine_context`)."""
+
+    @abstractmethod
+    def build_worker(self) -> W:
+        """The worker half (same inputs as `build_scheduler`)."""
+
+    @property
+    def scheduler(self) -> S:
+        """The scheduler half; a worker-role instance has none (the error names the caller)."""
+        if self._scheduler is None:
+            raise self._wrong_role(KVConnectorRole.SCHEDULER, sys._getframe(1).f_code.co_name)
+        return self._scheduler
+
+    @property
+    def worker(self) -> W:
+        """The worker half; a scheduler-role instance has none (the error names the caller)."""
+        if self._worker is None:
+            raise self._wrong_role(KVConnectorRole.WORKER, sys._getframe(1).f_code.co_name)
+        return self._worker
+
+    def _wrong_role(self, needed: KVConnectorRole, method: str) -> RuntimeError:
+        name = type(self).__name__
+        return RuntimeError(
+            f"{name}.{method} is a {needed.name.lower()}-side method, but this {name} was "
+            f"built for the {self.role.name.lower()} role; call it on the connector the engine "
+            f"built with KVConnectorRole.{needed.name}"
+        )
+
+    def _metadata(self) -> Any:
+        """This step's bound metadata, checked to be the connector's `metadata_type`."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, self.metadata_type):
+            raise TypeError(
+                f"{type(self).__name__} expects {self.metadata_type.__name__} as connector "
+                f"metadata, got {type(meta).__name__}"
+            )
+        return meta
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache()
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
+        self.worker.handle_preemptions(preempted_req_ids)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self.worker.save_kv_layer(layer_name, kv_layer, self._metadata())
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.worker.take_stats()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_worker_meta()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.get_handshake_metadata()
+
+    # ------------------------------------------------------------------ both sides
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return cls.stats_type(dict(data or {}))

@@ -1,0 +1,174 @@
+"""Direct IO: values moved straight between the store and the engine's CPU blocks, when the
+stored block is the engine block and the cache is dense CPU memory (no conversion).
+
+A value's payload is one region per layer and K/V part of an engine block (a region table,
+`kvx.StorageRegionTable`). Local files move whole batches in native code, checksummed in the
+same pass (`StorageBackend.hashed_io`); other backends use vectored IO, a group of values per
+round trip (`StorageBackend.group_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvx import StorageBackend
+from kvx.layouts import Layout
+from kvx.plugins.storage.blockformat import (
+    CHECKSUM_SPAN,
+    HEADER,
+    BlockFormatError,
+    BlockShape,
+    checksum_ok,
+    checksum_seed,
+    header,
+    header_prefix,
+    read_header,
+    stored_checksum,
+)
+from kvx.plugins.storage.load_plan import Unit
+
+Region = tuple[memoryview, int, int, int]  # a row of a region table
+
+
+class CacheBlocks:
+    """The bytes of one layer's engine blocks, without copying: block `b` is `outer` regions
+    of `inner` bytes (K then V for vLLM's layouts), `stride` bytes apart, in the layout's
+    memory order (the stored element order of a block written by this engine)."""
+
+    def __init__(self, tensor: torch.Tensor, layout: Layout) -> None:
+        sizes = layout.sizes_of(tensor)
+        memory = tensor.permute(layout.stride_order)
+        if tensor.device.type != "cpu" or not memory.is_contiguous():
+            raise ValueError("not dense CPU memory in the layout's order")
+        self.outer = math.prod(sizes[d] for d in layout.memory[: layout.memory.index("blocks")])
+        self.flat = memory.reshape(-1).view(torch.uint8).numpy().data
+        self.stride = len(self.flat) // self.outer
+        self.inner = self.stride // sizes["blocks"]
+        self.starts = [o * self.stride for o in range(self.outer)]
+
+    def regions(self) -> list[Region]:
+        return [(self.flat, start, self.inner, self.inner) for start in self.starts]
+
+
+@dataclass
+class Fetched:
+    """A unit's values as read, and per value why it is unusable (or None). Direct reads went
+    straight into the engine's blocks (`values` is None); `foreign` rows hold another element
+    order than this engine's and must be read again and converted."""
+
+    unit: Unit
+    flat: torch.Tensor | None  # the buffer `values` lives in (back to the pool once applied)
+    values: torch.Tensor | None
+    errors: list[BlockFormatError | None]
+    shapes: list[BlockShape | None] = field(default_factory=list)  # per row, as stored
+    error: Exception | None = None  # the read itself failed
+    foreign: bool = False
+
+
+def check_size(name: str, size: int | None, expected: int) -> None:
+    if size is None:
+        raise BlockFormatError(f"{name}: not stored")
+    if size != expected:
+        raise BlockFormatError(
+            f"{name}: value is {size} bytes, expected {expected} (torn, padded or of another "
+            "format version)"
+        )
+
+
+class DirectIO:
+    """Reads and writes values of this engine's own stage and head shard straight from and
+    into its blocks (`table`: the stage's layers in order), stored in element order `order`
+    (order, K order)."""
+
+    def __init__(
+        self, backend: StorageBackend, table: list[Region], verify: bool, order: tuple[str, str]
+    ) -> None:
+        self.backend = backend
+        self.table = table
+        self.verify = verify
+        self.order = order
+
+    def regions(self, block: int) -> list[memoryview]:
+        """Engine block `block` of every layer of the stage: a stored value's payload."""
+        return [
+            buf[start + block * step : start + block * step + size]
+            for buf, start, size, step in self.table
+        ]
+
+    @property
+    def native(self) -> bool:
+        """Whether values move through the backend's native block IO (local files),
+        checksummed in the same pass."""
+        return self.verify and self.backend.hashed_io
+
+    def fetch(
+        self, unit: Unit, targets: list[int | None], name_of: Callable[[str], str]
+    ) -> Fetched:
+        """Read a unit's values straight into the engine blocks they load into (`targets`, per
+        row) and check them (an IO thread); rows no block needs are not read. `name_of` gives
+        a stored block's value name from its key."""
+        shape = unit.shape
+        headers = memoryview(bytearray(HEADER.size * len(unit.keys)))
+        rows = [row for row, block in enumerate(targets) if block is not None]
+        names = [name_of(unit.keys[row]) for row in rows]
+        heads = [headers[row * HEADER.size : (row + 1) * HEADER.size] for row in rows]
+        blocks = [block for block in targets if block is not None]
+        errors: list[BlockFormatError | None] = [None] * len(unit.keys)
+        foreign = False
+        per = max(1, len(names) if self.native else self.backend.group_bytes // shape.value_bytes)
+        for at in range(0, len(names), per):
+            group = slice(at, at + per)
+            try:
+                read = self._read(names[group], heads[group], blocks[group])
+            except Exception as exc:  # an unreachable store fails these loads, not the step
+                return Fetched(unit, None, None, [], error=exc)
+            for name, head, block, row, (size, digest) in zip(
+                names[group], heads[group], blocks[group], rows[group], read, strict=True
+            ):
+                try:
+                    check_size(name, size, shape.value_bytes)
+                    stored = read_header(name, head, shape)
+                    if (stored.order, stored.k_order) != self.order:
+                        foreign = True
+                    elif self.verify and not (
+                        digest == stored_checksum(head)
+                        if digest is not None
+                        else checksum_ok(name, head, self.regions(block))
+                    ):
+                        raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
+                except BlockFormatError as exc:
+                    errors[row] = exc
+        return Fetched(unit, None, None, errors, foreign=foreign)
+
+    def _read(
+        self, names: list[str], heads: list[memoryview], blocks: list[int]
+    ) -> list[tuple[int | None, int | None]]:
+        """Read each value into its head and engine block: per value its stored size (None if
+        absent) and its checksum when the backend computed it while reading (else None)."""
+        if self.native:
+            seeds = [name.encode() for name in names]
+            return self.backend.get_blocks_hashed(
+                names, seeds, CHECKSUM_SPAN, heads, self.table, blocks
+            )
+        buffers = [[head, *self.regions(block)] for head, block in zip(heads, blocks, strict=True)]
+        return [(size, None) for size in self.backend.get_vectored(names, buffers)]
+
+    def write(self, names: list[str], blocks: list[int], shape: BlockShape) -> None:
+        """Write values straight from the engine's blocks (an IO thread): local files in one
+        native call, checksummed as they are written; otherwise as many per call as are worth
+        a round trip."""
+        if self.backend.hashed_io:
+            seeds = [checksum_seed(name, shape) for name in names]
+            self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self.table, blocks)
+            return
+        per = max(1, self.backend.group_bytes // shape.value_bytes)
+        for at in range(0, len(names), per):
+            vectors: list[tuple[str, list[bytes | memoryview]]] = []
+            for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
+                payload = self.regions(block)
+                vectors.append((name, [header(name, shape, payload), *payload]))
+            self.backend.put_vectored(vectors)
