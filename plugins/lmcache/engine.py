@@ -109,13 +109,19 @@ def release_engine(key: str) -> None:
         destroy_engine(instance)
 
 
-@atexit.register
 def _destroy_all() -> None:
     with _lock:
         doomed = [p.instance for p in _pool.values()]
         _pool.clear()
     for instance in doomed:
         destroy_engine(instance, timeout_s=5.0)
+
+
+# LMCache's engine runs a non-daemon thread that only `destroy` stops, and Python joins such
+# threads before `atexit` handlers run: destroy kept engines in threading's own exit hook, which
+# runs first (where available).
+_register_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_exit(_destroy_all)
 
 
 def build_engine(
@@ -163,10 +169,32 @@ def build_engine(
     return instance, engine
 
 
+def _unblock_remote_close(instance: str) -> None:
+    """LMCache 0.5.6's redis connector closes with `await executor.shutdown(wait=True)`, but
+    that `shutdown` is synchronous: it schedules the real (async) shutdown on the event loop and
+    blocks that same loop waiting for it, so `destroy` never returns. Give such executors a
+    `shutdown` that awaits the asynchronous one instead."""
+    engine = LMCacheEngineBuilder.get(instance)
+    backends = getattr(getattr(engine, "storage_manager", None), "storage_backends", {}) or {}
+    for backend in backends.values():
+        connection = getattr(backend, "connection", None)
+        connector = getattr(connection, "_connector", connection)  # unwrap the instrumented one
+        executor = getattr(connector, "pq_executor", None)
+        if executor is None or not hasattr(executor, "shutdown_async"):
+            continue
+
+        async def shutdown(wait: bool = True, executor: Any = executor) -> None:
+            await executor.shutdown_async(wait)
+
+        executor.shutdown = shutdown
+
+
 def destroy_engine(instance: str, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
-    """Destroy the engine in a helper thread and wait at most `timeout_s`: LMCache 0.5.6 can
-    hang in `destroy` (local CPU plus a redis:// remote waits on its executor forever). Returns
-    whether it finished; if not, the thread is left behind (a daemon) and a warning names it."""
+    """Destroy the engine in a helper thread and wait at most `timeout_s` (LMCache's remote
+    backends' teardown is unblocked first, see `_unblock_remote_close`; the bound covers
+    anything else that hangs). Returns whether it finished; if not, the thread is left behind
+    (a daemon) and a warning names it."""
+    _unblock_remote_close(instance)
     done = threading.Event()
 
     def run() -> None:
