@@ -10,6 +10,7 @@ and copied out in `save_kv_layer(i)` while layer `i - 1` is put.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -213,6 +214,8 @@ class LMCacheWorker:
                 self.stats.count("stores")
                 self.stats.count("store_tokens", len(store.token_ids) - store.start)
             self._record_events([store for store, _ in self._stores])
+            for store, _ in self._stores:
+                self._wait_remote(store)
             self._stores, self._stores_started = [], False
             return
         for store in meta.stores:
@@ -220,7 +223,29 @@ class LMCacheWorker:
             kwargs = self._kwargs(len(tokens), store.block_ids)
             with self.stats.timed("store", len(tokens) - store.start):
                 self.engine.store(tokens, mask=prefix_mask(len(tokens), store.start), **kwargs)
+                self._wait_remote(store)
         self._record_events(meta.stores)
+
+    def _wait_remote(self, store: StoreSpec) -> None:
+        """LMCache puts to a remote tier asynchronously; wait (at most `blocking_timeout_secs`)
+        until the remote tier holds the stored tokens, so a decode engine elsewhere finds them
+        once this step is over."""
+        if self.options.remote_url is None:
+            return
+        tokens = torch.tensor(store.token_ids, dtype=torch.long)
+        deadline = time.monotonic() + self.options.blocking_timeout_secs
+        while self.engine.lookup(tokens, search_range=["RemoteBackend"]) < len(tokens):
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "kvx lmcache: %s does not hold request %s's tokens [%d, %d) after %ds",
+                    self.options.remote_url,
+                    store.req_id,
+                    store.start,
+                    len(tokens),
+                    self.options.blocking_timeout_secs,
+                )
+                return
+            time.sleep(0.001)
 
     def _record_events(self, stores: list[StoreSpec]) -> None:
         """LMCache's store events (one per chunk, in store order) as this worker's acks."""
