@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(240)
 LENGTHS = (37, 64, 5, 100)
 
 
-def _run_pd(remote_url: str, tp: int = 1, **extra: object) -> None:
+def _run_pd(remote_url: str, tp: int = 1, processes: bool = True, **extra: object) -> None:
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(1024) for _ in range(n)] for i, n in enumerate(LENGTHS)}
     kv = {
@@ -32,7 +32,7 @@ def _run_pd(remote_url: str, tp: int = 1, **extra: object) -> None:
     }
     base = EngineConfig(num_layers=4, num_kv_heads=4, num_blocks=64)
     prefill, decode = pd_configs(base, kv, tp=(tp, tp))
-    pair = DisaggregatedPair(prefill, decode, processes=True, timeout_s=60)
+    pair = DisaggregatedPair(prefill, decode, processes=processes, timeout_s=60)
     try:
         report = pair.run(prompts, 4, timeout_s=120)  # checks every KV byte on both engines
     finally:
@@ -51,4 +51,6 @@ def test_pd_through_redis(redis_url: str) -> None:
 
 
 def test_pd_through_redis_tp2_layerwise(redis_url: str) -> None:
-    _run_pd(redis_url, tp=2, use_layerwise=True)
+    """TP 2 on both sides, layer-wise (both engines in this process: the test is about the
+    per-rank keys and layer-wise keys, not the process boundary the tests above cross)."""
+    _run_pd(redis_url, tp=2, processes=False, use_layerwise=True)
