@@ -15,6 +15,7 @@ import torch
 from kvx.config import KVTransferConfig
 from kvx.contract import KVConnectorBase_V1, KVConnectorRole
 from kvx.engine.aggregator import KVOutputAggregator
+from kvx.engine.diagnosis import diagnose
 from kvx.engine.metadata_wire import decode_metadata, encode_metadata
 from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
@@ -241,7 +242,7 @@ class Engine:
     def diagnose(self) -> list[str]:
         """What keeps this engine busy: each request's blocks and the report it waits for."""
         pending = self.aggregator.pending() if self.aggregator is not None else None
-        return self.scheduler.diagnose(pending)
+        return diagnose(self.scheduler, pending)
 
     def stats(self) -> dict[str, int]:
         """Step count, scheduler counters, block usage and the connector's failed saves."""

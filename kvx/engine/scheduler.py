@@ -23,6 +23,7 @@ from typing import Any
 
 from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
 from kvx.engine.block_pool import BlockPool, block_hashes
+from kvx.engine.finished_ids import unheld_finished_ids
 from kvx.types import (
     CachedRequestData,
     KVCacheBlocks,
@@ -388,7 +389,8 @@ class Scheduler:
         discard: set[str] = set()
         sendable = set(self._held_for_send)  # request_finished handed these over earlier
         if kv_output is not None:
-            self._check_finished_ids(kv_output, sendable)
+            for problem in unheld_finished_ids(self, kv_output, sendable):
+                self._violate(problem)
             self._recved |= kv_output.finished_recving or set()
             if kv_output.invalid_block_ids or kv_output.failed_recving:
                 discard = self._handle_load_errors(kv_output, scheduler_output, outputs)
@@ -435,29 +437,6 @@ class Scheduler:
         """Contract violations recorded since the last call."""
         taken, self.violations = self.violations, []
         return taken
-
-    def _check_finished_ids(self, kv_output: KVConnectorOutput, sendable: set[str]) -> None:
-        """Record ids in the finished sets that name no transfer this engine is waiting for."""
-        for req_id in sorted((kv_output.finished_sending or set()) - sendable):
-            self._violate(
-                f"finished_sending names request {req_id!r}, which this engine does not hold "
-                "for sending: request_finished never returned True for it, or it was already "
-                "reported finished (ids in finished_sending must be held requests, once each)"
-            )
-        for req_id in sorted(kv_output.finished_recving or ()):
-            state = self.states.get(req_id)
-            loading = (
-                state is not None
-                and state.request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-                and req_id not in self._recved
-            )
-            if not loading and req_id not in self._held_for_recv:
-                self._violate(
-                    f"finished_recving names request {req_id!r}, which is not loading "
-                    "asynchronously on this engine: unknown, never given an async load, or "
-                    "already reported finished (ids in finished_recving must be loading "
-                    "requests, once each)"
-                )
 
     def _handle_load_errors(
         self,
@@ -535,57 +514,6 @@ class Scheduler:
         else:
             self._recved.discard(req.request_id)
             self.pool.free(blocks)
-
-    def diagnose(self, pending: dict[str, dict[str, int]] | None = None) -> list[str]:
-        """One line per request that keeps this engine busy: what it holds and which
-        connector report the engine waits for. `pending` is the output aggregator's partial
-        reports (request -> workers still to report)."""
-        pending = pending or {"sending": {}, "recving": {}}
-        lines = []
-        for req_id, blocks in self._held_for_send.items():
-            left = pending["sending"].get(req_id)
-            lines.append(
-                f"request {req_id} finished at step {self.states[req_id].finished_step}; blocks "
-                f"{blocks} held for sending: the engine waits for get_finished() to report it "
-                "in finished_sending"
-                + (f" ({left} worker(s) still to report)" if left else " (no worker has)")
-            )
-        for req_id, blocks in self._held_for_recv.items():
-            lines.append(
-                f"request {req_id} aborted while loading; blocks {blocks} held until "
-                "get_finished() reports it in finished_recving"
-            )
-        for req_id in self.waiting:
-            state = self.states[req_id]
-            req = state.request
-            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                left = pending["recving"].get(req_id)
-                what = (
-                    "arrived, awaiting promotion"
-                    if req_id in self._recved
-                    else (
-                        "the engine waits for get_finished() to report it in finished_recving"
-                        + (f" ({left} worker(s) still to report)" if left else " (no worker has)")
-                    )
-                )
-                lines.append(
-                    f"request {req_id} loads its KV asynchronously into blocks {state.blocks}: "
-                    + what
-                )
-            elif state.asked_later:
-                lines.append(
-                    f"request {req_id} waiting: get_num_new_matched_tokens answered None "
-                    "(ask again later) at its last try"
-                )
-            else:
-                lines.append(f"request {req_id} waiting for free blocks ({req.status.value})")
-        for req_id in self.running:
-            state = self.states[req_id]
-            lines.append(
-                f"request {req_id} running with blocks {state.blocks} "
-                f"({state.request.num_computed_tokens} of {state.request.num_tokens} tokens)"
-            )
-        return lines
 
     def held_blocks(self) -> dict[str, list[int]]:
         """Blocks kept after finish for a connector (sending) or an in-flight read."""
