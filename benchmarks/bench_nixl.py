@@ -300,6 +300,17 @@ class Decode:
         self.raw.clear()
 
 
+def receive(conn: Connection, proc: Any, timeout_s: float = 120.0) -> Any:
+    """The prefill process's next message; fails (never hangs) if it died or went silent."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
+    return conn.recv()
+
+
 def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -307,13 +318,13 @@ def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, fl
     proc = ctx.Process(target=prefill, args=args, daemon=True)
     proc.start()
     try:
-        raw_md = parent.recv()
+        raw_md = receive(parent, proc)
         decode = Decode(shape, p_tp, d_tp, raw_md, f"D-{uuid.uuid4().hex[:6]}")
         try:
             best_conn, best_raw = float("inf"), float("inf")
             for round_ in range(repeat + 1):  # round 0: handshake and warm-up
                 parent.send([f"r{round_}-{i}" for i in range(shape.requests)])
-                t = decode.connector_round(parent.recv())
+                t = decode.connector_round(receive(parent, proc))
                 decode.check_and_clear()
                 r = decode.raw_round()
                 decode.check_and_clear()

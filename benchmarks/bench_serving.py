@@ -155,6 +155,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
     args = ap.parse_args()
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install matplotlib (the `bench` extra)")
     if not 1 <= args.min_tokens <= args.max_tokens <= MAX_MODEL_LEN - args.new_tokens:
         ap.error(f"need 1 <= --min-tokens <= --max-tokens <= {MAX_MODEL_LEN} - --new-tokens")
 

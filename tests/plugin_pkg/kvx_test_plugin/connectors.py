@@ -1,5 +1,6 @@
 """Connector classes of the test plugin, written only against kvx's public API."""
 
+from dataclasses import dataclass
 from typing import Any
 
 import kvx
@@ -91,9 +92,11 @@ class TestBackend:
 CALLS: dict[str, list[tuple[str, object]]] = {}
 
 
+@dataclass
 class ScriptedMetadata(KVConnectorMetadata):
-    def __init__(self, finished: list[str]) -> None:
-        self.finished = finished
+    """Plain fields: metadata crosses to each worker as msgpack bytes."""
+
+    finished: list[str]
 
 
 class ScriptedConnector(EchoConnector):

@@ -1,0 +1,165 @@
+"""Scheduler side of LMCacheConnectorV1: how much of a prompt LMCache holds (asked of the
+workers), which tokens to load into which blocks, and which whole chunks to store.
+
+Like vLLM's LMCache integration, loads never cover the last prompt token and stores cover
+prompt tokens only, in whole chunks (and the prompt's last, partial chunk when
+`save_unfull_chunk` is set). Loads are synchronous: they finish inside the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import kvx
+from kvx import BlockStored, KVCacheEvent, KVConnectorOutput
+from kvx.plugins.lmcache.config import LMCacheConfig
+from kvx.plugins.lmcache.lookup import LookupClient, socket_path
+from kvx.plugins.lmcache.metadata import (
+    LMCacheMetadata,
+    LMCacheWorkerMeta,
+    LoadSpec,
+    StoredChunk,
+    StoreSpec,
+)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    block_ids: list[int]
+    stored: int  # prompt tokens known to be in LMCache (chunk-aligned, or the whole prompt)
+
+
+class LMCacheScheduler:
+    def __init__(self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool) -> None:
+        parallel = ctx.parallel
+        self.workers = parallel.tp_size * parallel.pp_size
+        paths = [socket_path(ctx.engine_id, rank) for rank in range(self.workers)]
+        self.client = LookupClient(paths, options.lookup_timeout_s)
+        self.block_size = ctx.cache.block_size
+        self.chunk = options.chunk_size
+        self.save_unfull = options.save_unfull_chunk
+        self.store = store
+        self.medium = options.medium()
+        self._reqs: dict[str, _Request] = {}
+        self._hits: dict[str, int] = {}  # this step: request -> prompt tokens LMCache holds
+        self._loads: dict[str, int] = {}  # this step: request -> external tokens to load
+        self._acks: dict[int, int] = {}  # chunk hash -> workers that stored it so far
+        self._chunks: dict[int, StoredChunk] = {}
+        self._events: list[KVCacheEvent] = []
+
+    # -- contract --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens LMCache holds beyond `num_computed_tokens`, engine-block aligned and never
+        the last prompt token; loads are synchronous."""
+        prompt = request.prompt_token_ids
+        cap = (len(prompt) - 1) // self.block_size * self.block_size
+        if cap <= num_computed_tokens:
+            return 0, False
+        hit = self.client.lookup(list(prompt))
+        self._hits[request.request_id] = hit
+        end = min(hit, cap) // self.block_size * self.block_size
+        return max(0, end - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0:
+            self._loads[request.request_id] = num_external_tokens
+        else:
+            self._loads.pop(request.request_id, None)
+
+    def build_connector_meta(self, out: kvx.SchedulerOutput) -> LMCacheMetadata:
+        meta = LMCacheMetadata()
+        for req_id in out.preempted_req_ids:
+            if req_id in self._reqs:
+                self._reqs[req_id].block_ids = []
+        for new in out.scheduled_new_reqs:
+            state = _Request(list(new.prompt_token_ids), list(new.block_ids[0]), 0)
+            self._reqs[new.req_id] = state
+            self._plan(meta, new.req_id, state, new.num_computed_tokens, out)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._reqs.get(req_id)
+            if known is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                known.block_ids = list(added[0]) if added else []
+            elif added:
+                known.block_ids.extend(added[0])
+            self._plan(meta, req_id, known, cached.num_computed_tokens[i], out)
+        self._loads.clear()
+        self._hits.clear()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """A chunk becomes a `BlockStored` event once every worker stored its share."""
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, LMCacheWorkerMeta):
+            return
+        for chunk_hash, count in meta.counts.items():
+            self._chunks.setdefault(chunk_hash, meta.chunks[chunk_hash])
+            acks = self._acks.get(chunk_hash, 0) + count
+            if acks < self.workers:
+                self._acks[chunk_hash] = acks
+                continue
+            self._acks.pop(chunk_hash, None)
+            chunk = self._chunks.pop(chunk_hash)
+            self._events.append(
+                BlockStored(
+                    block_hashes=(chunk_hash,),
+                    parent_block_hash=chunk.parent,
+                    token_ids=tuple(chunk.token_ids),
+                    block_size=len(chunk.token_ids),
+                    medium=self.medium,
+                )
+            )
+
+    def request_finished(self, request: kvx.Request) -> None:
+        self._reqs.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _plan(
+        self,
+        meta: LMCacheMetadata,
+        req_id: str,
+        state: _Request,
+        computed: int,
+        out: kvx.SchedulerOutput,
+    ) -> None:
+        """Add the request's load (the tokens just counted as computed) and the chunks its
+        scheduled prompt tokens complete this step."""
+        prompt = state.prompt
+        hit = self._hits.get(req_id, 0)
+        if hit:  # LMCache holds the prompt's chunks up to `hit`: never store them again
+            held = hit if hit == len(prompt) else hit // self.chunk * self.chunk
+            state.stored = max(state.stored, held)
+        n_ext = self._loads.pop(req_id, 0)
+        if n_ext:
+            fetch = max(hit, computed)
+            meta.loads.append(
+                LoadSpec(req_id, prompt[:fetch], list(state.block_ids), computed - n_ext, computed)
+            )
+        scheduled = out.num_scheduled_tokens.get(req_id, 0)
+        if not self.store or not scheduled:
+            return
+        done = min(computed + scheduled, len(prompt))
+        end = done if self.save_unfull and done == len(prompt) else done // self.chunk * self.chunk
+        if end > state.stored:
+            meta.stores.append(StoreSpec(req_id, prompt[:end], list(state.block_ids), state.stored))
+            state.stored = end

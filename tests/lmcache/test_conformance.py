@@ -1,0 +1,58 @@
+"""LMCacheConnectorV1 passes the conformance suite's claimed scenarios over real LMCache, with
+each backend: local CPU, local disk, redis:// (and layer-wise on local CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvx import Capability, KVTransferConfig
+from kvx.conformance import run_suite
+from kvx.conformance.runner import FAILED, PASSED
+from kvx.plugins.lmcache.connector import LMCacheConnectorV1
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = {"chunk_size": 16, "save_unfull_chunk": True, "max_local_cpu_size": 0.05}
+CLAIMED = {"idempotent_matching", "store_and_reuse"}
+
+
+def _suite(extra: dict[str, Any]) -> None:
+    results = run_suite(
+        {"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {**BASE, **extra}},
+        fault_timeout_s=20,
+    )
+    assert not {r.name: r.message for r in results if r.outcome == FAILED}
+    assert {r.name for r in results if r.outcome == PASSED} == CLAIMED
+
+
+def test_suite_on_local_cpu() -> None:
+    _suite({})
+
+
+def test_suite_on_local_disk() -> None:
+    _suite({"local_cpu": False, "local_disk": "file://{tmp}/lmcache", "max_local_disk_size": 0.1})
+
+
+def test_suite_on_redis(redis_url: str) -> None:
+    _suite({"local_cpu": False, "remote_url": redis_url})
+
+
+def test_suite_layerwise() -> None:
+    _suite({"use_layerwise": True})
+
+
+def test_claims() -> None:
+    def claims(extra: dict[str, Any]) -> frozenset[Capability]:
+        config = KVTransferConfig.from_dict(
+            {
+                "kv_connector": "LMCacheConnectorV1",
+                "kv_role": "kv_both",
+                **{"kv_connector_extra_config": extra},
+            }
+        )
+        return LMCacheConnectorV1.claims_for(config)
+
+    assert claims({}) == {Capability.STORE_REUSE}
+    assert claims({"use_layerwise": True}) == {Capability.STORE_REUSE, Capability.LAYERWISE}
