@@ -37,6 +37,7 @@ from kvx.events import (
 )
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.schema import path_problem, url_problem
 from kvx.specs import (
     CommandSpec,
     ConnectorSpec,
@@ -67,6 +68,7 @@ from kvx.types import (
     SchedulerOutput,
     yield_req_data,
 )
+from kvx.userdirs import make_private_dirs, user_cache_dir
 
 hookimpl = pluggy.HookimplMarker("kvx")
 """Marks a plugin's implementation of a `kvx_*` hook (see `kvx.hookspecs`)."""
@@ -127,7 +129,11 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "load_cli_arg",
+    "make_private_dirs",
     "open_storage_backend",
+    "path_problem",
     "supports_hma",
+    "url_problem",
+    "user_cache_dir",
     "yield_req_data",
 ]

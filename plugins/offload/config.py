@@ -4,7 +4,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvx import schema
+from kvx import url_problem
 
 MAX_CPU_BYTES = 1 << 50
 """1 PiB: more than any machine's memory (construction also checks this machine's)."""
@@ -45,6 +45,6 @@ class OffloadingConfig(msgspec.Struct, forbid_unknown_fields=True):
                 raise ValueError(
                     f"disk_url: {self.disk_url[:200]!r} is not a URL; e.g. 'file:///var/kv-disk'"
                 )
-            problem = schema.url_problem(self.disk_url)
+            problem = url_problem(self.disk_url)
             if problem is not None:
                 raise ValueError(f"disk_url: {self.disk_url[:200]!r} {problem}")

@@ -9,8 +9,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvx import schema
-from kvx.userdirs import user_cache_dir
+from kvx import path_problem, url_problem, user_cache_dir
 
 DEFAULT_STORAGE_URL = "file://" + user_cache_dir("kv")
 """The user's own store (`~/.cache/kvx/kv`), never a shared directory such as /tmp."""
@@ -47,7 +46,7 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.shared_storage_path is not None:
-            problem = schema.path_problem(self.shared_storage_path)
+            problem = path_problem(self.shared_storage_path)
             if problem is not None:
                 raise ValueError(f"shared_storage_path: {self.shared_storage_path!r} {problem}")
             if self.storage_url != DEFAULT_STORAGE_URL:
@@ -66,7 +65,7 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
                 "'file:///var/kv', 'memory://kv', 's3://bucket/kv', 'redis://127.0.0.1:6379/0'"
             )
         scheme = match.group(1)
-        problem = schema.url_problem(url)
+        problem = url_problem(url)
         if problem is not None:
             raise ValueError(f"storage_url: {url[:200]!r} {problem}")
         if scheme in REDIS_SCHEMES:

@@ -4,8 +4,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvx.schema import path_problem
-from kvx.userdirs import user_cache_dir
+from kvx import path_problem, user_cache_dir
 
 
 class ExamplePDConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -15,7 +15,6 @@ import torch
 
 import kvx
 from kvx import ConnectorWorker, KVConnectorStats
-from kvx.userdirs import make_private_dirs
 from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec
 from kvx_example_connector.stats import ExamplePDStats
 
@@ -115,7 +114,7 @@ def _write_atomic(path: Path, blocks: dict[str, torch.Tensor]) -> None:
         for name, t in blocks.items()
     }
     raw = json.dumps(header).encode()
-    make_private_dirs(str(path.parent))
+    kvx.make_private_dirs(str(path.parent))
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)

@@ -17,9 +17,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+import kvx
 from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
-from kvx.userdirs import make_private_dirs
 
 _fileio: ModuleType | None
 try:  # one-pass read + checksum (built when the system has xxhash.h)
@@ -61,7 +61,7 @@ class FsspecBackend(StorageBackend):
         self._tmp_serial = itertools.count()
         self.file_mode, self.dir_mode = options.file_mode, options.dir_mode
         if self.local:
-            make_private_dirs(self.root, self.dir_mode)
+            kvx.make_private_dirs(self.root, self.dir_mode)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -259,7 +259,7 @@ class FsspecBackend(StorageBackend):
         if directory in self._dirs:
             return
         if self.local:
-            make_private_dirs(directory, self.dir_mode)
+            kvx.make_private_dirs(directory, self.dir_mode)
         else:
             self.fs.makedirs(directory, exist_ok=True)
         with self._dirs_lock:
