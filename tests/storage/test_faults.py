@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 import redis
 
-from kvx import KVConnectorMetadata, KVTransferConfig, RequestStatus, SchedulerOutput
+from kvx import (
+    ConfigError,
+    KVConnectorMetadata,
+    KVTransferConfig,
+    RequestStatus,
+    SchedulerOutput,
+)
 from kvx.engine.disagg import baseline_tokens
 from kvx.engine.engine import Engine, EngineConfig
 from kvx.engine.scheduler import RequestOutput
@@ -217,6 +223,9 @@ def test_redis_dead_before_lookup_means_recompute(policy: str, own_redis: Any) -
 
 @pytest.mark.timeout(30)
 def test_redis_unreachable_at_start_is_a_clear_error(own_redis: Any) -> None:
+    """A start-up failure is a config problem naming the key (exit 2 on the CLI)."""
     own_redis.kill()
-    with pytest.raises(ConnectionError, match="cannot reach the Redis server"):
+    with pytest.raises(
+        ConfigError, match="storage_url: cannot open .*cannot reach the Redis server"
+    ):
         Engine(_config(own_redis.url))
