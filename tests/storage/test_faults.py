@@ -226,6 +226,6 @@ def test_redis_unreachable_at_start_is_a_clear_error(own_redis: Any) -> None:
     """A start-up failure is a config problem naming the key (exit 2 on the CLI)."""
     own_redis.kill()
     with pytest.raises(
-        ConfigError, match="storage_url: cannot open .*cannot reach the Redis server"
+        ConfigError, match=r"storage_url: cannot open .*cannot reach the Redis server"
     ):
         Engine(_config(own_redis.url))
