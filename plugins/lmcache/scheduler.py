@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import kvx
-from kvx import BlockStored, KVCacheEvent, KVConnectorOutput
+from kvx import BlockStored, ConnectorScheduler, KVCacheEvent, KVConnectorOutput
 from kvx.plugins.lmcache.config import LMCacheConfig
 from kvx.plugins.lmcache.lookup import LookupClient, socket_path
 from kvx.plugins.lmcache.metadata import (
@@ -31,7 +32,7 @@ class _Request:
     stored: int  # prompt tokens known to be in LMCache (chunk-aligned, or the whole prompt)
 
 
-class LMCacheScheduler:
+class LMCacheScheduler(ConnectorScheduler):
     def __init__(self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool) -> None:
         parallel = ctx.parallel
         self.workers = parallel.tp_size * parallel.pp_size
@@ -120,10 +121,14 @@ class LMCacheScheduler:
                 )
             )
 
-    def request_finished(self, request: kvx.Request) -> None:
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Stores finish inside the step that computed the tokens: blocks are never held."""
         self._reqs.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import kvx
+from kvx import ConnectorWorker
 from kvx.layouts import get_layout
 from kvx.plugins.lmcache.config import LMCacheConfig
 from kvx.plugins.lmcache.engine import acquire_engine, global_rank, release_engine
@@ -58,7 +59,7 @@ class _LayerwiseLoad:
         self.failed = False
 
 
-class LMCacheWorker:
+class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
     def __init__(self, options: LMCacheConfig, ctx: kvx.EngineContext) -> None:
         if ctx.cache.use_mla:
             raise ValueError("LMCacheConnectorV1 on kvx copies K/V layouts; MLA is not supported")
@@ -188,7 +189,7 @@ class LMCacheWorker:
 
     # -- stores ----------------------------------------------------------------------------
 
-    def save_kv_layer(self, layer_name: str, meta: LMCacheMetadata) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: LMCacheMetadata) -> None:
         """Layer-wise: copy this layer of every store of the step out (the previous one is
         put into LMCache's backends meanwhile)."""
         if not self.options.use_layerwise or not meta.stores:
@@ -205,7 +206,9 @@ class LMCacheWorker:
         for _, steps in self._stores:
             next(steps, None)
 
-    def wait_for_save(self, meta: LMCacheMetadata) -> None:
+    def save_step(self, meta: LMCacheMetadata) -> None:
+        """The step's stores, once its forward pass is over (the facade's `wait_for_save`, which
+        hands this step's metadata over: whole-chunk stores are planned there)."""
         if self.options.use_layerwise:
             self._finish_loads()  # loads of a step whose layer hooks did not all run
             for store, steps in self._stores:
