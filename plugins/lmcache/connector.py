@@ -24,7 +24,12 @@ class LMCacheConnectorV1(RoleSplitConnector[LMCacheScheduler, LMCacheWorker]):
     def build_scheduler(self) -> LMCacheScheduler:
         config = self.kv_transfer_config
         options = config.extra_config_as(LMCacheConfig)
-        return LMCacheScheduler(options, self.engine_context, store=config.is_kv_producer)
+        return LMCacheScheduler(
+            options,
+            self.engine_context,
+            store=config.is_kv_producer,
+            load=config.is_kv_consumer,
+        )
 
     def build_worker(self) -> LMCacheWorker:
         options = self.kv_transfer_config.extra_config_as(LMCacheConfig)

@@ -33,7 +33,9 @@ class _Request:
 
 
 class LMCacheScheduler(ConnectorScheduler):
-    def __init__(self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool) -> None:
+    def __init__(
+        self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool, load: bool
+    ) -> None:
         parallel = ctx.parallel
         self.workers = parallel.tp_size * parallel.pp_size
         paths = [socket_path(ctx.engine_id, rank) for rank in range(self.workers)]
@@ -42,6 +44,7 @@ class LMCacheScheduler(ConnectorScheduler):
         self.chunk = options.chunk_size
         self.save_unfull = options.save_unfull_chunk
         self.store = store
+        self.load = load  # a pure producer (kv_producer) never loads
         self.medium = options.medium()
         self._reqs: dict[str, _Request] = {}
         self._hits: dict[str, int] = {}  # this step: request -> prompt tokens LMCache holds
@@ -56,10 +59,10 @@ class LMCacheScheduler(ConnectorScheduler):
         self, request: kvx.Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Tokens LMCache holds beyond `num_computed_tokens`, engine-block aligned and never
-        the last prompt token; loads are synchronous."""
+        the last prompt token; loads are synchronous; nothing for a pure producer."""
         prompt = request.prompt_token_ids
         cap = (len(prompt) - 1) // self.block_size * self.block_size
-        if cap <= num_computed_tokens:
+        if not self.load or cap <= num_computed_tokens:
             return 0, False
         hit = self.client.lookup(list(prompt))
         self._hits[request.request_id] = hit
