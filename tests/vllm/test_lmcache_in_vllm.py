@@ -42,7 +42,8 @@ _STORE = textwrap.dedent(
         caches = conftest.kv_caches(llm)
         for meta in rec.metadata:
             for spec in meta.stores:
-                i = next(i for i, p in enumerate(prompts) if spec.token_ids[: len(p)] == p)
+                ids = spec.token_ids
+                i = next(i for i, p in enumerate(prompts) if p[: len(ids)] == ids)
                 full = spec.block_ids[: len(spec.token_ids) // 128]
                 for name, cache in caches.items():
                     cache[full].numpy().tofile(out / f"p{i}.{name}.f32")
@@ -122,7 +123,11 @@ def test_another_process_stores_and_a_fresh_engine_loads_the_same_bytes(
         loads = [s for m in rec.metadata if isinstance(m, LMCacheMetadata) for s in m.loads]
         loaded = set()
         for spec in loads:
-            i = next(i for i, p in enumerate(harness.prompts) if spec.token_ids[: len(p)] == p)
+            i = next(
+                i
+                for i, p in enumerate(harness.prompts)
+                if p[: len(spec.token_ids)] == spec.token_ids
+            )
             loaded.add(i)
             assert (spec.start, spec.end) == (0, LOADABLE)
             blocks = spec.block_ids[: LOADABLE // harness.block]
