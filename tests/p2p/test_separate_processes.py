@@ -4,7 +4,6 @@ TP: every output token and KV byte checked against a single engine, nothing left
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
