@@ -324,19 +324,14 @@ class P2pEngine:
     def _exchange(
         self, peer: Peer, message: Hello | Put | Get, frames: list[Any], timeout_s: float
     ) -> tuple[Reply, list[Any]]:
+        """One request and its reply (with any data frames behind it)."""
         envelope, nonce = seal_request(self.secret, message)
         try:
             peer.socket.send_multipart([envelope, *frames], copy=False)
-            if not peer.socket.poll(max(1, int(timeout_s * 1000))):
-                raise TransferError(
-                    f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
-                )
-            parts = peer.socket.recv_multipart(copy=False)
-            reply = open_reply(self.secret, nonce, parts[0].buffer)
-        except (TransferError, WireError, zmq.ZMQError) as exc:
+        except zmq.ZMQError as exc:
             self._drop(peer)
             raise TransferError(str(exc)) from None
-        return reply, parts[1:]
+        return self._reply(peer, nonce, timeout_s)
 
     def _pair(self, peer: Peer, deadline: float) -> None:
         """HELLO, once per connection; the caller holds `peer.lock`."""
@@ -377,10 +372,10 @@ class P2pEngine:
                     envelope, nonce = seal_request(self.secret, Put(meta))
                     peer.socket.send_multipart([envelope, *self.plane.frames(wire)], copy=False)
                     sent.append((meta, wire, nonce))
-                failed = []
+                failed: list[tuple[TensorMeta, str]] = []
                 for index, (meta, wire, nonce) in enumerate(sent):
                     try:
-                        reply = self._reply(peer, nonce, _left(deadline))
+                        reply, _ = self._reply(peer, nonce, _left(deadline))
                     except TransferError as exc:
                         return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     if reply.ok:
@@ -396,14 +391,14 @@ class P2pEngine:
         except (TransferError, zmq.ZMQError) as exc:
             return [(meta, str(exc)) for meta, _ in items]
 
-    def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> Reply:
+    def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> tuple[Reply, list[Any]]:
         try:
             if not peer.socket.poll(max(1, int(timeout_s * 1000))):
                 raise TransferError(
                     f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
                 )
             parts = peer.socket.recv_multipart(copy=False)
-            return open_reply(self.secret, nonce, parts[0].buffer)
+            return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
         except (TransferError, WireError, zmq.ZMQError) as exc:
             self._drop(peer)
             raise TransferError(str(exc)) from None

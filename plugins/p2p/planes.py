@@ -76,7 +76,7 @@ class CpuPlane(DataPlane):
     name = "cpu"
 
     def frames(self, data: torch.Tensor) -> list[Any]:
-        return [memoryview(data.numpy())]
+        return [memoryview(data.numpy())]  # type: ignore[arg-type]  # ndarray is a buffer
 
     def check(self, meta: TensorMeta, frames: list[Any]) -> str | None:
         if len(frames) != 1:

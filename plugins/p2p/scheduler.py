@@ -94,6 +94,7 @@ def load_source(
         p.pp_size,
         request.num_prompt_tokens,
         options.send_type,
+        [],
     )
 
 
