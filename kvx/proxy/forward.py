@@ -52,10 +52,20 @@ MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
 """The largest answer the proxy holds in memory (P's answers, non-streamed D answers)."""
 
 
-def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The client's request as P gets it."""
+def peer_addresses(prefill: Upstream, decode: Upstream) -> dict[str, str]:
+    """`prefill_kv_address` and `decode_kv_address`: the KV listeners (host:port) of the P and
+    D serving a request, for those that announced one (service discovery). A connector where P
+    pushes the KV cache to D (P2P NCCL) learns from them where to send it."""
+    known = {"prefill_kv_address": prefill.kv_address, "decode_kv_address": decode.kv_address}
+    return {key: address for key, address in known.items() if address}
+
+
+def prefill_request(
+    body: Mapping[str, Any], peers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The client's request as P gets it (with the peers' KV addresses, if known)."""
     prefill = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
-    prefill["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    prefill["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **(peers or {})}
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "max_completion_tokens" in prefill:
@@ -64,12 +74,15 @@ def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def decode_request(
-    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None
+    body: Mapping[str, Any],
+    kv_transfer_params: dict[str, Any] | None,
+    peers: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The client's request as D gets it: unchanged, plus P's `kv_transfer_params` if any."""
+    """The client's request as D gets it: unchanged, plus P's `kv_transfer_params` if any
+    (with the peers' KV addresses where P's answer has none)."""
     decode = dict(body)
     if kv_transfer_params:
-        decode["kv_transfer_params"] = kv_transfer_params
+        decode["kv_transfer_params"] = {**(peers or {}), **kv_transfer_params}
     return decode
 
 
@@ -197,7 +210,7 @@ class Forwarder:
             raise self._unavailable(Role.DECODE, [])
         decoding = False
         try:
-            prefilled = await self._prefill(exchange)
+            prefilled = await self._prefill(exchange, decode_server)
             if isinstance(prefilled, Response):
                 return prefilled
             decoding = True
@@ -208,14 +221,14 @@ class Forwarder:
         return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
 
     async def _prefill(
-        self, exchange: Exchange
+        self, exchange: Exchange, decode_server: Upstream
     ) -> tuple[dict[str, Any] | None, Upstream] | Response:
         """P's `kv_transfer_params` and which P gave them; or P's own answer when it refused
         the request (4xx: the client's request is at fault, so it gets P's reason)."""
-        body = prefill_request(exchange.body)
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
         while (server := self._reserve(Role.PREFILL, tried)) is not None:
+            body = prefill_request(exchange.body, peer_addresses(server, decode_server))
             server.requests += 1
             try:
                 async with (
@@ -257,7 +270,9 @@ class Forwarder:
     ) -> Response:
         """D's answer to the request; `decode_server` (already counted busy) is asked first,
         and replaced only if it cannot be connected to."""
-        body = decode_request(exchange.body, kv_transfer_params)
+        body = decode_request(
+            exchange.body, kv_transfer_params, peer_addresses(prefill_server, decode_server)
+        )
         attempts: list[Attempt] = []
         tried = {decode_server}
         next_server: Upstream | None = decode_server
