@@ -21,15 +21,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 import zmq
 
-from kvx.errors import ConfigError, ConfigProblem, quote
+from kvx.errors import quote
 from kvx.wire import WireError, decode_sealed, encode, seal
 
 __all__ = [
@@ -38,7 +36,6 @@ __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "MAX_ANNOUNCEMENT_BYTES",
     "ROLE_CODES",
-    "AnnounceSettings",
     "Announcement",
     "Announcer",
     "check_host_port",
@@ -122,64 +119,6 @@ def open_announcement(secret: str | None, data: bytes | memoryview) -> Announcem
     return note
 
 
-@dataclass(frozen=True)
-class AnnounceSettings:
-    """Where and what a server announces, from its connector's `kv_connector_extra_config`
-    (vLLM's key names): `proxy_ip` and `proxy_port` (the proxy's discovery listener),
-    `http_port` (this server's `vllm serve --port`), and optionally `http_host` (default: the
-    host of the KV address) and `heartbeat_interval_s`."""
-
-    proxy_address: str
-    http_address: str
-    interval_s: float = HEARTBEAT_INTERVAL_S
-
-    @staticmethod
-    def from_extra_config(
-        extra: Mapping[str, Any], kv_host: str, path: str = "kv_connector_extra_config"
-    ) -> AnnounceSettings | None:
-        """None when `proxy_ip` is not set (no discovery); ConfigError naming every bad key."""
-        if extra.get("proxy_ip") in (None, ""):
-            return None
-        problems: list[ConfigProblem] = []
-        values: dict[str, str] = {}
-        for key in ("proxy_ip", "http_host"):
-            value = extra.get(key, kv_host if key == "http_host" else None)
-            if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-                problems.append(ConfigProblem(f"{path}.{key}", f"{quote(value)} is not a host"))
-            values[key] = str(value)
-        for key in ("proxy_port", "http_port"):
-            value = extra.get(key)
-            if isinstance(value, str) and value.isdigit():
-                value = int(value)  # vLLM's example gives ports as strings or numbers
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-                needed = " (required with proxy_ip)" if value is None else ""
-                problems.append(
-                    ConfigProblem(
-                        f"{path}.{key}", f"{quote(value)}: expected a port in 1-65535{needed}"
-                    )
-                )
-            values[key] = str(value)
-        interval = extra.get("heartbeat_interval_s", HEARTBEAT_INTERVAL_S)
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, int | float)
-            or not (math.isfinite(interval) and 0 < interval <= 60)
-        ):
-            problems.append(
-                ConfigProblem(
-                    f"{path}.heartbeat_interval_s",
-                    f"{quote(interval)} is not allowed; expected seconds in (0, 60]",
-                )
-            )
-        if problems:
-            raise ConfigError(problems)
-        return AnnounceSettings(
-            join_host_port(values["proxy_ip"], int(values["proxy_port"])),
-            join_host_port(values["http_host"], int(values["http_port"])),
-            float(interval),
-        )
-
-
 class Announcer:
     """Announces one server to the proxy every `interval_s` from a daemon thread until
     `stop()`, which sends a last announcement with `leaving` set. A proxy that is down or
@@ -212,19 +151,6 @@ class Announcer:
         """Announcements handed to ZMQ so far (dropped ones are not counted)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @classmethod
-    def from_settings(
-        cls, settings: AnnounceSettings, role: str, kv_address: str, secret: str | None = None
-    ) -> Announcer:
-        return cls(
-            settings.proxy_address,
-            role,
-            settings.http_address,
-            kv_address,
-            interval_s=settings.interval_s,
-            secret=secret,
-        )
 
     def message(self, leaving: bool = False) -> bytes:
         note = Announcement(

@@ -52,18 +52,17 @@ MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
 """The largest answer the proxy holds in memory (P's answers, non-streamed D answers)."""
 
 
-def peer_addresses(prefill: Upstream, decode: Upstream) -> dict[str, str]:
-    """`prefill_kv_address` and `decode_kv_address`: the KV listeners (host:port) of the P and
-    D serving a request, for those that announced one (service discovery). A connector where P
-    pushes the KV cache to D (P2P NCCL) learns from them where to send it."""
-    known = {"prefill_kv_address": prefill.kv_address, "decode_kv_address": decode.kv_address}
-    return {key: address for key, address in known.items() if address}
+def peer_addresses(decode: Upstream) -> dict[str, str]:
+    """`decode_address`: the KV listener (host:port) of the D serving a request, when D
+    announced one (service discovery). A connector where P pushes the KV cache to D (P2P NCCL's
+    PUT modes) learns from it where to send it; D finds P in P's own answer."""
+    return {"decode_address": decode.kv_address} if decode.kv_address else {}
 
 
 def prefill_request(
     body: Mapping[str, Any], peers: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
-    """The client's request as P gets it (with the peers' KV addresses, if known)."""
+    """The client's request as P gets it (with D's KV address, if known)."""
     prefill = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
     prefill["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **(peers or {})}
     prefill["stream"] = False
@@ -74,15 +73,12 @@ def prefill_request(
 
 
 def decode_request(
-    body: Mapping[str, Any],
-    kv_transfer_params: dict[str, Any] | None,
-    peers: Mapping[str, str] | None = None,
+    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The client's request as D gets it: unchanged, plus P's `kv_transfer_params` if any
-    (with the peers' KV addresses where P's answer has none)."""
+    """The client's request as D gets it: unchanged, plus P's `kv_transfer_params` if any."""
     decode = dict(body)
     if kv_transfer_params:
-        decode["kv_transfer_params"] = {**(peers or {}), **kv_transfer_params}
+        decode["kv_transfer_params"] = kv_transfer_params
     return decode
 
 
@@ -228,7 +224,7 @@ class Forwarder:
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
         while (server := self._reserve(Role.PREFILL, tried)) is not None:
-            body = prefill_request(exchange.body, peer_addresses(server, decode_server))
+            body = prefill_request(exchange.body, peer_addresses(decode_server))
             server.requests += 1
             try:
                 async with (
@@ -270,9 +266,7 @@ class Forwarder:
     ) -> Response:
         """D's answer to the request; `decode_server` (already counted busy) is asked first,
         and replaced only if it cannot be connected to."""
-        body = decode_request(
-            exchange.body, kv_transfer_params, peer_addresses(prefill_server, decode_server)
-        )
+        body = decode_request(exchange.body, kv_transfer_params)
         attempts: list[Attempt] = []
         tried = {decode_server}
         next_server: Upstream | None = decode_server

@@ -23,10 +23,8 @@ from kvx.cli import main
 from kvx.discovery import (
     Announcement,
     Announcer,
-    AnnounceSettings,
     seal_announcement,
 )
-from kvx.errors import ConfigError
 from kvx.proxy import ProxyConfig, ServerPool, serve_in_thread
 from kvx.proxy.config import ProxySettingError
 from kvx.proxy.discovery import DiscoveryListener, DiscoverySettings
@@ -244,24 +242,6 @@ def test_announcer_arguments_are_checked():
     assert Announcer("[::1]:30001", "P", "[::1]:8100").proxy_address == "[::1]:30001"
 
 
-def test_announce_settings_from_vllm_style_extra_config():
-    assert AnnounceSettings.from_extra_config({}, "10.0.0.5") is None
-    settings = AnnounceSettings.from_extra_config(
-        {"proxy_ip": "10.0.0.1", "proxy_port": "30001", "http_port": 8100}, "10.0.0.5"
-    )
-    assert settings == AnnounceSettings("10.0.0.1:30001", "10.0.0.5:8100", 3.0)
-    with pytest.raises(ConfigError) as caught:
-        AnnounceSettings.from_extra_config(
-            {"proxy_ip": "10.0.0.1", "proxy_port": 0, "heartbeat_interval_s": -1}, "10.0.0.5"
-        )
-    assert [p.path for p in caught.value.problems] == [
-        "kv_connector_extra_config.proxy_port",
-        "kv_connector_extra_config.http_port",
-        "kv_connector_extra_config.heartbeat_interval_s",
-    ]
-    assert "null: expected a port in 1-65535 (required with proxy_ip)" in str(caught.value)
-
-
 def test_proxy_routes_to_announced_servers_and_passes_their_kv_addresses(stub, client, wait_until):
     p, d = stub("P"), stub("D")
     config = ProxyConfig(port=0, discovery_port=0, health_interval=0.1, request_timeout=10.0)
@@ -279,12 +259,11 @@ def test_proxy_routes_to_announced_servers_and_passes_their_kv_addresses(stub, c
             )
             answer = client.post(f"{proxy.url}/v1/completions", json={"prompt": "hi"})
             assert answer.status_code == 200, answer.text
-            peers = {"prefill_kv_address": p_kv, "decode_kv_address": d_kv}
             to_p = p.behaviour.completions()[0].body["kv_transfer_params"]
-            assert to_p == {**PREFILL_KV_TRANSFER_PARAMS, **peers}
+            assert to_p == {**PREFILL_KV_TRANSFER_PARAMS, "decode_address": d_kv}
             to_d = answer.json()["kv_transfer_params_received"]
-            assert to_d["remote_engine_id"] == "P"  # P's own answer, plus the addresses
-            assert {k: to_d[k] for k in peers} == peers
+            assert to_d["remote_engine_id"] == "P"  # P's own answer, unchanged
+            assert "decode_address" not in to_d
             servers = client.get(f"{proxy.url}/kvx/servers").json()
             assert servers["decode"][0]["kv_address"] == d_kv
             assert servers["discovery"]["joined"] == 2
