@@ -7,7 +7,8 @@ byte for byte. This is the exchange vLLM's disaggregated-serving proxies perform
 
 Retries: a P server that fails is replaced by another (nothing has reached the client yet);
 a D server is replaced only when the connection to it could not be made, since a D that got
-the request may already have pulled the KV cache from P.
+the request may already have pulled the KV cache from P, and not even then when P was told to
+push the KV cache to that D (`decode_address`).
 """
 
 from __future__ import annotations
@@ -294,10 +295,18 @@ class Forwarder:
                     self._relay(answer, server, exchange), answer.status_code, headers
                 )
             except httpx.ConnectError as exc:
-                # The request never reached this server: another may take it.
+                # The request never reached this server: another may take it, unless P was
+                # told to send the KV cache to this one (decode_address).
                 reason = describe_failure(exc, self.timeout)
                 self._failed(exchange, server, reason, attempts)
                 self.pool.mark_down(server, reason)
+                if server is decode_server and server.kv_address:
+                    raise ProxyError(
+                        502,
+                        f"decode server {server.url}: {reason}; P sent this request's KV cache "
+                        f"to it ({server.kv_address}), so no other decode server can take it",
+                        attempts,
+                    ) from None
             except (httpx.TimeoutException, TimeoutError):
                 raise self._timed_out(exchange, server, attempts) from None
             except (httpx.HTTPError, AnswerTooLarge) as exc:

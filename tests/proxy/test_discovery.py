@@ -333,3 +333,32 @@ def test_a_short_secret_is_refused(tmp_path, capsys):
         "--discovery-secret-file: the secret must be a text of at least 8"
         in capsys.readouterr().err
     )
+
+
+def test_a_dead_announced_d_fails_only_its_request_and_is_not_replaced(
+    stub, client, wait_until, free_port
+):
+    p, d = stub("P"), stub("D")
+    dead = f"127.0.0.1:{free_port()}"  # announced, but nothing listens there
+    config = ProxyConfig(
+        port=0, discovery_port=0, routing="round_robin", health_interval=60, request_timeout=10.0
+    )
+    with serve_in_thread(config) as proxy:
+        assert proxy.discovery is not None
+        address = proxy.discovery.address
+        with (
+            Announcer(address, "P", p.url.removeprefix("http://"), "127.0.0.1:21001"),
+            Announcer(address, "D", dead, "127.0.0.1:22009"),
+            Announcer(address, "D", d.url.removeprefix("http://"), "127.0.0.1:22001"),
+        ):
+            wait_until(lambda: len(proxy.pool.servers()) == 3, 10, "P and both Ds to join")
+            answers = [
+                client.post(f"{proxy.url}/v1/completions", json={"prompt": "hi"}) for _ in range(3)
+            ]
+    failed = [a for a in answers if a.status_code != 200]
+    assert len(failed) == 1, [a.text for a in answers]
+    message = failed[0].json()["error"]["message"]
+    assert f"decode server http://{dead}: cannot connect" in message
+    assert "P sent this request's KV cache to it (127.0.0.1:22009)" in message
+    # the dead D was taken out at once: the other requests went to the live one
+    assert [a.headers["x-kvx-decode"] for a in answers if a.status_code == 200] == [d.url] * 2
