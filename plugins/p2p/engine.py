@@ -262,10 +262,10 @@ class P2pEngine:
             num_heads=len(asked) if has_heads(layout) else item.meta.num_heads,
             nbytes=wire.numel(),
         )
-        answer(Reply(True, meta=meta), self.plane.frames(wire))
-        self.plane.deliver(identity, wire)
         if self.store is not None:
             self.store.served(get.request_id, get.layer, get.readers)
+        answer(Reply(True, meta=meta), self.plane.frames(wire))
+        self.plane.deliver(identity, wire)
         self.count("served_bytes", wire.numel())
 
     def _meta_problem(self, meta: TensorMeta) -> str | None:
