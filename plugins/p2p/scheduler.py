@@ -23,6 +23,7 @@ from kvx.plugins.p2p.addresses import (
     parse_legacy_request_id,
 )
 from kvx.plugins.p2p.config import P2pConfig
+from kvx.plugins.p2p.discovery import start_announcer
 from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
         self._loading: set[str] = set()
+        self._announcer = start_announcer(options, config)  # xPyD discovery, if configured
 
     # -- P ----------------------------------------------------------------------------------
 
@@ -248,3 +250,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
                 source.pp_size,
             )
         )
+
+    def shutdown(self) -> None:
+        if self._announcer is not None:
+            self._announcer.stop()
