@@ -23,9 +23,9 @@ class AddressError(ValueError):
     """A peer address in a config, a request id or `kv_transfer_params` is not usable."""
 
 
-def parse_address(text: Any, field: str) -> tuple[str, int]:
+def parse_address(text: Any, field: str, allow_zero: bool = False) -> tuple[str, int]:
     """`(host, port)` from `"host:port"` (IPv6 as `[addr]:port`); `AddressError` naming
-    `field`, the value and the expected form otherwise."""
+    `field`, the value and the expected form otherwise. Port 0 only with `allow_zero`."""
     if not isinstance(text, str):
         raise AddressError(f"{field}: {text!r} is not a string; expected 'host:port'")
     host, sep, port = text.rpartition(":")
@@ -34,7 +34,8 @@ def parse_address(text: Any, field: str) -> tuple[str, int]:
         valid_host = _is_ip(host)
     else:
         valid_host = bool(_HOST.fullmatch(host)) or _is_ip(host)
-    if not sep or not valid_host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    low = 0 if allow_zero else 1
+    if not sep or not valid_host or not port.isdigit() or not low <= int(port) <= 65535:
         raise AddressError(
             f"{field}: {text[:100]!r} is not 'host:port' (a host name or IP address, then a "
             "port 1-65535; IPv6 as '[addr]:port')"

@@ -10,12 +10,24 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvx import Capability, KVTransferConfig, RoleSplitConnector
+from kvx import (
+    Capability,
+    KVConnectorHandshakeMetadata,
+    KVTransferConfig,
+    RoleSplitConnector,
+)
 from kvx.plugins.p2p.config import P2pConfig
 from kvx.plugins.p2p.metadata import P2pMetadata
 from kvx.plugins.p2p.scheduler import P2pScheduler
 from kvx.plugins.p2p.stats import P2pKVConnectorStats
 from kvx.plugins.p2p.worker import P2pWorker
+
+
+class P2pListenPort(KVConnectorHandshakeMetadata):
+    """The port a worker listens on, for the scheduler side to advertise (`kv_port` 0)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
 
 
 class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
@@ -41,6 +53,21 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
     def build_worker(self) -> P2pWorker:
         options = self.kv_transfer_config.extra_config_as(P2pConfig)
         return P2pWorker(options, self.kv_transfer_config, self.engine_context)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return P2pListenPort(self.worker.listening_port)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.scheduler.worker_ports = {
+            rank: meta.port for rank, meta in metadata.items() if isinstance(meta, P2pListenPort)
+        }
 
     @classmethod
     def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:

@@ -104,7 +104,13 @@ class P2pEngine:
         router.setsockopt(zmq.MAXMSGSIZE, max(self.max_tensor_bytes, MAX_CONTROL_BYTES) + 64)
         address = format_address(host, port)
         try:
-            router.bind(f"tcp://{address}")
+            if port == 0:
+                port = router.bind_to_random_port(
+                    f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+                )
+                address = format_address(host, port)
+            else:
+                router.bind(f"tcp://{address}")
         except zmq.ZMQError as exc:
             router.close(0)
             self._context.term()

@@ -38,6 +38,9 @@ class LoadSpec:
     prefill_port: int
     remote_tp_size: int
     remote_pp_size: int
+    remote_ports: list[int] = field(default_factory=list)
+    """P's workers' ports by `pp_rank * tp_size + tp_rank` when P listens on ephemeral ports
+    (`kv_port` 0); empty: `prefill_port + rank`."""
 
 
 @dataclass

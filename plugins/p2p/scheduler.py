@@ -42,6 +42,7 @@ class Source:
     pp_size: int
     num_tokens: int
     mode: str
+    ports: list[int]
 
 
 @dataclass
@@ -62,7 +63,10 @@ def load_source(
     params = request.kv_transfer_params or {}
     try:
         if params.get("do_remote_prefill"):
-            host, port = parse_address(params.get("remote_address"), "remote_address")
+            host, port = parse_address(params.get("remote_address"), "remote_address", True)
+            ports = _ports(params.get("remote_worker_ports", []))
+            if port == 0 and not ports:
+                raise ValueError("remote_address has port 0 and no remote_worker_ports")
             return Source(
                 _str(params, "remote_request_id"),
                 host,
@@ -71,6 +75,7 @@ def load_source(
                 _int(params, "remote_pp_size", 1, MAX_TP),
                 _int(params, "remote_num_tokens", 0, 1 << 31),
                 _mode(params.get("send_type", options.send_type)),
+                ports,
             )
         if params or not config.is_kv_consumer:
             return None
@@ -107,6 +112,20 @@ def _int(params: dict[str, Any], key: str, low: int, high: int) -> int:
     return value
 
 
+def _ports(value: Any) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_TP
+        or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535 for v in value
+        )
+    ):
+        raise ValueError(
+            f"kv_transfer_params.remote_worker_ports: {str(value)[:80]} is not a list of ports"
+        )
+    return list(value)
+
+
 def _mode(value: Any) -> str:
     if value not in ("PUT", "PUT_ASYNC", "GET"):
         raise ValueError(f"kv_transfer_params.send_type: {value!r} is not PUT, PUT_ASYNC or GET")
@@ -122,6 +141,8 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
         self._loading: set[str] = set()
+        self.worker_ports: dict[tuple[int, int], int] = {}
+        """(pp_rank, tp_rank) -> the port each worker listens on (from its handshake)."""
         self._announcer = start_announcer(options, config)  # xPyD discovery, if configured
 
     # -- P ----------------------------------------------------------------------------------
@@ -199,7 +220,21 @@ class P2pScheduler(kvx.ConnectorScheduler):
             "remote_pp_size": p.pp_size,
             "remote_num_tokens": saving.num_prompt_tokens,
             "send_type": saving.mode,
+            "remote_worker_ports": self._advertised_ports(),
         }
+
+    def _advertised_ports(self) -> list[int]:
+        """With `kv_port` 0 (GET only) every worker listens on a port the OS picked: D gets
+        them all, by `pp_rank * tp_size + tp_rank`."""
+        if self.config.kv_port != 0:
+            return []
+        tp = self.ctx.parallel.tp_size
+        return [
+            port
+            for (pp, rank), port in sorted(
+                self.worker_ports.items(), key=lambda kv: kv[0][0] * tp + kv[0][1]
+            )
+        ]
 
     def _pending_load(self, request: kvx.Request) -> bool:
         """D: a request that ends before its load was queued: drop what was pushed for it."""
@@ -248,6 +283,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
                 source.port,
                 source.tp_size,
                 source.pp_size,
+                source.ports,
             )
         )
 

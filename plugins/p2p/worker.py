@@ -63,6 +63,14 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.heads = self.kv.heads_of(p.tp_rank)
         self.layer_index = {name: i for i, name in enumerate(cache.layer_names)}
         self.port = worker_port(config.kv_port, p.pp_rank, p.tp_size, p.tp_rank)
+        if config.kv_port == 0:
+            self.port = 0  # every worker on an ephemeral port, advertised to D (GET only)
+            if options.send_type != "GET" and config.is_kv_consumer:
+                logger.warning(
+                    "kv_port 0 with send_type %s: P pushes to kv_port + rank of D, which it "
+                    "cannot know; set a kv_port on D",
+                    options.send_type,
+                )
         self.stats = P2pKVConnectorStats()
         self.engine: P2pEngine | None = None
         self.recv: RecvBuffer | None = None
@@ -94,7 +102,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             self.store = SendStore(budget, options.buffer_ttl_s)
         listen = (config.kv_ip, self.port) if takes_puts or serves_gets else None
         self.engine = P2pEngine(
-            f"{config.engine_id}-rank{self.port - config.kv_port}",
+            f"{config.engine_id}-pp{self.ctx.parallel.pp_rank}-tp{self.ctx.parallel.tp_rank}",
             listen,
             choose_plane(options.data_plane, device, options.nccl_num_channels),
             self.geometry,
@@ -107,6 +115,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         )
         if config.is_kv_producer and options.send_type == "PUT_ASYNC":
             self._sender = AsyncSender(self._put, f"kvx-p2p-send-{self.port}")
+
+    @property
+    def listening_port(self) -> int:
+        """The port this worker listens on (0: it does not listen)."""
+        address = self.engine.address if self.engine is not None else None
+        return int(address.rsplit(":", 1)[1]) if address else 0
 
     # -- P: saving ------------------------------------------------------------------------
 
@@ -271,7 +285,11 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         for layer in self._caches:
             stage = stage_of(self.layer_index[layer], self.geometry.num_layers, prefill.pp_size)
             for r in plan:
-                port = worker_port(spec.prefill_port, stage, prefill.tp_size, r.remote_tp_rank)
+                index = stage * prefill.tp_size + r.remote_tp_rank
+                if spec.remote_ports:
+                    port = spec.remote_ports[index]
+                else:
+                    port = worker_port(spec.prefill_port, stage, prefill.tp_size, r.remote_tp_rank)
                 get = Get(
                     spec.remote_request_id,
                     layer,

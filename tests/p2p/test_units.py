@@ -38,7 +38,7 @@ def test_legacy_request_id_is_parsed() -> None:
     ],
 )
 def test_malformed_legacy_request_id_is_a_clear_error(bad: str) -> None:
-    with pytest.raises(AddressError, match="___prefill_addr_|port 1-65535"):
+    with pytest.raises(AddressError, match=r"___prefill_addr_|port 1-65535"):
         parse_legacy_request_id(bad)
 
 
@@ -103,7 +103,7 @@ def test_receive_buffer_spills_then_refuses_and_releases() -> None:
     assert refusal is not None and "kv_buffer_size 100" in refusal and "mem_pool_size_gb" in refusal
     # a refused request fails at once instead of waiting for its KV
     assert "refused" in (buffer.wait_for([("c", "l0", 0)], "c", time.monotonic() + 30) or "")
-    meta, tensor = buffer.take(("b", "l0", 0), torch.device("cpu"))
+    _, tensor = buffer.take(("b", "l0", 0), torch.device("cpu"))
     assert torch.equal(tensor, torch.ones(16)) and buffer.used_bytes == 64
     assert buffer.discard("a") == 1 and buffer.used_bytes == 0
     assert buffer.admit(_meta("d", 64)) is None  # room again
