@@ -77,3 +77,14 @@ def test_with_shared_secret_only_a_proxy_with_that_secret_accepts_it(wait_until)
 def test_without_proxy_ip_nothing_is_announced():
     config = p2p_config("kv_producer", 21001)
     assert start_announcer(config.extra_config_as(P2pConfig), config) is None
+
+
+def test_with_kv_port_0_no_kv_address_is_announced(wait_until):
+    pool = ServerPool()
+    with DiscoveryListener(pool, DiscoverySettings(port=0)) as listener:
+        announcer = announce(listener, "kv_producer", 0, http_port=8100, send_type="GET")
+        try:
+            wait_until(lambda: len(pool.servers()) == 1, 10, "P to join")
+            assert pool.servers()[0].kv_address is None  # P2P workers' ports are ephemeral
+        finally:
+            announcer.stop()
