@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -23,12 +25,14 @@ from kvx.cli import main
 from kvx.discovery import (
     Announcement,
     Announcer,
+    open_announcement,
     seal_announcement,
 )
 from kvx.proxy import ProxyConfig, ServerPool, serve_in_thread
 from kvx.proxy.config import ProxySettingError
 from kvx.proxy.discovery import DiscoveryListener, DiscoverySettings
 from kvx.proxy.forward import PREFILL_KV_TRANSFER_PARAMS
+from kvx.wire import WireError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -362,3 +366,36 @@ def test_a_dead_announced_d_fails_only_its_request_and_is_not_replaced(
     assert "P sent this request's KV cache to it (127.0.0.1:22009)" in message
     # the dead D was taken out at once: the other requests went to the live one
     assert [a.headers["x-kvx-decode"] for a in answers if a.status_code == 200] == [d.url] * 2
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_fuzzed_announcements_raise_nothing_but_wire_error(secret):
+    """5,000 random and mutated messages (seeded): `open_announcement` refuses them with
+    WireError and nothing else; with a secret none gets past the tag."""
+    rng = random.Random(14)
+    good = seal_announcement(
+        secret, Announcement("D", "127.0.0.1:8200", "127.0.0.1:22001", os.urandom(16), time.time())
+    )
+    assert open_announcement(secret, good).http_address == "127.0.0.1:8200"
+    values = [None, -1, 2**64 - 1, 1e308, "P", "D", "h:1", "x" * 2000, b"\x00" * 40, [1], {}]
+    refused = 0
+    for n in range(5000):
+        if n % 3 == 0:
+            data = rng.randbytes(rng.randrange(64))
+        elif n % 3 == 1:
+            data = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):
+                at = rng.randrange(len(data))
+                data[at : at + rng.randrange(1, 4)] = rng.randbytes(rng.randrange(4))
+            data = bytes(data)
+        else:
+            keys = ["type", "http_address", "zmq_address", "nonce", "sent_at", "leaving"]
+            data = msgspec.msgpack.encode(
+                {k: rng.choice(values) for k in keys if rng.random() < 0.8}
+            )
+        try:
+            open_announcement(secret, data)
+        except WireError as exc:
+            refused += 1
+            assert secret is None or re.search("authentication failed|exceeds the limit", str(exc))
+    assert refused > 4500
