@@ -27,7 +27,6 @@ from serving_client import Request, run
 pytestmark = pytest.mark.timeout(600)
 
 SEND_TYPE = os.environ.get("KVX_P2P_SEND_TYPE", "GET")
-TRANSFER_TIMEOUT_S = 5  # a PUT to a dead D gives up after this long
 
 
 @dataclass
@@ -60,7 +59,6 @@ def xpyd(fleet: kit.Fleet, long_tiny_model: Path) -> Iterator[Xpyd]:
             "proxy_ip": "127.0.0.1",
             "proxy_port": discovery_port,
             "http_port": http_port,
-            "transfer_timeout_s": TRANSFER_TIMEOUT_S,
             "send_type": SEND_TYPE,
         }
         if name == "P0":
