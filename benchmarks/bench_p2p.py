@@ -45,6 +45,7 @@ from kvx.layouts import get_layout
 from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 
 TARGET = 0.9
+SEND_TYPE = ["PUT_ASYNC"]  # --send-type (a list: set before the prefill process starts)
 QUICK_LABEL = "quick (not a result)"
 
 
@@ -86,7 +87,11 @@ def worker(shape: Shape, role: str, port: int, seed: int | None) -> tuple[Any, d
     names = tuple(f"model.layers.{i}.attn" for i in range(shape.layers))
     spec = KVCacheSpec(names, shape.heads, shape.head_size, shape.block_size, "float16", "NHD")
     ctx = EngineContext(engine_id=role, model_name="bench", cache=spec)
-    extra = {"send_type": "PUT", "data_plane": "cpu", "default_decode_address": f"127.0.0.1:{port}"}
+    extra = {
+        "send_type": SEND_TYPE[0],
+        "data_plane": "cpu",
+        "default_decode_address": f"127.0.0.1:{port}",
+    }
     config = KVTransferConfig.from_dict(
         {
             "kv_connector": "P2pNcclConnector",
@@ -118,8 +123,9 @@ def blocks_of(shape: Shape, i: int) -> list[int]:
     return list(range(i * n, (i + 1) * n))
 
 
-def prefill(shape: Shape, ports: dict[str, int], conn: Connection) -> None:
+def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connection) -> None:
     """P: answers "conn", "zmq", "gloo" rounds with its CPU seconds; "stop" ends it."""
+    SEND_TYPE[0] = send_type
     connector, caches = worker(shape, "kv_producer", ports["p2p"], seed=7)
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -141,7 +147,7 @@ def prefill(shape: Shape, ports: dict[str, int], conn: Connection) -> None:
                     f"{tag}-{i}",
                     blocks_of(shape, i),
                     shape.tokens,
-                    "PUT",
+                    send_type,
                     "127.0.0.1",
                     ports["p2p"],
                 )
@@ -185,7 +191,7 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
     ports = dict(zip(("p2p", "zmq", "gloo"), free_ports(3)))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill, args=(shape, ports, child), daemon=True)
+    proc = ctx.Process(target=prefill, args=(shape, ports, SEND_TYPE[0], child), daemon=True)
     proc.start()
     connector, caches = worker(shape, "kv_consumer", ports["p2p"], seed=None)
     expected = worker_values(shape)
@@ -214,7 +220,7 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
                             blocks_of(shape, i),
                             0,
                             shape.tokens,
-                            "PUT",
+                            SEND_TYPE[0],
                             "127.0.0.1",
                             ports["p2p"],
                             1,
@@ -275,12 +281,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 MiB, for CI")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds (median is kept)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser.add_argument("--send-type", choices=("PUT", "PUT_ASYNC"), default="PUT_ASYNC")
     args = parser.parse_args()
+    SEND_TYPE[0] = args.send_type
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     shape = Shape(2, 4, 64, 16, 4, 256) if args.quick else Shape(8, 8, 64, 16, 8, 1024)
     results = run(shape, args.repeat)
     gib = shape.nbytes / (1 << 30)
-    title = f"P2pNcclConnector (CPU plane, PUT) vs raw transports, {shape.nbytes >> 20} MiB"
+    title = (
+        f"P2pNcclConnector (CPU plane, {args.send_type}) vs raw transports, "
+        f"{shape.nbytes >> 20} MiB"
+    )
     table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
     for col in ("method", "wall ms", "GiB/s", "D cpu s", "P cpu s", "raw zmq / method"):
         table.add_column(col, justify="right")

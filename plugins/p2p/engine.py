@@ -324,19 +324,14 @@ class P2pEngine:
     def _exchange(
         self, peer: Peer, message: Hello | Put | Get, frames: list[Any], timeout_s: float
     ) -> tuple[Reply, list[Any]]:
+        """One request and its reply (with any data frames behind it)."""
         envelope, nonce = seal_request(self.secret, message)
         try:
             peer.socket.send_multipart([envelope, *frames], copy=False)
-            if not peer.socket.poll(max(1, int(timeout_s * 1000))):
-                raise TransferError(
-                    f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
-                )
-            parts = peer.socket.recv_multipart(copy=False)
-            reply = open_reply(self.secret, nonce, parts[0].buffer)
-        except (TransferError, WireError, zmq.ZMQError) as exc:
+        except zmq.ZMQError as exc:
             self._drop(peer)
             raise TransferError(str(exc)) from None
-        return reply, parts[1:]
+        return self._reply(peer, nonce, timeout_s)
 
     def _pair(self, peer: Peer, deadline: float) -> None:
         """HELLO, once per connection; the caller holds `peer.lock`."""
@@ -358,14 +353,55 @@ class P2pEngine:
 
     def put(self, address: str, meta: TensorMeta, wire: torch.Tensor) -> None:
         """Push one tensor (its memory-order bytes); `TransferError` if it did not land."""
+        failed = self.put_many(address, [(meta, wire)])
+        if failed:
+            raise TransferError(failed[0][1])
+
+    def put_many(
+        self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]
+    ) -> list[tuple[TensorMeta, str]]:
+        """Push several tensors to one peer, pipelined: every announcement (with its frames on
+        the CPU plane) goes out first, then the replies are read in order and each admitted
+        tensor is delivered (NCCL: in that same order). Returns the ones that did not land,
+        with why; a dead peer fails them all within the timeout."""
         deadline = time.monotonic() + self.timeout_s
-        with self._locked(address, deadline) as peer:
-            reply, _ = self._exchange(peer, Put(meta), self.plane.frames(wire), _left(deadline))
-            if not reply.ok:
+        try:
+            with self._locked(address, deadline) as peer:
+                sent = []
+                for meta, wire in items:
+                    envelope, nonce = seal_request(self.secret, Put(meta))
+                    peer.socket.send_multipart([envelope, *self.plane.frames(wire)], copy=False)
+                    sent.append((meta, wire, nonce))
+                failed: list[tuple[TensorMeta, str]] = []
+                for index, (meta, wire, nonce) in enumerate(sent):
+                    try:
+                        reply, _ = self._reply(peer, nonce, _left(deadline))
+                    except TransferError as exc:
+                        return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
+                    if reply.ok:
+                        self.plane.deliver(peer.identity, wire)
+                    else:
+                        failed.append(
+                            (
+                                meta,
+                                f"{address} refused {meta.request_id}#{meta.layer}: {reply.error}",
+                            )
+                        )
+                return failed
+        except (TransferError, zmq.ZMQError) as exc:
+            return [(meta, str(exc)) for meta, _ in items]
+
+    def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> tuple[Reply, list[Any]]:
+        try:
+            if not peer.socket.poll(max(1, int(timeout_s * 1000))):
                 raise TransferError(
-                    f"{address} refused {meta.request_id}#{meta.layer}: {reply.error}"
+                    f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
                 )
-            self.plane.deliver(peer.identity, wire)
+            parts = peer.socket.recv_multipart(copy=False)
+            return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
+        except (TransferError, WireError, zmq.ZMQError) as exc:
+            self._drop(peer)
+            raise TransferError(str(exc)) from None
 
     def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, torch.Tensor, Any]:
         """Pull one tensor: (meta, its layout view, what must outlive it)."""

@@ -95,6 +95,7 @@ def load_source(
         p.pp_size,
         request.num_prompt_tokens,
         options.send_type,
+        [],
     )
 
 

@@ -82,6 +82,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self._recved: set[str] = set()
         self._errors: set[int] = set()
         self._failed_saves: set[str] = set()
+        self._outgoing: dict[str, list[tuple[TensorMeta, torch.Tensor]]] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -134,6 +135,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                 logger.error("request %s: its KV was not sent: %s", spec.request_id, exc)
                 self.stats.count("failed_transfers")
                 self._failed_saves.add(spec.request_id)
+        self._flush()
 
     def _meta(
         self, spec: SaveSpec, layer: str, first_head: int, num_heads: int, nbytes: int
@@ -187,24 +189,32 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                 wire.numel(),
             )
             port = worker_port(spec.decode_port, stage, decode.tp_size, d)
-            address = format_address(spec.decode_host, port)
-            if self._sender is not None:
-                self._sender.submit(address, meta, wire)
-            else:
-                self._put(address, meta, wire)
+            self._outgoing.setdefault(format_address(spec.decode_host, port), []).append(
+                (meta, wire)
+            )
 
-    def _put(self, address: str, meta: TensorMeta, wire: torch.Tensor) -> None:
+    def _flush(self) -> None:
+        """Send what this layer's saves queued, one pipelined batch per D worker."""
+        batches, self._outgoing = self._outgoing, {}
+        for address, items in batches.items():
+            if self._sender is not None:
+                self._sender.submit(address, items)
+            else:
+                self._put(address, items)
+
+    def _put(self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]) -> None:
         assert self.engine is not None
         start = time.perf_counter()
-        try:
-            self.engine.put(address, meta, wire)
-        except TransferError as exc:
-            logger.error("request %s: PUT of %s failed: %s", meta.request_id, meta.layer, exc)
-            self.stats.count("failed_transfers")
-            return
-        self.stats.record(time.perf_counter() - start)
-        self.stats.count("puts")
-        self.stats.count("put_bytes", meta.nbytes)
+        failed = self.engine.put_many(address, items)
+        for meta, why in failed:
+            logger.error("request %s: PUT of %s failed: %s", meta.request_id, meta.layer, why)
+        self.stats.count("failed_transfers", len(failed))
+        landed = len(items) - len(failed)
+        if landed:
+            self.stats.record(time.perf_counter() - start)
+            self.stats.count("puts", landed)
+            bad = {id(m) for m, _ in failed}
+            self.stats.count("put_bytes", sum(m.nbytes for m, _ in items if id(m) not in bad))
 
     def wait_for_save(self) -> None:
         self._failed_saves.clear()

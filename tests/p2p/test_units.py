@@ -133,3 +133,20 @@ def test_send_store_evicts_fifo_and_drops_after_all_readers() -> None:
     assert store.lookup("b", "l0") is None and store.used_bytes == 40
     store.discard("c")
     assert len(store) == 0 and store.used_bytes == 0
+
+
+def test_a_consumer_loads_from_the_prefill_address_of_a_vllm_request_id() -> None:
+    from kvx import EngineContext, KVCacheSpec, Request
+    from kvx.plugins.p2p.config import P2pConfig
+    from kvx.plugins.p2p.scheduler import load_source
+
+    config = KVTransferConfig.from_dict(
+        {"kv_connector": "P2pNcclConnector", "kv_role": "kv_consumer"}
+    )
+    ctx = EngineContext("d", "m", KVCacheSpec(("l0",), 2, 4, 16))
+    source = load_source(Request(LEGACY, [1, 2, 3]), config, P2pConfig(send_type="GET"), ctx)
+    assert source is not None
+    assert (source.host, source.port, source.remote_request_id) == ("10.0.0.1", 21001, LEGACY)
+    assert (source.tp_size, source.mode, source.num_tokens) == (1, "GET", 3)
+    bad = Request("___prefill_addr_10.0.0.1___decode_addr_x:1_u", [1])
+    assert load_source(bad, config, P2pConfig(), ctx) is None  # logged, never raised
