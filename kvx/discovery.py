@@ -16,9 +16,11 @@ against replays.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import os
+import re
 import threading
 import time
 from types import TracebackType
@@ -52,6 +54,7 @@ HEARTBEAT_INTERVAL_S = 3.0
 MAX_ANNOUNCEMENT_BYTES = 1024
 """The largest announcement the proxy decodes (a real one is about 150 bytes)."""
 MAX_ADDRESS_CHARS = 300
+HOST_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}")
 DISCOVERY_DOMAIN = b"kvx-discovery-v1"
 """The seal's domain: an announcement's tag cannot pass for any other sealed kvx message."""
 NONCE_BYTES = 16
@@ -83,12 +86,21 @@ def check_host_port(field: str, text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+        try:
+            valid = ipaddress.ip_address(host).version == 6
+        except ValueError:
+            valid = False
     elif ":" in host:
         raise ValueError(f"{field}: {quote(text)}: write an IPv6 address as [addr]:port")
+    else:
+        valid = HOST_NAME.fullmatch(host) is not None
     if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{field}: {quote(text)} is not host:port with a port in 1-65535")
-    if any(c.isspace() or c in "/@?#[]" for c in host):
-        raise ValueError(f"{field}: {quote(text)} has characters a host name cannot have")
+    if not valid:
+        raise ValueError(
+            f"{field}: {quote(text)}: the host must be a name or IPv4 address (letters, digits, "
+            "'.', '-', '_') or an IPv6 address in brackets"
+        )
     return host, int(port_text)
 
 

@@ -142,7 +142,10 @@ class DiscoveryListener:
         if self._guard is not None and (why := self._guard.check(note.nonce, note.sent_at)):
             self._refuse(f"announcement of {note.http_address}: {why}")
             return
-        self.accept(note, time.monotonic())
+        try:
+            self.accept(note, time.monotonic())
+        except ValueError as exc:  # an address the pool cannot take as a URL
+            self._refuse(f"announcement of {note.http_address}: {exc}")
 
     def accept(self, note: Announcement, now: float) -> None:
         role = Role(ROLE_CODES[note.type])
