@@ -87,16 +87,17 @@ def catalogue(tmp: Path) -> dict[str, dict[str, tuple[list[Any], list[Any]]]]:
             "max_handshake_bytes": ([None], [10]),
         },
         "P2pNcclConnector": {
-            "send_type": ([None, "PUT", "PUT_ASYNC", "GET"], ["put", "PUSH", 1]),
-            "data_plane": ([None, "cpu", "auto"], ["gpu", ""]),
+            # few good values: every distinct good config is built once (~0.1 s each)
+            "send_type": ([None, "GET"], ["put", "PUSH", 1]),
+            "data_plane": ([None], ["gpu", ""]),
             "default_decode_address": (
-                [None, "127.0.0.1:5000", "[::1]:5000", "decode-0.local:31000"],
+                [None, "[::1]:5000"],
                 ["127.0.0.1", "host:0", "a_b:1", "x:99999", "[zz]:1", 5000],
             ),
-            "mem_pool_size_gb": ([None, 0, 1.5], [-1, 1e400]),
-            "transfer_timeout_s": ([None, 2.0], [0, -1]),
-            "shared_secret": ([None, "0123456789"], ["short"]),
-            "max_tensor_bytes": ([None, 1 << 20], [10, 2**64]),
+            "mem_pool_size_gb": ([None], [-1, 1e400]),
+            "transfer_timeout_s": ([None], [0, -1]),
+            "shared_secret": ([None], ["short"]),
+            "max_tensor_bytes": ([None], [10, 2**64]),
             "proxy": (  # proxy_ip, proxy_port and http_port go together
                 [None, ("127.0.0.1", 30001, 8000)],
                 [("127.0.0.1", None, 8000), ("127.0.0.1", 30001, None), (None, 30001, None)],
