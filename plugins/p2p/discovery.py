@@ -5,9 +5,10 @@
 The announcement carries the role (`kv_producer` and `kv_both` announce as P, as in vLLM; a
 `kv_consumer` as D), the HTTP address `kv_ip:http_port` (so the proxy must reach `vllm serve`
 at `kv_ip`) and the KV address `kv_ip:kv_port` (rank 0's ZMQ listener; none with `kv_port` 0),
-which the proxy passes to P as `kv_transfer_params.decode_address`. With `shared_secret` the heartbeats are sealed with
-it; the proxy needs the same secret (`--discovery-secret-file`). One announcer per server: the
-scheduler side starts it (one per engine, whatever its TP) and stops it on shutdown.
+which the proxy passes to P as `kv_transfer_params.decode_address`. With `shared_secret` the
+heartbeats are sealed with it; the proxy needs the same secret (`--discovery-secret-file`). One
+announcer per server: the scheduler side starts it (one per engine, whatever its TP) and stops
+it on shutdown.
 """
 
 from __future__ import annotations
