@@ -288,6 +288,19 @@ MISTAKES: dict[str, tuple[dict[str, Any], list[str]]] = {
             f'has no module "conector" (did you mean "{MODULE}"?)',
         ],
     ),
+    # An unpackaged class's extra config is checked like a registered one's (its
+    # `extra_config_schema`).
+    "module-path/bad-extra-key": (
+        kv(CLASS, "kv_both", module=MODULE, directry="/tmp/x"),
+        [
+            ERROR + "invalid KV transfer config: kv_connector_extra_config.directry: unknown key "
+            '(did you mean "directory"?); allowed keys: "directory", "load_timeout_s"'
+        ],
+    ),
+    "module-class/bad-extra-key": (
+        kv(GENERIC, "kv_both", kvx_connector=f"{MODULE}:{CLASS}", load_timeout_s=0),
+        [ERROR, "kv_connector_extra_config.load_timeout_s", "0"],
+    ),
     "module-class/missing-package": (
         kv(GENERIC, "kv_both", kvx_connector=f"{MISSING_PKG}:MyConnector"),
         [
