@@ -23,7 +23,7 @@ RUN_IT_DOC = "docs/writing-a-connector.md#7-run-it-inside-vllm"
 _MAX_LISTED = 12
 
 
-def install_hint(missing: str) -> str:
+def import_fix(missing: str) -> str:
     """How to make top-level module `missing` importable in every vLLM process."""
     return (
         f"install the package that provides {quote(missing)} into the Python vLLM runs "
@@ -72,7 +72,7 @@ def import_module(module_path: str, field: str) -> ModuleType:
             root = missing.split(".")[0]
             raise ModuleNotFoundError(
                 f"{field} {quote(module_path)} imports {quote(missing)}, which is not "
-                f"installed: {install_hint(root)}",
+                f"installed: {import_fix(root)}",
                 name=missing,
             ) from exc
         raise ModuleNotFoundError(
@@ -86,7 +86,7 @@ def _not_found(missing: str) -> str:
     if not parent:
         tops = sorted({m.name for m in pkgutil.iter_modules()} | set(sys.builtin_module_names))
         hint = did_you_mean(missing, tops)
-        return f"no module named {quote(missing)}{hint}; {install_hint(missing)}"
+        return f"no module named {quote(missing)}{hint}; {import_fix(missing)}"
     package = sys.modules.get(parent)
     paths = getattr(package, "__path__", None)
     if paths is None:
