@@ -17,6 +17,7 @@ from kvx import (
     Request,
     SchedulerOutput,
 )
+from kvx.plugins.storage.backends import segments
 from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,9 +110,13 @@ def test_local_prefix_hit_loads_only_the_rest(storage_url: str, make_rig: MakeRi
 
 
 def corrupt_file(tmp_path: Path, key: str) -> None:
+    """Flip a bit in the middle of the block's value (in its own file or its segment file)."""
     path = next(tmp_path.rglob(f"{key}.{VALUE}"))
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
+    with path.open("rb") as f:
+        name = path.relative_to(tmp_path).as_posix()
+        start, length = segments.locate(f.fileno(), len(data), name) or (0, len(data))
+    data[start + length // 2] ^= 0x40
     path.write_bytes(bytes(data))
 
 
