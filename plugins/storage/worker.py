@@ -39,7 +39,13 @@ from kvx.plugins.storage.blockformat import (
     seal,
 )
 from kvx.plugins.storage.buffers import Budget, BufferPool, row_views
-from kvx.plugins.storage.direct import CacheBlocks, DirectIO, Fetched, check_size
+from kvx.plugins.storage.direct import (
+    CacheBlocks,
+    DirectIO,
+    Fetched,
+    check_size,
+    splits_by_tokens,
+)
 from kvx.plugins.storage.keys import Geometry, Stage
 from kvx.plugins.storage.load_plan import (
     Load,
@@ -97,6 +103,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
         # direct IO: values straight from and into the stage's engine blocks
         self.direct = False
+        self._pieces = 1
         self._direct_io = DirectIO(backend, [], verify_checksums, (self.order, self.k_order))
         self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
@@ -137,10 +144,17 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._by_index = {index[name]: tensor for name, tensor in kv_caches.items()}
         self.caches = dict(kv_caches)
         self._direct_io.table = []
-        self.direct = self.geo.block_size == self.geo.engine_block_size
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        self._pieces = ebs // bs if ebs > bs else 1  # stored blocks per engine block
+        self.direct = bs == ebs or (
+            self._pieces > 1 and not self.k_order and splits_by_tokens(self.layout)
+        )
         if self.direct:
             try:
-                layers = [CacheBlocks(self._by_index[g], self.layout) for g in self.stage.layers]
+                layers = [
+                    CacheBlocks(self._by_index[g], self.layout, self._pieces)
+                    for g in self.stage.layers
+                ]
             except ValueError:  # a GPU cache, or a strided one: through buffers
                 self.direct = False
             else:
@@ -336,10 +350,11 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         shape = self._own_shape()
         self._items = []
-        if self.direct:  # stored block = engine block
+        if self.direct:  # stored block = engine block, or a piece of one (`_pieces`)
+            k = self._pieces
             for spec in stores:
-                for r, name in self._complete_rows(spec, len(spec.block_ids)):
-                    self._items.append((name, spec.block_ids[r]))
+                for r, name in self._complete_rows(spec, len(spec.block_ids) * k):
+                    self._items.append((name, spec.block_ids[r // k] * k + r % k))
             return
         rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
         self._budget.acquire(sum(rows) * shape.value_bytes)

@@ -347,3 +347,30 @@ def test_resumed_request_reloads_into_its_new_blocks(storage_url: str, make_rig:
     for _, caches, _ in rig.workers:  # both tables hold the prefix now
         view = rig.token_view(caches[LAYERS[0]])
         assert all(view[new[i]].equal(view[old[i]]) for i in range(3))
+
+
+@pytest.mark.parametrize(
+    ("p", "d"),
+    [
+        ({"block_size": 32}, {"block_size": 32}),
+        ({"block_size": 64}, {"block_size": 16}),
+        ({"block_size": 16}, {"block_size": 64}),
+        ({"block_size": 32, "layout": "HND"}, {"block_size": 32}),
+    ],
+)
+def test_token_major_engine_blocks_move_straight_in_stored_block_pieces(
+    p: dict[str, object], d: dict[str, object], tmp_path: Path, make_rig: MakeRig
+) -> None:
+    # An NHD engine block of 32 or 64 tokens is 2 or 4 stored 16-token blocks, each a
+    # contiguous piece of every region: read and written without buffers (direct); HND is not.
+    url = f"file://{tmp_path}"
+    tokens = prompt(150, seed=11)
+    producer = make_rig(url, **p)
+    producer.prefill("p", tokens)
+    consumer = make_rig(url, **d)
+    for rig, spec in ((producer, p), (consumer, d)):
+        assert rig.workers[0][0].worker.direct == (spec.get("layout", "NHD") == "NHD")
+    run = consumer.prefill("d", tokens, compute=False)
+    expected = min(144, (len(tokens) - 1) // consumer.block_size * consumer.block_size)
+    assert run.num_external == expected and run.errors == [set()]
+    consumer.check(tokens, run.block_ids, expected)
