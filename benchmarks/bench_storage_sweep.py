@@ -23,8 +23,10 @@ rounds (range beside it); the load average is recorded before and after each sha
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,8 +118,27 @@ def run_shape(shape: Shape, repeat: int, threads: int, root: Path) -> dict[str, 
         for case in (seg, one):
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
+    peer = example_connector(kv, repeat, threads)
     return {"shape": shape, "bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]),
-            "results": results}  # fmt: skip
+            "results": results, "peer": peer}  # fmt: skip
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float]] | None:
+    """vLLM's real ExampleConnector on the same shape, in .venv-vllm (None without it)."""
+    if not VLLM_PYTHON.exists():
+        return None
+    script = Path(__file__).resolve().parent / "peer_example_connector.py"
+    argv = [str(VLLM_PYTHON), str(script), "--layers", str(len(kv.layers))]
+    argv += ["--block-size", str(kv.block_size), "--requests", str(len(kv.src_blocks))]
+    argv += ["--tokens", str(kv.tokens), "--repeat", str(repeat), "--threads", str(threads)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode:
+        raise SystemExit(f"ExampleConnector run failed:\n{done.stderr[-2000:]}")
+    times: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return times
 
 
 def measure_all(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
@@ -154,8 +175,8 @@ def report(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| shape | MiB | load avg | raw save / load CPU ms | kvx save / load CPU ms | "
         "kvx vs raw save (CPU) | kvx vs raw load (CPU) | per-value files vs raw save (CPU) | "
-        "kvx vs raw save / load (wall) |",
-        "|---|---:|---|---|---|---|---|---|---|",
+        "kvx vs raw save / load (wall) | kvx vs vLLM ExampleConnector save / load (CPU) |",
+        "|---|---:|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         t = row["results"]
@@ -171,9 +192,19 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"| {row['shape'].label} | {row['bytes'] / MIB:.0f} | "
             f"{row['load'][0]:.1f}-{row['load'][1]:.1f} | {ms['raw file']} | {ms['kvx file://']} | "
             f"{cell('kvx file://', 'save cpu')} | {cell('kvx file://', 'load cpu')} | "
-            f"{cell('kvx per-value files', 'save cpu')} | {wall} |"
+            f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} |"
         )
     return "\n".join(lines)
+
+
+def peer_cell(row: dict[str, Any]) -> str:
+    """ExampleConnector's median CPU time / kvx's, save / load ("-" without .venv-vllm)."""
+    peer, t = row["peer"], row["results"]["kvx file://"]
+    if peer is None:
+        return "-"
+    save = median(peer["save"]) / median(t["save cpu"])
+    load = median(peer["load"]) / median(t["load cpu"])
+    return f"**{save:.2f} / {load:.2f}**"
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
