@@ -96,7 +96,7 @@ def per_value_files(case: StorageCase) -> None:
     backend._write_hashed = write
 
 
-def run_shape(shape: Shape, repeat: int, threads: int, root: Path) -> dict[str, Any]:
+def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) -> dict[str, Any]:
     kv = shape.kv()
     extra = {"io_threads": threads}
     seg = StorageCase(kv, f"file://{root}/seg", partial(drop_files, root / "seg"), **extra)  # type: ignore[arg-type]
@@ -118,7 +118,7 @@ def run_shape(shape: Shape, repeat: int, threads: int, root: Path) -> dict[str, 
         for case in (seg, one):
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
-    peer = example_connector(kv, repeat, threads)
+    peer = example_connector(kv, repeat, threads) if peers else None
     return {"shape": shape, "bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]),
             "results": results, "peer": peer}  # fmt: skip
 
@@ -240,15 +240,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--threads", type=int, default=1, help="torch and IO threads")
     parser.add_argument("--dir", default=None, help="where the files go (default: the tmp dir)")
     parser.add_argument("--only", default=None, help="shapes whose label contains this")
+    parser.add_argument("--max-mib", type=int, default=None, help="skip larger shapes")
+    parser.add_argument("--no-peers", action="store_true", help="skip vLLM's ExampleConnector")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
     for shape in shapes(args.quick):
-        if args.only and args.only not in shape.label:
+        if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
             continue
         with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
-            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp)))
+            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), not args.no_peers))
         print(report(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
     print(report(rows))
