@@ -87,7 +87,8 @@ class KvxConnector(KVConnectorBase_V1):
         )
         self._kvx = kvx.create_connector(config, _ROLES[role], self._ctx)
         self._mirror = to_kvx.RequestMirror()
-        self._guard = ReportGuard(config.kv_connector or "?")
+        # shared with the engine's other kvx adapters (children of vLLM's MultiConnector)
+        self._guard = ReportGuard(config.kv_connector or "?", kv_cache_config)
         self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
