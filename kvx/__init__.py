@@ -38,6 +38,7 @@ from kvx.events import (
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.schema import path_problem, url_problem
+from kvx.secrets import Secret, SecretSource, resolve_secret
 from kvx.specs import (
     CommandSpec,
     ConnectorSpec,
@@ -116,6 +117,8 @@ __all__ = [
     "RequestStatus",
     "RoleSplitConnector",
     "SchedulerOutput",
+    "Secret",
+    "SecretSource",
     "StorageBackend",
     "StorageBackendOptions",
     "StorageBackendSpec",
@@ -132,6 +135,7 @@ __all__ = [
     "make_private_dirs",
     "open_storage_backend",
     "path_problem",
+    "resolve_secret",
     "supports_hma",
     "url_problem",
     "user_cache_dir",

@@ -22,8 +22,10 @@ from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
+from kvx.checks import check_config, config_notes, redacted
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
+from kvx.dotted import merge_dotted_args
 from kvx.errors import ConfigError, MissingDependencyError, RegistryError
 from kvx.loading import load_target
 from kvx.registry import Registered, Registry, get_registry
@@ -51,7 +53,9 @@ LIST_EXAMPLES = """examples:
 VALIDATE_EXAMPLES = """examples:
   kvx validate --kv-transfer-config '{"kv_connector": "SharedStorageConnector",
       "kv_connector_extra_config": {"storage_url": "file:///tmp/kvx-kv"}}'
-  kvx validate --kv-transfer-config @my-config.json
+  kvx validate --kv-transfer-config @my-config.json --check   # also open the store, bind ports
+  kvx validate --kv-transfer-config.kv_connector=NixlConnector \
+      --kv-transfer-config.kv_role=kv_both     # vLLM's dot notation, merged into the JSON
 
 exit status: 0 valid (notes on stderr), 2 invalid (each problem names the key, the value and
 what is allowed)
@@ -131,6 +135,12 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         required=True,
         metavar="JSON|@FILE",
         help="the config as a JSON object, or @path to a JSON file (required)",
+    )
+    p_val.add_argument(
+        "--check",
+        action="store_true",
+        help="also try it on this machine: import each connector, read each secret, open the "
+        "storage, bind the ports (default: check the config's text only)",
     )
     p_val.set_defaults(func=_cmd_validate)
 
@@ -303,9 +313,19 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
     except ConfigError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
-    for note in _validate_notes(config, registry):
+    for note in _validate_notes(config, registry) + config_notes(config, registry):
         err.print(f"note: {note}", markup=False, highlight=False)
-    out.print_json(config.to_json())
+    if args.check:
+        problems = check_config(config, registry)
+        if problems:
+            err.print(f"error: {ConfigError(problems)}", markup=False, highlight=False)
+            return EXIT_USAGE
+        err.print(
+            "check: the connectors import, the secrets read, the storage opens, the ports bind",
+            markup=False,
+            highlight=False,
+        )
+    out.print_json(json.dumps(redacted(config, registry), indent=2))
     return EXIT_OK
 
 
@@ -387,7 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         registry = get_registry()
         parser = _build_parser(registry)
-        args, rest = parser.parse_known_args(argv)
+        args, rest = parser.parse_known_args(
+            merge_dotted_args(sys.argv[1:] if argv is None else argv)
+        )
         command = getattr(args, "plugin_command", None)
         if command is not None:
             return _run_plugin_command(registry, command, rest)
