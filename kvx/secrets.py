@@ -26,7 +26,7 @@ REDACTED = "***"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
 
 
-class SecretSource(msgspec.Struct, forbid_unknown_fields=True):
+class SecretSource(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Where a secret is read from instead of the JSON: exactly one of `env` (the name of an
     environment variable) or `file` (a path, readable by its owner only)."""
 
