@@ -80,13 +80,13 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
         if problem is not None:
             raise ValueError(f"storage_url: {url[:200]!r} {problem}")
         if protocols:
-            problem = chain_problem([*protocols, scheme])
-            if problem is not None:
-                raise ValueError(f"storage_url: {url[:200]!r}: {problem}")
             if scheme in REDIS_SCHEMES:
                 raise ValueError(
                     f"storage_url: {url[:200]!r}: only fsspec URLs can be chained with '::'"
                 )
+            problem = chain_problem([*protocols, scheme])
+            if problem is not None:
+                raise ValueError(f"storage_url: {url[:200]!r}: {problem}")
         if scheme in REDIS_SCHEMES:
             redis_problem = _redis_url_problem(url)
             if redis_problem is not None:
