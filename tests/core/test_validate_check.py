@@ -1,0 +1,92 @@
+"""`kvx validate --check` tries the config on this machine: each connector imports, each
+secret reads, the store opens, the ports bind. Each failure is exit 2 naming the key."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvx.cli import main
+
+
+def validate(capsys: pytest.CaptureFixture[str], config: dict[str, Any]) -> tuple[int, str, str]:
+    code = main(["validate", "--check", "--kv-transfer-config", json.dumps(config)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def storage(url: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"storage_url": url},
+    }
+
+
+def nixl(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def test_a_working_config_passes_and_its_store_is_opened(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = validate(capsys, storage(f"file://{tmp_path}/kv"))
+    assert code == 0, err
+    assert "check: the connectors import, the secrets read, the storage opens" in err
+    assert (tmp_path / "kv").is_dir() and json.loads(out)["kv_connector"]
+    code, _, err = validate(capsys, nixl(side_channel_host="127.0.0.1", side_channel_port=0))
+    assert code == 0, err
+
+
+def test_a_store_that_cannot_be_opened(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    code, out, err = validate(capsys, storage(f"file://{tmp_path}/file/kv"))
+    assert (code, out) == (2, "")
+    assert f"kv_connector_extra_config.storage_url: cannot open 'file://{tmp_path}/file/kv'" in err
+    assert "Traceback" not in err
+
+
+def test_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, out, err = validate(capsys, nixl(side_channel_port=port))
+    assert (code, out) == (2, "")
+    assert f"kv_connector_extra_config.side_channel_port: cannot listen on 127.0.0.1:{port}" in err
+    assert "pick a free port (0: any)" in err
+
+
+def test_an_address_this_machine_does_not_have(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = validate(capsys, nixl(side_channel_host="192.0.2.77"))
+    assert code == 2
+    assert "kv_connector_extra_config.side_channel_host: cannot listen on 192.0.2.77:0" in err
+
+
+def test_a_child_connector_that_does_not_import(
+    capsys: pytest.CaptureFixture[str], plugin_env: Path, tmp_path: Path
+) -> None:
+    config = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [storage(f"file://{tmp_path}/kv"), {"kv_connector": "BrokenTarget"}]
+        },
+    }
+    code = main(["validate", "--kv-transfer-config", json.dumps(config)])
+    assert code == 0, capsys.readouterr().err  # the text is valid; only --check imports children
+    capsys.readouterr()
+    code, out, err = validate(capsys, config)
+    assert (code, out) == (2, "")
+    assert (
+        "kv_connector_extra_config.connectors[1].kv_connector: cannot be used: connector "
+        "'BrokenTarget': 'kvx_test_plugin.connectors' has no attribute 'NoSuchClass'" in err
+    )
