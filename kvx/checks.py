@@ -73,11 +73,11 @@ def _hook(item: ConnectorConfig, name: str) -> list[ConfigProblem]:
     return _relative(item, list(method())) if callable(method) else []
 
 
-def config_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
+def config_notes(items: list[ConnectorConfig]) -> list[str]:
     """Notes of every connector's schema (`config_notes`) and a warning for each secret given
     inline, which `ps` shows when the config is passed on a command line."""
     notes = []
-    for item in connector_configs(config, registry):
+    for item in items:
         notes += [str(p) for p in _hook(item, "config_notes")]
         extra = item.data.get("kv_connector_extra_config") or {}
         for key in inline_secrets(extra, item.schema):
@@ -89,10 +89,10 @@ def config_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
     return notes
 
 
-def redacted(config: KVTransferConfig, registry: Registry) -> dict[str, Any]:
+def redacted(config: KVTransferConfig, items: list[ConnectorConfig]) -> dict[str, Any]:
     """The config as a dict with every inline secret shown as `"***"`."""
     shown = config.to_dict()
-    for item in connector_configs(config, registry):
+    for item in items:
         if not secret_fields(item.schema):
             continue
         holder = _at(shown, item.path)
@@ -114,12 +114,12 @@ def _at(data: dict[str, Any], path: str) -> dict[str, Any]:
     return result
 
 
-def check_config(config: KVTransferConfig, registry: Registry) -> list[ConfigProblem]:
+def check_config(items: list[ConnectorConfig], registry: Registry) -> list[ConfigProblem]:
     """Try the config on this machine (`kvx validate --check`): each connector's class imports,
     each secret can be read, and each schema's `config_checks` passes (the store opens, the
     ports bind). Every failure is a `ConfigProblem` naming the key."""
     problems: list[ConfigProblem] = []
-    for item in connector_configs(config, registry):
+    for item in items:
         name = item.data["kv_connector"]
         module_path = item.data.get("kv_connector_module_path")
         try:

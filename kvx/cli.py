@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
-from kvx.checks import check_config, config_notes, redacted
+from kvx.checks import check_config, config_notes, connector_configs, redacted
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.dotted import merge_dotted_args
@@ -313,10 +313,11 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
     except ConfigError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
-    for note in _validate_notes(config, registry) + config_notes(config, registry):
+    connectors = list(connector_configs(config, registry))
+    for note in _validate_notes(config, registry) + config_notes(connectors):
         err.print(f"note: {note}", markup=False, highlight=False)
     if args.check:
-        problems = check_config(config, registry)
+        problems = check_config(connectors, registry)
         if problems:
             err.print(f"error: {ConfigError(problems)}", markup=False, highlight=False)
             return EXIT_USAGE
@@ -325,7 +326,7 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
             markup=False,
             highlight=False,
         )
-    out.print_json(json.dumps(redacted(config, registry), indent=2))
+    out.print_json(json.dumps(redacted(config, connectors), indent=2))
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ the secret's text when the connector starts; `kvx validate` shows inline secrets
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -19,7 +20,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from kvx.errors import ConfigError, ConfigProblem
-from kvx.schema import path_problem
+from kvx.schema import path_problem, type_info
 
 MAX_SECRET_BYTES = 64 << 10
 REDACTED = "***"
@@ -135,10 +136,11 @@ def _problem(key: str, message: str) -> ConfigError:
     return ConfigError([ConfigProblem(key, message)])
 
 
+@functools.lru_cache(maxsize=256)
 def secret_fields(schema_type: Any) -> tuple[str, ...]:
     """The (JSON) names of the fields of a typed extra-config schema that hold a `Secret`."""
     try:
-        info = mi.type_info(schema_type)
+        info = type_info(schema_type)
     except (TypeError, ValueError):
         return ()
     if not isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType):
