@@ -144,4 +144,4 @@ def check_config(items: list[ConnectorConfig], registry: Registry) -> list[Confi
             problems += _hook(item, "config_checks")
         except ConfigError as exc:
             problems += exc.problems
-    return problems
+    return list(dict.fromkeys(problems))  # a schema's own check may repeat the secret's
