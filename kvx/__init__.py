@@ -35,6 +35,7 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.loading import install_hint
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.schema import path_problem, url_problem
@@ -131,6 +132,7 @@ __all__ = [
     "get_layout",
     "get_registry",
     "hookimpl",
+    "install_hint",
     "load_cli_arg",
     "make_private_dirs",
     "open_storage_backend",

@@ -27,7 +27,7 @@ from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.dotted import merge_dotted_args
 from kvx.errors import ConfigError, MissingDependencyError, RegistryError
-from kvx.loading import load_target
+from kvx.loading import install_hint, load_target
 from kvx.registry import Registered, Registry, get_registry
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
@@ -391,7 +391,7 @@ def _cmd_proxy(args: argparse.Namespace, out: Console, err: Console) -> int:
     if missing:
         err.print(
             f"error: kvx proxy needs the 'proxy' extra ({', '.join(missing)} not installed): "
-            "pip install 'kvx[proxy]'",
+            f"{install_hint('proxy', missing[0])}",
             markup=False,
             highlight=False,
         )
