@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print("interrupted")
         return 130
     except (RegistryError, ConfigError) as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        err.print(f"error: {_described(exc)}", markup=False, highlight=False)
         return EXIT_USAGE
     except Exception as exc:
         if os.environ.get("KVX_DEBUG"):
@@ -435,6 +435,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             highlight=False,
         )
         return EXIT_INTERNAL
+
+
+def _described(exc: RegistryError | ConfigError) -> str:
+    """The error's text; problems that are all with flags (`--tp`, `--layout`) are a bad
+    command line, not an invalid KV transfer config."""
+    if isinstance(exc, ConfigError) and all(p.path.startswith("--") for p in exc.problems):
+        return "; ".join(f"argument {p}" for p in exc.problems)
+    return str(exc)
 
 
 def run() -> None:
