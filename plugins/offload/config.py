@@ -81,6 +81,19 @@ class OffloadingConfig(msgspec.Struct, forbid_unknown_fields=True):
             if problem is not None:
                 raise ValueError(f"disk_url: {self.disk_url[:200]!r} {problem}")
 
+    def config_checks(self) -> list[ConfigProblem]:
+        """`kvx validate --check`: the disk tier opens (its directory made) as a worker opens it."""
+        if self.disk_url is None:
+            return []
+        import fsspec
+
+        try:
+            fs, root = fsspec.core.url_to_fs(self.disk_url)
+            fs.makedirs(root, exist_ok=True)
+        except (OSError, ValueError, ImportError) as exc:
+            return [ConfigProblem("disk_url", f"cannot open {self.disk_url[:200]!r}: {exc}")]
+        return []
+
     def config_notes(self) -> list[ConfigProblem]:
         """What `kvx validate` tells the operator about vLLM spellings this config uses."""
         notes = []

@@ -90,3 +90,23 @@ def test_a_child_connector_that_does_not_import(
         "kv_connector_extra_config.connectors[1].kv_connector: cannot be used: connector "
         "'BrokenTarget': 'kvx_test_plugin.connectors' has no attribute 'NoSuchClass'" in err
     )
+
+
+def test_an_offloading_disk_tier_that_cannot_be_opened(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    extra = {"cpu_bytes_to_use": 1 << 24, "disk_bytes_to_use": 1 << 24}
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    code, _, err = validate(
+        capsys,
+        {**config, "kv_connector_extra_config": {**extra, "disk_url": f"file://{tmp_path}/d"}},
+    )
+    assert code == 0, err
+    assert (tmp_path / "d").is_dir()
+    bad = f"file://{tmp_path}/file/d"
+    code, _, err = validate(
+        capsys, {**config, "kv_connector_extra_config": {**extra, "disk_url": bad}}
+    )
+    assert code == 2
+    assert f"kv_connector_extra_config.disk_url: cannot open {bad!r}" in err
