@@ -18,7 +18,7 @@ from typing import Any
 
 from kvx import schema
 from kvx.config import KVTransferConfig
-from kvx.errors import ConfigError, ConfigProblem, RegistryError
+from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
 from kvx.registry import Registry
 from kvx.secrets import inline_secrets, redact_secrets, resolve_secret, secret_fields
 
@@ -86,6 +86,36 @@ def config_notes(items: list[ConnectorConfig]) -> list[str]:
                 'machine\'s processes sees it on a command line; give {"env": "NAME"} or '
                 '{"file": "/path"} instead'
             )
+    return notes
+
+
+def import_notes(items: list[ConnectorConfig], registry: Registry) -> list[str]:
+    """Whether each connector can be used here: a note when an optional dependency is missing
+    (the config may run elsewhere), `RegistryError` when its class cannot be used at all."""
+    notes = []
+    for item in items:
+        where = f"{item.path}: " if item.path else ""
+        name, module_path = item.data["kv_connector"], item.data.get("kv_connector_module_path")
+        if module_path:
+            if item.schema is None and item.data.get("kv_connector_extra_config"):
+                notes.append(
+                    f"{where}{name} declares no extra_config_schema; its "
+                    "kv_connector_extra_config was not validated"
+                )
+            continue
+        entry = registry.connector(name)
+        hint = entry.install_hint()
+        if hint:
+            missing = ", ".join(entry.missing())
+            notes.append(f"{where}connector {entry.name!r} needs {missing} to run: {hint}")
+            continue
+        try:
+            registry.load_connector_class(entry.name)
+        except MissingDependencyError as exc:
+            notes.append(f"{where}{exc} to run")
+        except RegistryError as exc:
+            which = f"the connector at {item.path}" if item.path else "its connector"
+            raise RegistryError(f"the config is valid but {which} cannot be used: {exc}") from None
     return notes
 
 

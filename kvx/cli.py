@@ -22,11 +22,11 @@ from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
-from kvx.checks import check_config, config_notes, connector_configs, redacted
+from kvx.checks import check_config, config_notes, connector_configs, import_notes, redacted
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.dotted import merge_dotted_args
-from kvx.errors import ConfigError, MissingDependencyError, RegistryError
+from kvx.errors import ConfigError, RegistryError
 from kvx.loading import install_hint, load_target
 from kvx.registry import Registered, Registry, get_registry
 
@@ -314,7 +314,10 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"error: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
     connectors = list(connector_configs(config, registry))
-    for note in _validate_notes(config, registry) + config_notes(connectors):
+    notes = import_notes(connectors, registry) + config_notes(connectors)
+    if config.kv_connector is None:
+        notes.append("no kv_connector is set: KV transfer is disabled")
+    for note in notes:
         err.print(f"note: {note}", markup=False, highlight=False)
     if args.check:
         problems = check_config(connectors, registry)
@@ -328,35 +331,6 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
         )
     out.print_json(json.dumps(redacted(config, connectors), indent=2))
     return EXIT_OK
-
-
-def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
-    """What the operator should know about a valid config (missing extras, unchecked keys)."""
-    notes = []
-    if config.kv_connector is None:
-        return ["no kv_connector is set: KV transfer is disabled"]
-    if config.kv_connector_module_path:
-        target = registry.extra_config_target(config.kv_connector, config.kv_connector_module_path)
-        if target.unchecked and config.kv_connector_extra_config:
-            notes.append(
-                f"{config.kv_connector} declares no extra_config_schema; its "
-                "kv_connector_extra_config was not validated"
-            )
-        return notes
-    entry = registry.connector(config.kv_connector)
-    hint = entry.install_hint()
-    if hint:
-        notes.append(f"connector {entry.name!r} needs {', '.join(entry.missing())} to run: {hint}")
-        return notes
-    try:
-        registry.load_connector_class(entry.name)
-    except MissingDependencyError as exc:
-        notes.append(f"{exc} to run")
-    except RegistryError as exc:
-        raise RegistryError(
-            f"the config is valid but its connector cannot be used: {exc}"
-        ) from None
-    return notes
 
 
 def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import kvx
 from kvx.cli import main
 
 
@@ -71,7 +72,7 @@ def test_an_address_this_machine_does_not_have(capsys: pytest.CaptureFixture[str
     assert "kv_connector_extra_config.side_channel_host: cannot listen on 192.0.2.77:0" in err
 
 
-def test_a_child_connector_that_does_not_import(
+def test_a_child_connector_that_does_not_import_is_refused(
     capsys: pytest.CaptureFixture[str], plugin_env: Path, tmp_path: Path
 ) -> None:
     config = {
@@ -82,14 +83,14 @@ def test_a_child_connector_that_does_not_import(
         },
     }
     code = main(["validate", "--kv-transfer-config", json.dumps(config)])
-    assert code == 0, capsys.readouterr().err  # the text is valid; only --check imports children
-    capsys.readouterr()
-    code, out, err = validate(capsys, config)
-    assert (code, out) == (2, "")
-    assert (
-        "kv_connector_extra_config.connectors[1].kv_connector: cannot be used: connector "
-        "'BrokenTarget': 'kvx_test_plugin.connectors' has no attribute 'NoSuchClass'" in err
+    assert code == 2  # a child is imported like the top connector, --check or not
+    assert capsys.readouterr().err.startswith(
+        "error: the config is valid but the connector at kv_connector_extra_config.connectors[1] "
+        "cannot be used: connector 'BrokenTarget'"
     )
+    code, out, err = validate(capsys, config)  # --check: the same
+    assert (code, out) == (2, "")
+    assert "connectors[1] cannot be used: connector 'BrokenTarget': 'kvx_test_plugin" in err
 
 
 def test_an_offloading_disk_tier_that_cannot_be_opened(
@@ -110,3 +111,19 @@ def test_an_offloading_disk_tier_that_cannot_be_opened(
     )
     assert code == 2
     assert f"kv_connector_extra_config.disk_url: cannot open {bad!r}" in err
+
+
+def test_a_missing_optional_dependency_is_a_note_but_fails_the_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}  # no lmcache in .venv
+    hint = kvx.install_hint("lmcache", "lmcache")
+    code = main(["validate", "--kv-transfer-config", json.dumps(config)])
+    assert code == 0  # the config may run where lmcache is installed
+    assert f"note: connector 'LMCacheConnectorV1' needs lmcache to run: {hint}" in (
+        capsys.readouterr().err
+    )
+    code, _, err = validate(capsys, config)
+    assert code == 2
+    assert "kv_connector: cannot be used: connector 'LMCacheConnectorV1' needs 'lmcache'" in err
+    assert hint in err
