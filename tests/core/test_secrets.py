@@ -139,3 +139,34 @@ def test_secret_fields_are_found_by_type() -> None:
     assert secret_fields(NixlConfig) == ("shared_secret",)
     assert secret_fields(SharedStorageConfig) == ("redis_password",)
     assert os.environ.get("KVX_T_UNSET") is None
+
+
+def test_nixl_reads_its_secret_from_the_environment_when_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvx.plugins.nixl.scheduler import NixlScheduler
+    from kvx.plugins.nixl.worker import NixlWorker
+
+    ctx = kvx.EngineContext(
+        engine_id="e",
+        model_name="m",
+        cache=kvx.KVCacheSpec(("l0",), num_kv_heads=2, head_size=8, block_size=16),
+    )
+    config = kvx.KVTransferConfig.from_json(nixl({"env": "KVX_T_BUILD_SECRET"}))
+    monkeypatch.delenv("KVX_T_BUILD_SECRET", raising=False)
+    with pytest.raises(kvx.ConfigError, match=f"{KEY}: environment variable KVX_T_BUILD_SECRET"):
+        kvx.create_connector(config, kvx.KVConnectorRole.SCHEDULER, ctx)
+    monkeypatch.setenv("KVX_T_BUILD_SECRET", SECRET)
+    for role, half in (
+        (kvx.KVConnectorRole.SCHEDULER, NixlScheduler),
+        (kvx.KVConnectorRole.WORKER, NixlWorker),
+    ):
+        connector = kvx.create_connector(config, role, ctx)
+        try:
+            assert isinstance(connector, kvx.RoleSplitConnector)
+            built = (
+                connector.scheduler if role is kvx.KVConnectorRole.SCHEDULER else connector.worker
+            )
+            assert isinstance(built, half) and built.secret == SECRET
+        finally:
+            connector.shutdown()
