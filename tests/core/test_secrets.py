@@ -133,11 +133,13 @@ def test_the_same_secret_field_type_serves_redis_passwords(
 
 def test_secret_fields_are_found_by_type() -> None:
     from kvx.plugins.nixl.config import NixlConfig
+    from kvx.plugins.p2p.config import P2pConfig
     from kvx.plugins.storage.config import SharedStorageConfig
     from kvx.secrets import secret_fields
 
     assert secret_fields(NixlConfig) == ("shared_secret",)
     assert secret_fields(SharedStorageConfig) == ("redis_password",)
+    assert secret_fields(P2pConfig) == ("shared_secret",)
     assert os.environ.get("KVX_T_UNSET") is None
 
 
