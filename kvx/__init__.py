@@ -1,8 +1,8 @@
 """kvx: a pluggable KV-cache transfer SDK for LLM serving.
 
 The public API is what this module exports in `__all__`, plus the modules `kvx.topology`,
-`kvx.wire` and `kvx.engine` (each by its own `__all__`); plugins (built-in ones included) use
-nothing else (docs/architecture.md, enforced by tests/core/test_import_rule.py).
+`kvx.wire`, `kvx.discovery` and `kvx.engine` (each by its own `__all__`); plugins (built-in
+ones included) use nothing else (docs/architecture.md, enforced by tests/core/test_import_rule.py).
 """
 
 from __future__ import annotations

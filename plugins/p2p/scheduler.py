@@ -23,6 +23,7 @@ from kvx.plugins.p2p.addresses import (
     parse_legacy_request_id,
 )
 from kvx.plugins.p2p.config import P2pConfig
+from kvx.plugins.p2p.discovery import start_announcer
 from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self._loading: set[str] = set()
         self.worker_ports: dict[tuple[int, int], int] = {}
         """(pp_rank, tp_rank) -> the port each worker listens on (from its handshake)."""
+        self._announcer = start_announcer(options, config)  # xPyD discovery, if configured
 
     # -- P ----------------------------------------------------------------------------------
 
@@ -285,3 +287,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
                 source.ports,
             )
         )
+
+    def shutdown(self) -> None:
+        if self._announcer is not None:
+            self._announcer.stop()

@@ -34,6 +34,15 @@ class P2pKVConnectorStats(KVConnectorStats):
             self.data.setdefault(key, 0)
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """vLLM ships stats from worker to engine core by value: the data, never the lock."""
+        with self._lock:
+            return {"data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data = state["data"]
+        self._lock = threading.Lock()
+
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.data[key] += n

@@ -150,3 +150,21 @@ def test_a_consumer_loads_from_the_prefill_address_of_a_vllm_request_id() -> Non
     assert (source.tp_size, source.mode, source.num_tokens) == (1, "GET", 3)
     bad = Request("___prefill_addr_10.0.0.1___decode_addr_x:1_u", [1])
     assert load_source(bad, config, P2pConfig(), ctx) is None  # logged, never raised
+
+
+def test_stats_cross_a_process_boundary_by_value() -> None:
+    """vLLM pickles connector stats from worker to engine core (its own IPC, not a kvx wire);
+    the lock stays behind and the receiver can still count."""
+    import pickle
+
+    from kvx.plugins.p2p.stats import P2pKVConnectorStats
+
+    stats = P2pKVConnectorStats()
+    stats.count("puts", 3)
+    stats.record(0.5)
+    copy = pickle.loads(pickle.dumps(stats.clone_and_reset()))
+    assert copy.data["puts"] == 3
+    assert copy.data["transfer_duration"] == [0.5]
+    copy.count("puts")
+    assert copy.data["puts"] == 4
+    assert stats.data["puts"] == 0

@@ -11,6 +11,7 @@ def kvx_connectors() -> list[ConnectorSpec]:
             name="ExamplePDConnector",
             target="kvx_example_connector.connector:ExamplePDConnector",
             summary="example: prefill/decode hand-off through a shared directory",
+            aliases=("ExamplePDConnectorV1",),
             config_schema="kvx_example_connector.config:ExamplePDConfig",
         )
     ]
