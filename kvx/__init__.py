@@ -35,9 +35,11 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.loading import install_hint
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.schema import path_problem, url_problem
+from kvx.secrets import Secret, SecretSource, resolve_secret
 from kvx.specs import (
     CommandSpec,
     ConnectorSpec,
@@ -116,6 +118,8 @@ __all__ = [
     "RequestStatus",
     "RoleSplitConnector",
     "SchedulerOutput",
+    "Secret",
+    "SecretSource",
     "StorageBackend",
     "StorageBackendOptions",
     "StorageBackendSpec",
@@ -128,10 +132,12 @@ __all__ = [
     "get_layout",
     "get_registry",
     "hookimpl",
+    "install_hint",
     "load_cli_arg",
     "make_private_dirs",
     "open_storage_backend",
     "path_problem",
+    "resolve_secret",
     "supports_hma",
     "url_problem",
     "user_cache_dir",

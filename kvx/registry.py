@@ -226,8 +226,10 @@ class Registry:
         return self.catalogs["storage backend"].get(name)
 
     def storage_backend_for_url(self, url: str) -> Registered[StorageBackendSpec]:
-        """The backend registered for the scheme of `url` (`file://...` -> `file`)."""
-        scheme = url.split("://", 1)[0] if "://" in url else "file"
+        """The backend registered for the scheme of `url` (`file://...` -> `file`); a chained
+        URL's (fsspec's `simplecache::s3://...`) is its first protocol's."""
+        first = url.split("::", 1)[0]
+        scheme = first.split("://", 1)[0] if "://" in url else "file"
         entries = list(self.catalogs["storage backend"].entries.values())
         for entry in entries:
             if scheme in entry.spec.schemes:

@@ -10,6 +10,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvx import Secret
+
+SECRET_KEY = "kv_connector_extra_config.shared_secret"
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 DATA_PLANES = ("auto", "cpu", "nccl")
 
@@ -30,7 +33,8 @@ class P2pConfig(msgspec.Struct, forbid_unknown_fields=True):
     - `transfer_timeout_s`: how long any exchange with a peer may take;
       `buffer_ttl_s`: how long KV nobody claims (an aborted hand-off) is kept.
     - `shared_secret`: when set, every control message is sealed (HMAC-SHA256) and replays are
-      refused; peers without it are refused before their bytes are decoded.
+      refused; peers without it are refused before their bytes are decoded. Inline, or read
+      when the worker starts from `{"env": "NAME"}` or `{"file": "/path"}` (`kvx.resolve_secret`).
     - `max_tensor_bytes`: the largest KV tensor a peer may send or announce.
     - `nccl_num_channels`: NCCL_MIN/MAX_NCHANNELS for the pair communicators.
     - `proxy_ip` / `proxy_port` / `http_port`: xPyD service discovery (`kvx proxy`).
@@ -42,7 +46,7 @@ class P2pConfig(msgspec.Struct, forbid_unknown_fields=True):
     mem_pool_size_gb: Annotated[float, msgspec.Meta(ge=0, le=4096)] = 32.0
     transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     buffer_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 120.0
-    shared_secret: str | None = None
+    shared_secret: Secret | None = None
     max_tensor_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = 4 << 30
     nccl_num_channels: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     proxy_ip: str | None = None
@@ -54,7 +58,7 @@ class P2pConfig(msgspec.Struct, forbid_unknown_fields=True):
             from kvx.plugins.p2p.addresses import parse_address
 
             parse_address(self.default_decode_address, "default_decode_address")
-        if self.shared_secret is not None and len(self.shared_secret) < 8:
+        if isinstance(self.shared_secret, str) and len(self.shared_secret) < 8:
             raise ValueError("shared_secret: use at least 8 characters, or null for none")
         if (self.proxy_ip is None) != (self.proxy_port is None):
             raise ValueError(

@@ -13,10 +13,10 @@ it on shutdown.
 
 from __future__ import annotations
 
-from kvx import KVTransferConfig
+from kvx import KVTransferConfig, resolve_secret
 from kvx.discovery import Announcer
 from kvx.plugins.p2p.addresses import format_address
-from kvx.plugins.p2p.config import P2pConfig
+from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
 
 
 def start_announcer(options: P2pConfig, config: KVTransferConfig) -> Announcer | None:
@@ -30,5 +30,5 @@ def start_announcer(options: P2pConfig, config: KVTransferConfig) -> Announcer |
         # kv_port 0 (GET: each worker on a port of its own, named in P's answers): no fixed
         # address to push to, so none is announced
         format_address(config.kv_ip, config.kv_port) if config.kv_port else "",
-        secret=options.shared_secret,
+        secret=resolve_secret(options.shared_secret, SECRET_KEY, min_length=8),
     ).start()

@@ -20,7 +20,7 @@ import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.p2p.addresses import format_address
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
-from kvx.plugins.p2p.config import P2pConfig
+from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
 from kvx.plugins.p2p.engine import P2pEngine, TransferError
 from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
 from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
@@ -107,7 +107,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             listen,
             choose_plane(options.data_plane, device, options.nccl_num_channels),
             self.geometry,
-            secret=options.shared_secret,
+            secret=kvx.resolve_secret(options.shared_secret, SECRET_KEY, min_length=8),
             timeout_s=options.transfer_timeout_s,
             max_tensor_bytes=options.max_tensor_bytes,
             recv=self.recv,

@@ -43,8 +43,8 @@ class FsspecBackend(StorageBackend):
     def __init__(self, url: str, options: BackendOptions) -> None:
         self.url = url
         try:
-            self.fs, root = fsspec.core.url_to_fs(url)
-        except (ImportError, ValueError) as exc:
+            self.fs, root = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
+        except (ImportError, ValueError, TypeError) as exc:
             raise ValueError(f"storage_url {url!r}: fsspec cannot open it: {exc}") from None
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
