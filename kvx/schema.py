@@ -7,6 +7,7 @@ did-you-mean for misspelled keys and literal values. Unknown keys are errors.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -82,8 +83,22 @@ def describe(t: mi.Type) -> str:
 def check(value: Any, schema: Any, path: str = "") -> list[ConfigProblem]:
     """Every problem of `value` against `schema` (a type msgspec understands)."""
     problems: list[ConfigProblem] = []
-    _check(value, mi.type_info(schema), path, problems)
+    _check(value, _type_info(schema), path, problems)
     return problems
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_type_info(schema: Any) -> mi.Type:
+    return mi.type_info(schema)
+
+
+def _type_info(schema: Any) -> mi.Type:
+    """msgspec's description of `schema`, remembered for hashable schemas (computing it
+    costs more than checking a config against it)."""
+    try:
+        return _cached_type_info(schema)
+    except TypeError:  # unhashable
+        return mi.type_info(schema)
 
 
 def convert(value: Any, schema: type[T], path: str = "") -> T:

@@ -1,5 +1,5 @@
 """10,000 seeded mutations of every built-in connector's config, each through `kvx validate`
-(exit 0 or 2, nothing else), validation and construction of both roles (nothing but
+in process (exit 0 or 2, nothing else, agreeing with parsing the config), validation and construction of both roles (nothing but
 `ConfigError`). Each mutation draws field values from a catalogue of known-good and known-bad
 values, so the test also knows the answer: a config holding a bad value must be refused (at
 validation or at construction) and one holding only good values must be built."""
@@ -161,24 +161,25 @@ def test_config_mutations(tmp_path: Path) -> None:
     cat = catalogue(tmp_path)
     rng = random.Random(2026)
     built: dict[str, str] = {}  # connector + extra config -> "ok" / why it was refused
-    accepted_bad, refused_good = [], []
+    accepted_bad, refused_good, disagree = [], [], []
     outcomes = {True: 0, False: 0}
     codes: dict[int, int] = {}
-    for i in range(MUTATIONS):
+    for _ in range(MUTATIONS):
         data, bad = mutation(rng, cat)
         text = json.dumps(data)
-        if i % 10 == 0:  # `kvx validate` itself, in process (1,000 of the 10,000)
-            with (
-                contextlib.redirect_stdout(io.StringIO()),
-                contextlib.redirect_stderr(io.StringIO()),
-            ):
-                code = cli.main(["validate", "--kv-transfer-config", text])
-            codes[code] = codes.get(code, 0) + 1
+        # every mutation through `kvx validate` itself, in process
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main(["validate", "--kv-transfer-config", text])
+        codes[code] = codes.get(code, 0) + 1
         try:
             config = KVTransferConfig.from_json(text)
         except ConfigError as exc:
             outcome = f"refused: {exc}"
-        else:  # construction depends on the connector and its extra config only: built once
+            if code != 2:
+                disagree.append(f"{text}: validate exit {code}, parsing refused it")
+        else:
+            if code != 0:
+                disagree.append(f"{text}: validate exit {code}, parsing accepted it")  # construction depends on the connector and its extra config only: built once
             key = json.dumps([config.kv_connector, config.kv_connector_extra_config])
             if key not in built:
                 try:
@@ -193,6 +194,7 @@ def test_config_mutations(tmp_path: Path) -> None:
         if not bad and outcome != "ok":
             refused_good.append(f"{text} -> {outcome}")
     assert set(codes) <= {0, 2}, codes
+    assert not disagree, disagree[:3]
     assert not accepted_bad, accepted_bad[:3]
     assert not refused_good, refused_good[:3]
     assert outcomes[True] > 2000 and outcomes[False] > 2000, outcomes  # both are exercised
