@@ -1,8 +1,9 @@
 """10,000 seeded mutations of every built-in connector's config, each through `kvx validate`
-in process (exit 0 or 2, nothing else, agreeing with parsing the config), validation and construction of both roles (nothing but
-`ConfigError`). Each mutation draws field values from a catalogue of known-good and known-bad
-values, so the test also knows the answer: a config holding a bad value must be refused (at
-validation or at construction) and one holding only good values must be built."""
+in process (exit 0 or 2, nothing else, agreeing with parsing the config), validation and
+construction of both roles (nothing but `ConfigError`). Each mutation draws field values
+from a catalogue of known-good and known-bad values, so the test also knows the answer: a
+config holding a bad value must be refused (at validation or at construction) and one holding
+only good values must be built."""
 
 from __future__ import annotations
 
@@ -179,7 +180,8 @@ def test_config_mutations(tmp_path: Path) -> None:
                 disagree.append(f"{text}: validate exit {code}, parsing refused it")
         else:
             if code != 0:
-                disagree.append(f"{text}: validate exit {code}, parsing accepted it")  # construction depends on the connector and its extra config only: built once
+                disagree.append(f"{text}: validate exit {code}, parsing accepted it")
+            # construction depends on the connector and its extra config only: built once
             key = json.dumps([config.kv_connector, config.kv_connector_extra_config])
             if key not in built:
                 try:
