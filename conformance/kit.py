@@ -17,7 +17,8 @@ and the author's `conftest.py` (or the class) defines the connector config:
 
 A parametrised `kvx_config` fixture (or two classes) runs several configs in one session.
 `kvx_options` (timeouts), `kvx_allow_no_transfer`, `kvx_fail_fast` (skip a config's remaining
-scenarios after its first failure) and `kvx_registry` may be overridden the same way; `kvx_xfail = {"scenario": "reason"}` on a class marks scenarios expected to fail.
+scenarios after its first failure) and `kvx_registry` may be overridden the same way;
+`kvx_xfail = {"scenario": "reason"}` on a class marks scenarios expected to fail.
 The `kvx_config` default (from `--kvx-config`) and the other defaults live in
 `kvx.conformance.pytest_plugin`, which pytest loads through its entry point.
 """
