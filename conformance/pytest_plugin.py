@@ -4,9 +4,10 @@
 It provides the kit's default fixtures (`kvx_config` from `--kvx-config`, `kvx_options` from
 the timeout options, `kvx_allow_no_transfer`, `kvx_fail_fast`, `kvx_registry`), and with
 `--kvx-config` it also collects `kvx/conformance/cli_suite.py`, a kit subclass, so
-`pytest -p kvx.conformance --kvx-config '<json>'` runs the whole suite as ordinary test items, with ids such as
-`kvx_conformance.py::TestKvxConformance::test_pd_short_prompt` that select the item again when
-passed back as an argument. The terminal summary says per connector what was tested.
+`pytest -p kvx.conformance --kvx-config '<json>'` runs the whole suite as ordinary test
+items, with ids such as `kvx_conformance.py::TestKvxConformance::test_pd_short_prompt` that
+select the item again when passed back as an argument. The terminal summary says per
+connector what was tested.
 """
 
 from __future__ import annotations
