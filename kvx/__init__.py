@@ -32,8 +32,10 @@ from kvx.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    BlockStoreFailed,
     KVCacheEvent,
     KVConnectorKVEvents,
+    distinct_store_failures,
 )
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
@@ -78,6 +80,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockIds",
     "BlockRemoved",
+    "BlockStoreFailed",
     "BlockStored",
     "CachedRequestData",
     "Capability",
@@ -125,6 +128,7 @@ __all__ = [
     "__version__",
     "copy_into",
     "create_connector",
+    "distinct_store_failures",
     "get_layout",
     "get_registry",
     "hookimpl",

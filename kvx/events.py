@@ -1,7 +1,8 @@
 """KV cache events a connector reports (blocks stored in / removed from its tiers).
 
 Matches the event kinds vLLM publishes (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) and the
-worker-side container `KVConnectorKVEvents` that is merged across workers.
+worker-side container `KVConnectorKVEvents` that is merged across workers. `BlockStoreFailed`
+is a kvx extension (vLLM has no such kind): kvx's vLLM adapter does not forward it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ class BlockRemoved(KVCacheEvent):
 
     block_hashes: tuple[bytes | int, ...]
     medium: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockStoreFailed(KVCacheEvent):
+    """kvx extension, not forwarded to vLLM: storing blocks in `medium` failed (a full disk,
+    an unreachable store), so they are not there to load; `reason` is the error. Workers
+    report it; a connector's scheduler side passes each distinct failure on once."""
+
+    block_hashes: tuple[bytes | int | str, ...]
+    medium: str | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,3 +83,10 @@ class KVConnectorKVEvents:
     def clear_events(self) -> None:
         self.events.clear()
         self.num_workers = 0
+
+
+def distinct_store_failures(events: KVConnectorKVEvents | None) -> list[BlockStoreFailed]:
+    """The `BlockStoreFailed` events among a step's merged worker events, each distinct
+    failure once (the workers of one engine report the same blocks)."""
+    found = [e for e in events.events if isinstance(e, BlockStoreFailed)] if events else []
+    return list(dict.fromkeys(found))

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvx import BlockRemoved, BlockStored, KVCacheEvent
+from kvx import BlockRemoved, BlockStored, BlockStoreFailed, KVCacheEvent
 from kvx.plugins.offload.policies import POLICIES
 
 
@@ -120,6 +120,19 @@ class OffloadingManager:
                 )
             else:
                 self._drop(key, announce=False)
+                self.events.append(
+                    BlockStoreFailed((bytes.fromhex(key),), "CPU", "a worker's copy failed")
+                )
+
+    def spill_failed(self, failure: BlockStoreFailed) -> None:
+        """A worker could not write a chunk to the disk tier: it is not there to load. The
+        spill was announced as `BlockStored` (DISK), so its removal is too."""
+        self.events.append(failure)
+        for block_hash in failure.block_hashes:
+            key = block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
+            if key in self.on_disk:
+                del self.on_disk[key]
+                self.events.append(BlockRemoved((bytes.fromhex(key),), "DISK"))
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []

@@ -45,6 +45,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._load_errors: set[int] = set()
         self._load_blocks: dict[str, list[int]] = {}
         self._pending_stores: list[StoreSpec] = []
+        self._spills: list[tuple[str, Future[None]]] = []  # (chunk key, its write to disk)
         self.stats = OffloadStats()
         self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
         self.fs: fsspec.AbstractFileSystem | None = None
@@ -77,7 +78,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._held.update(meta.held)
         self._pending_stores = list(meta.stores)
         for key, slot in meta.spills:  # before any store may overwrite the slot
-            self._pool.submit(self._spill, key, slot)
+            self._spills.append((key, self._pool.submit(self._spill, key, slot)))
         for key in meta.disk_drops:
             self._pool.submit(self._drop_from_disk, key)
         for load in meta.loads:
@@ -147,9 +148,14 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
             for name in sorted(self.cpu)
         )
         tmp = f"{self._path(key)}.tmp"
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data)
-        self.fs.mv(tmp, self._path(key))
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, self._path(key))
+        except BaseException:
+            if self.fs.exists(tmp):  # nothing torn left behind
+                self.fs.rm_file(tmp)
+            raise
         self.stats.count("spill", len(data), time.perf_counter() - start)
 
     def _read_chunk(self, key: str) -> dict[str, torch.Tensor]:
@@ -203,6 +209,23 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         sending = {r for r in self._held if r not in self._stores}
         self._held -= sending
         return sending, recving
+
+    def take_kv_events(self) -> kvx.KVConnectorKVEvents | None:
+        """A `BlockStoreFailed` (medium DISK) per finished spill that failed (a full disk);
+        also counted as `save_errors`."""
+        events: list[kvx.KVCacheEvent] = []
+        still = []
+        for key, future in self._spills:
+            if not future.done():
+                still.append((key, future))
+            elif (exc := future.exception()) is not None:
+                reason = f"{type(exc).__name__}: {exc}"
+                events.append(kvx.BlockStoreFailed((bytes.fromhex(key),), "DISK", reason))
+        self._spills = still
+        if not events:
+            return None
+        self.stats.data["save_errors"] = self.stats.data.get("save_errors", 0) + len(events)
+        return kvx.KVConnectorKVEvents(events)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

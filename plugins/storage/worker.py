@@ -41,7 +41,7 @@ from kvx.plugins.storage.blockformat import (
 )
 from kvx.plugins.storage.buffers import Budget, BufferPool, row_views
 from kvx.plugins.storage.direct import CacheBlocks, DirectIO, Fetched, check_size
-from kvx.plugins.storage.keys import Geometry, Stage
+from kvx.plugins.storage.keys import Geometry, Stage, block_key_of, medium_of
 from kvx.plugins.storage.load_plan import (
     Load,
     Segment,
@@ -439,6 +439,9 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                     seal(name, shape, value)
                 self.backend.put_many(buffers)
             self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
+        except Exception as exc:
+            self._tally.failed([name for name, _ in items], f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             if not direct:
                 self._budget.release(len(items) * shape.value_bytes)
@@ -450,6 +453,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
         self._tally.add(save_errors=1)
+        self._tally.failed([name for name, _ in self._items], f"layers {missing} never saved")
         if self._step_values is not None:
             self._budget.release(self._step_values.numel())
         self._step_values, self._saves_meta, self._saved_layers = None, None, set()
@@ -482,6 +486,15 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
 
     def take_stats(self) -> StorageStats | None:
         return self._tally.take()
+
+    def take_kv_events(self) -> kvx.KVConnectorKVEvents | None:
+        """A `BlockStoreFailed` per failed write since the last call (block keys)."""
+        medium = medium_of(self.backend.url)
+        events: list[kvx.KVCacheEvent] = [
+            kvx.BlockStoreFailed(tuple(dict.fromkeys(map(block_key_of, names))), medium, reason)
+            for names, reason in self._tally.take_failures()
+        ]
+        return kvx.KVConnectorKVEvents(events) if events else None
 
     def shutdown(self) -> None:
         self.wait_for_save()
