@@ -76,10 +76,12 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         verify_checksums: bool,
         io_threads: int,
         max_inflight_bytes: int,
+        mac_key: bytes | None = None,
     ) -> None:
         self.geo = geometry
         self.backend = backend
-        self.verify = verify_checksums
+        self.verify = verify_checksums or mac_key is not None
+        self.mac_key = mac_key  # values carry a keyed MAC instead of a checksum
         self.layout = get_layout("MLA" if geometry.mla else ctx.cache.layout)
         if self.layout.is_cross_layer:
             raise ValueError(
@@ -99,7 +101,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
         # direct IO: values straight from and into the stage's engine blocks
         self.direct = False
-        self._direct_io = DirectIO(backend, [], verify_checksums, (self.order, self.k_order))
+        self._direct_io = DirectIO(backend, [], self.verify, (self.order, self.k_order), mac_key)
         self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-io")
@@ -241,7 +243,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         for name, row, size in zip(names, rows, sizes, strict=True):
             try:
                 check_size(name, size, len(row))
-                stored, _ = check_value(name, row, shape, verify=self.verify)
+                stored, _ = check_value(name, row, shape, verify=self.verify, mac_key=self.mac_key)
                 errors.append(None)
                 shapes.append(stored)
             except BlockFormatError as exc:
@@ -436,7 +438,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             else:
                 buffers = [(name, value) for name, value in items if isinstance(value, memoryview)]
                 for name, value in buffers:
-                    seal(name, shape, value)
+                    seal(name, shape, value, self.mac_key)
                 self.backend.put_many(buffers)
             self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
         except Exception as exc:
