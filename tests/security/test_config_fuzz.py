@@ -59,9 +59,13 @@ def catalogue(tmp: Path) -> dict[str, dict[str, tuple[list[Any], list[Any]]]]:
             "io_threads": ([None, 1, 4], [0, 65]),
             "timeout_s": ([None, 1.0], [0, -1, 1e400]),
             "namespace": ([None, "ns.1"], ["a/b", "", long_name]),
-            "verify_checksums": ([None, False], ["yes"]),
+            "verify_checksums": ([None, True], ["yes"]),  # false and integrity "mac" conflict
             "max_inflight_bytes": ([None, 1 << 20], [0]),
             "permissions": ([None, "owner", "group"], ["world"]),
+            "mac": (  # integrity and mac_secret go together
+                [None, ("mac", "0123456789abcdef")],
+                [("mac", None), ("mac", "short"), (None, "0123456789abcdef"), ("hmac", None)],
+            ),
         },
         "OffloadingConnector": {
             "cpu_bytes_to_use": ([1 << 20], [0, 10, 2**64, 1 << 49, 1e400, "1"]),
@@ -102,10 +106,13 @@ TOP: dict[str, tuple[list[Any], list[Any]]] = {
 }
 
 
+PAIRS = {"disk": ("disk_url", "disk_bytes_to_use"), "mac": ("integrity", "mac_secret")}
+
+
 def _set(extra: dict[str, Any], field: str, value: Any) -> None:
-    if field == "disk":
+    if field in PAIRS:
         if value is not None:
-            for key, item in zip(("disk_url", "disk_bytes_to_use"), value, strict=True):
+            for key, item in zip(PAIRS[field], value, strict=True):
                 if item is not None:
                     extra[key] = item
     elif value is not None:
