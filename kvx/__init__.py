@@ -35,7 +35,6 @@ from kvx.events import (
     BlockStoreFailed,
     KVCacheEvent,
     KVConnectorKVEvents,
-    distinct_store_failures,
 )
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
@@ -128,7 +127,6 @@ __all__ = [
     "__version__",
     "copy_into",
     "create_connector",
-    "distinct_store_failures",
     "get_layout",
     "get_registry",
     "hookimpl",

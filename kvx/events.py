@@ -39,8 +39,9 @@ class BlockRemoved(KVCacheEvent):
 @dataclass(frozen=True)
 class BlockStoreFailed(KVCacheEvent):
     """kvx extension, not forwarded to vLLM: storing blocks in `medium` failed (a full disk,
-    an unreachable store), so they are not there to load; `reason` is the error. Workers
-    report it; a connector's scheduler side passes each distinct failure on once."""
+    an unreachable store), so they are not there to load; `reason` is the error. Built-in
+    connectors' workers report failures in their worker metadata and the scheduler half
+    emits each distinct one once from `take_events`."""
 
     block_hashes: tuple[bytes | int | str, ...]
     medium: str | None = None
@@ -83,10 +84,3 @@ class KVConnectorKVEvents:
     def clear_events(self) -> None:
         self.events.clear()
         self.num_workers = 0
-
-
-def distinct_store_failures(events: KVConnectorKVEvents | None) -> list[BlockStoreFailed]:
-    """The `BlockStoreFailed` events among a step's merged worker events, each distinct
-    failure once (the workers of one engine report the same blocks)."""
-    found = [e for e in events.events if isinstance(e, BlockStoreFailed)] if events else []
-    return list(dict.fromkeys(found))

@@ -23,7 +23,7 @@ from kvx.contract import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from kvx.events import KVCacheEvent, KVConnectorKVEvents
+from kvx.events import KVCacheEvent
 from kvx.stats import KVConnectorStats
 
 if TYPE_CHECKING:
@@ -116,10 +116,6 @@ class ConnectorWorker(ABC, Generic[M]):
 
     def take_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Metadata for the scheduler half after this step, or None."""
-        return None
-
-    def take_kv_events(self) -> KVConnectorKVEvents | None:
-        """KV cache events of this worker since the last call, or None."""
         return None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
@@ -262,9 +258,6 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.take_worker_meta()
-
-    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
-        return self.worker.take_kv_events()
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.get_handshake_metadata()

@@ -124,15 +124,14 @@ class OffloadingManager:
                     BlockStoreFailed((bytes.fromhex(key),), "CPU", "a worker's copy failed")
                 )
 
-    def spill_failed(self, failure: BlockStoreFailed) -> None:
-        """A worker could not write a chunk to the disk tier: it is not there to load. The
-        spill was announced as `BlockStored` (DISK), so its removal is too."""
-        self.events.append(failure)
-        for block_hash in failure.block_hashes:
-            key = block_hash.hex() if isinstance(block_hash, bytes) else str(block_hash)
-            if key in self.on_disk:
-                del self.on_disk[key]
-                self.events.append(BlockRemoved((bytes.fromhex(key),), "DISK"))
+    def spill_failed(self, key: str, reason: str) -> None:
+        """A worker could not write chunk `key` to the disk tier: it is not there to load. The
+        spill was announced as `BlockStored` (DISK), so its removal is too (once, however
+        many workers failed)."""
+        if key in self.on_disk:
+            del self.on_disk[key]
+            self.events.append(BlockStoreFailed((bytes.fromhex(key),), "DISK", reason))
+            self.events.append(BlockRemoved((bytes.fromhex(key),), "DISK"))
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []

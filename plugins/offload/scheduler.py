@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import kvx
-from kvx import ConnectorScheduler, KVConnectorOutput, distinct_store_failures, yield_req_data
+from kvx import ConnectorScheduler, KVConnectorOutput, yield_req_data
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
@@ -196,8 +196,8 @@ class OffloadScheduler(ConnectorScheduler):
                         self.manager.complete_store([key], success=ok)
                         for keys in self.inflight.values():
                             keys.discard(key)
-        for failure in distinct_store_failures(output.kv_cache_events):
-            self.manager.spill_failed(failure)
+            for key, reason in meta.spill_failed.items():
+                self.manager.spill_failed(key, reason)
         for req_id in output.finished_recving or ():
             self.manager.complete_load(self.loading.pop(req_id, []))
 

@@ -210,33 +210,31 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._held -= sending
         return sending, recving
 
-    def take_kv_events(self) -> kvx.KVConnectorKVEvents | None:
-        """A `BlockStoreFailed` (medium DISK) per finished spill that failed (a full disk);
-        also counted as `save_errors`."""
-        events: list[kvx.KVCacheEvent] = []
-        still = []
-        for key, future in self._spills:
-            if not future.done():
-                still.append((key, future))
-            elif (exc := future.exception()) is not None:
-                reason = f"{type(exc).__name__}: {exc}"
-                events.append(kvx.BlockStoreFailed((bytes.fromhex(key),), "DISK", reason))
-        self._spills = still
-        if not events:
-            return None
-        self.stats.data["save_errors"] = self.stats.data.get("save_errors", 0) + len(events)
-        return kvx.KVConnectorKVEvents(events)
-
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_worker_meta(self) -> OffloadWorkerMeta | None:
-        if not self._stored and not self._failed:
+        spill_failed = self._take_spill_failures()
+        if not self._stored and not self._failed and not spill_failed:
             return None
-        meta = OffloadWorkerMeta(self._stored, self._failed)
+        meta = OffloadWorkerMeta(self._stored, self._failed, spill_failed)
         self._stored, self._failed = {}, {}
         return meta
+
+    def _take_spill_failures(self) -> dict[str, str]:
+        """Chunk key -> error of each finished spill that failed (a full disk), counted as
+        `save_errors`."""
+        failed, still = {}, []
+        for key, future in self._spills:
+            if not future.done():
+                still.append((key, future))
+            elif (exc := future.exception()) is not None:
+                failed[key] = f"{type(exc).__name__}: {exc}"
+        self._spills = still
+        if failed:
+            self.stats.data["save_errors"] = self.stats.data.get("save_errors", 0) + len(failed)
+        return failed
 
     def take_stats(self) -> KVConnectorStats | None:
         if self.stats.is_empty():

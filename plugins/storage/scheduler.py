@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvx
-from kvx import ConnectorScheduler, StorageBackend, distinct_store_failures
+from kvx import ConnectorScheduler, StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
-from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
+from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StorageWorkerMeta, StoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,14 @@ class StorageScheduler(ConnectorScheduler):
         return False, None
 
     def update_connector_output(self, connector_output: kvx.KVConnectorOutput) -> None:
-        """Workers' failed saves become this side's events (once per failure)."""
-        self._events += distinct_store_failures(connector_output.kv_cache_events)
+        """Workers' failed saves become `BlockStoreFailed` events (once per distinct one)."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, StorageWorkerMeta):
+            failures = (
+                kvx.BlockStoreFailed(tuple(keys), medium, reason)
+                for keys, medium, reason in meta.failed_saves
+            )
+            self._events += dict.fromkeys(failures)
 
     def take_events(self) -> list[kvx.KVCacheEvent]:
         events, self._events = self._events, []

@@ -53,7 +53,7 @@ from kvx.plugins.storage.load_plan import (
     unit_key,
     valid_tokens,
 )
-from kvx.plugins.storage.metadata import StorageMetadata, StoreSpec
+from kvx.plugins.storage.metadata import StorageMetadata, StorageWorkerMeta, StoreSpec
 from kvx.plugins.storage.stats import StorageStats, Tally
 from kvx.plugins.storage.values import converted, layer_view, token_slice, unify_orders
 from kvx.topology import is_primary_holder, physical_head_range
@@ -489,14 +489,15 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
     def take_stats(self) -> StorageStats | None:
         return self._tally.take()
 
-    def take_kv_events(self) -> kvx.KVConnectorKVEvents | None:
-        """A `BlockStoreFailed` per failed write since the last call (block keys)."""
+    def take_worker_meta(self) -> StorageWorkerMeta | None:
+        """The writes that failed since the last call (their block keys), for the scheduler
+        half to report as `BlockStoreFailed` events."""
         medium = medium_of(self.backend.url)
-        events: list[kvx.KVCacheEvent] = [
-            kvx.BlockStoreFailed(tuple(dict.fromkeys(map(block_key_of, names))), medium, reason)
+        failed = [
+            (list(dict.fromkeys(map(block_key_of, names))), medium, reason)
             for names, reason in self._tally.take_failures()
         ]
-        return kvx.KVConnectorKVEvents(events) if events else None
+        return StorageWorkerMeta(failed) if failed else None
 
     def shutdown(self) -> None:
         self.wait_for_save()
