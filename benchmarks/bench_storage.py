@@ -688,6 +688,10 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
     ):
         root = Path(tmp)
         on_file = StorageCase(kv, f"file://{root}/kvx", partial(drop_files, root / "kvx"))
+        mac = {"integrity": "mac", "mac_secret": "bench-secret-0123456789"}
+        on_file_mac = StorageCase(
+            kv, f"file://{root}/mac", partial(drop_files, root / "mac"), **mac
+        )
         on_redis = StorageCase(kv, url, partial(drop_keys, url, "kvx/*"))
         redis_py = StorageCase(kv, url, partial(drop_keys, url, "kvx/*"), redis_client="redis-py")
         raw_files, raw_redis = RawFiles(kv, root / "raw"), RawRedis(kv, url)
@@ -721,6 +725,16 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
                 "SharedStorageConnector",
                 on_file.fresh,
                 on_file.plan_load,
+            ),
+            Case(
+                "kvx file:// mac",
+                on_file_mac.save,
+                on_file_mac.load,
+                "kvx file://",
+                'SharedStorageConnector with integrity: "mac" (keyed BLAKE2b in Python instead '
+                "of XXH3 during native IO): the cost of the MAC",
+                on_file_mac.fresh,
+                on_file_mac.plan_load,
             ),
             Case(
                 "safetensors per layer",
@@ -763,6 +777,7 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
             results = measure(cases, args.repeat)
             loaders = (
                 ("file://", on_file),
+                ("file:// mac", on_file_mac),
                 ("redis://", on_redis),
                 ("redis:// redis-py", redis_py),
             )
@@ -779,7 +794,16 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
             raw_redis.check()
             offload.check()
         finally:
-            for closing in (on_file, on_redis, redis_py, raw_redis, block_files, offload):
+            closing_all = (
+                on_file,
+                on_file_mac,
+                on_redis,
+                redis_py,
+                raw_redis,
+                block_files,
+                offload,
+            )
+            for closing in closing_all:
                 closing.close()
 
     title = "storage and offloading (throughput ratios: higher is better)"

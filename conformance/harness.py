@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -130,6 +130,21 @@ class Harness:
         """Step `pair` until every request ended; a stall fails with what is stuck."""
         pair.run_until_finished(
             timeout_s=self.fault_timeout_s * 3, stall_s=self.options.stall_timeout_s
+        )
+
+    def wait_for_fault_handling(
+        self, pair: DisaggregatedPair, what: str, done: Callable[[], bool] | None = None
+    ) -> None:
+        """Step `pair` until `done()` (default: every request ended) while the connector deals
+        with a fault (an abort, a dead peer, a lease running out). It must keep making
+        progress: `stall_timeout_s` without any fails with what is held and which report is
+        missing, so leases and load timeouts must be shorter than the stall limit;
+        `fault_timeout_s` bounds the whole wait."""
+        pair.run_until(
+            done or pair.finished,
+            what,
+            timeout_s=self.fault_timeout_s,
+            stall_s=self.options.stall_timeout_s,
         )
 
     def describe(self) -> str:

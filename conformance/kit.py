@@ -16,8 +16,9 @@ and the author's `conftest.py` (or the class) defines the connector config:
         return {"kv_connector": "MyConnector", "kv_connector_extra_config": {"url": redis_url}}
 
 A parametrised `kvx_config` fixture (or two classes) runs several configs in one session.
-`kvx_options` (timeouts), `kvx_allow_no_transfer` and `kvx_registry` may be overridden the
-same way; `kvx_xfail = {"scenario": "reason"}` on a class marks scenarios expected to fail.
+`kvx_options` (timeouts), `kvx_allow_no_transfer`, `kvx_fail_fast` (skip a config's remaining
+scenarios after its first failure) and `kvx_registry` may be overridden the same way;
+`kvx_xfail = {"scenario": "reason"}` on a class marks scenarios expected to fail.
 The `kvx_config` default (from `--kvx-config`) and the other defaults live in
 `kvx.conformance.pytest_plugin`, which pytest loads through its entry point.
 """
@@ -32,10 +33,11 @@ import pytest
 
 from kvx import Capability, Registry
 from kvx.conformance.options import SuiteOptions
-from kvx.conformance.pytest_plugin import RESULTS_KEY
+from kvx.conformance.pytest_plugin import FIRST_FAILURE_KEY, RESULTS_KEY
 from kvx.conformance.runner import (
     FAILED,
     NOT_CLAIMED,
+    NOT_RUN,
     connector_claims,
     load_scenarios,
     no_transfer_message,
@@ -66,19 +68,35 @@ class ConformanceBase:
         kvx_options: SuiteOptions,
         kvx_registry: Registry,
     ) -> None:
-        """Run one scenario: skip if not claimed, fail with the scenario's message."""
+        """Run one scenario: skip if not claimed (or, with `kvx_fail_fast`, if a scenario of
+        the same config failed already), fail with the scenario's message."""
         reason = self.kvx_xfail.get(name)
         if reason is not None:
             request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
-        claims = claims_of(kvx_config, kvx_registry)
-        result = run_scenario(load_scenarios()[name], kvx_config, claims, kvx_registry, kvx_options)
-        request.config.stash.setdefault(RESULTS_KEY, []).append(
-            (str(kvx_config.get("kv_connector")), name, result.outcome)
-        )
-        if result.outcome == NOT_CLAIMED:
-            pytest.skip(f"not claimed: {result.message}")
-        if result.outcome == FAILED:
-            pytest.fail(f"{name}: {result.message}", pytrace=False)
+        connector = str(kvx_config.get("kv_connector"))
+        results = request.config.stash.setdefault(RESULTS_KEY, [])
+        first_failures = request.config.stash.setdefault(FIRST_FAILURE_KEY, {})
+        config_key = json.dumps(kvx_config, sort_keys=True)
+        if config_key in first_failures and request.getfixturevalue("kvx_fail_fast"):
+            results.append((connector, name, NOT_RUN))
+            pytest.skip(f"not run: --kvx-fail-fast, {first_failures[config_key]} failed first")
+        outcome = FAILED  # until the scenario says otherwise (a bad config fails first)
+        try:
+            claims = claims_of(kvx_config, kvx_registry)
+            result = run_scenario(
+                load_scenarios()[name], kvx_config, claims, kvx_registry, kvx_options
+            )
+            outcome = result.outcome
+            if result.outcome == NOT_CLAIMED:
+                pytest.skip(f"not claimed: {result.message}")
+            if result.outcome == FAILED:
+                pytest.fail(f"{name}: {result.message}", pytrace=False)
+        except pytest.fail.Exception:
+            if reason is None:  # an expected failure does not stop the rest
+                first_failures.setdefault(config_key, name)
+            raise
+        finally:
+            results.append((connector, name, outcome))
 
     def test_claims_cover_a_transfer(
         self,

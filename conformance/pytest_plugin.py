@@ -2,11 +2,12 @@
 `pytest11` entry point, or `-p kvx.conformance`.
 
 It provides the kit's default fixtures (`kvx_config` from `--kvx-config`, `kvx_options` from
-the timeout options, `kvx_allow_no_transfer`, `kvx_registry`), and with `--kvx-config` it also
-collects `kvx/conformance/cli_suite.py`, a kit subclass, so `pytest -p kvx.conformance
---kvx-config '<json>'` runs the whole suite as ordinary test items, with ids such as
-`kvx_conformance.py::TestKvxConformance::test_pd_short_prompt` that select the item again when
-passed back as an argument. The terminal summary says per connector what was tested.
+the timeout options, `kvx_allow_no_transfer`, `kvx_fail_fast`, `kvx_registry`), and with
+`--kvx-config` it also collects `kvx/conformance/cli_suite.py`, a kit subclass, so
+`pytest -p kvx.conformance --kvx-config '<json>'` runs the whole suite as ordinary test
+items, with ids such as `kvx_conformance.py::TestKvxConformance::test_pd_short_prompt` that
+select the item again when passed back as an argument. The terminal summary says per
+connector what was tested.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ CLI_SUITE = Path(__file__).with_name("cli_suite.py")
 SUITE_ID = "kvx_conformance.py"  # the node id of CLI_SUITE, re-runnable as an argument
 # What the kit's scenario tests report, for the terminal summary: (connector, scenario, outcome).
 RESULTS_KEY = pytest.StashKey[list[tuple[str, str, str]]]()
+# Per connector config (its JSON), the first scenario that failed (for --kvx-fail-fast).
+FIRST_FAILURE_KEY = pytest.StashKey[dict[str, str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -52,6 +55,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="SECONDS",
         help="overall limit of every scenario (default: each scenario's own)",
+    )
+    group.addoption(
+        "--kvx-fail-fast",
+        action="store_true",
+        help="after a config's first failing scenario, skip its other scenarios (the rest of "
+        "the session still runs; -x stops everything)",
     )
     group.addoption(
         "--kvx-allow-no-transfer",
@@ -130,6 +139,12 @@ def kvx_options(request: pytest.FixtureRequest) -> Any:
 def kvx_allow_no_transfer(request: pytest.FixtureRequest) -> bool:
     """Whether claims that leave no KV transfer scenario are accepted."""
     return bool(request.config.getoption("kvx_allow_no_transfer"))
+
+
+@pytest.fixture
+def kvx_fail_fast(request: pytest.FixtureRequest) -> bool:
+    """Whether a config's scenarios after its first failure are skipped (`--kvx-fail-fast`)."""
+    return bool(request.config.getoption("kvx_fail_fast"))
 
 
 @pytest.fixture

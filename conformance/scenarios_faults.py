@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from kvx import Capability
@@ -15,16 +14,10 @@ PD_ASYNC = (Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD)
 
 
 def _step_until(
-    pair: DisaggregatedPair, condition: str, predicate: Callable[[], bool], timeout_s: float = 30.0
+    h: Harness, pair: DisaggregatedPair, condition: str, predicate: Callable[[], bool]
 ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        check(
-            time.monotonic() < deadline,
-            f"never reached within {timeout_s:.0f}s: {condition} ({pair.describe_unfinished()})",
-        )
-        if not pair.step():
-            time.sleep(0.001)
+    """Step until the scenario's fault can be injected (30 s at most, and no stall)."""
+    pair.run_until(predicate, condition, timeout_s=30.0, stall_s=h.options.stall_timeout_s)
 
 
 @scenario("abort_on_prefill", "P aborts a request mid-prefill: no params, nothing held", PD)
@@ -33,7 +26,7 @@ def abort_on_prefill(h: Harness) -> None:
         pair.submit("victim", h.prompts([120])["req-0"], 4)
         pair.step()
         pair.prefill.abort_request("victim")
-        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        h.wait_for_fault_handling(pair, "the aborted request ended and P freed its blocks")
         result = pair.results["victim"]
         check(
             result.status == "prefill finished_aborted",
@@ -55,10 +48,10 @@ def abort_on_decode_while_loading(h: Harness) -> None:
     with h.pair() as pair:
         pair.submit("victim", h.prompts([90])["req-0"], 4)
         _step_until(
-            pair, "the request reached D", lambda: pair.results["victim"].status == "decoding"
+            h, pair, "the request reached D", lambda: pair.results["victim"].status == "decoding"
         )
         pair.decode.abort_request("victim")
-        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        h.wait_for_fault_handling(pair, "the load ended and both engines freed their blocks")
         check(
             pair.results["victim"].status == "finished_aborted",
             f"aborted request ended as {pair.results['victim'].status!r}",
@@ -77,10 +70,13 @@ def abort_on_decode_while_decoding(h: Harness) -> None:
             h.baseline({"o": h.prompts([30], seed=2)["req-0"]}, 3)["o"],
         )
         _step_until(
-            pair, "the victim decoded a few tokens", lambda: len(pair.results["victim"].tokens) >= 3
+            h,
+            pair,
+            "the victim decoded a few tokens",
+            lambda: len(pair.results["victim"].tokens) >= 3,
         )
         pair.decode.abort_request("victim")
-        pair.run_until_finished(timeout_s=h.fault_timeout_s)
+        h.wait_for_fault_handling(pair, "every request ended and both engines freed their blocks")
         check(
             pair.results["other"].tokens == pair.results["other"].baseline,
             "a request next to an aborted one produced wrong tokens",
@@ -97,16 +93,14 @@ def abort_on_decode_while_decoding(h: Harness) -> None:
 def abort_between_prefill_and_decode(h: Harness) -> None:
     with h.pair() as pair:
         pair.prefill.add_request("orphan", h.prompts([50])["req-0"], 1, {"do_remote_decode": True})
-        deadline = time.monotonic() + h.fault_timeout_s
-        while time.monotonic() < deadline:
-            _, pending = pair.prefill.step()
-            if not pending:
-                break
-            time.sleep(0.01)
+        h.wait_for_fault_handling(
+            pair,
+            "P freed the blocks of a request nobody will read (a lease or timeout must)",
+            lambda: bool(pair.prefill.last_stats) and pair.finished(),  # P stepped at least once
+        )
         check(
             pair.prefill.last_stats.get("held_blocks") == 0,
-            f"P still holds blocks {h.fault_timeout_s:.0f}s after a request nobody will read "
-            f"({pair.prefill.last_stats}); a lease or timeout must free them",
+            f"P still holds blocks after a request nobody will read ({pair.prefill.last_stats})",
         )
 
 
@@ -115,15 +109,11 @@ def _prefill_killed(h: Harness, policy: str) -> tuple[str, list[int], list[int]]
     baseline = h.baseline({"r": prompt}, 5)["r"]
     with h.pair(processes=True, policy=policy) as pair:
         pair.submit("r", prompt, 5, baseline)
-        _step_until(pair, "P returned params", lambda: pair.results["r"].status == "decoding")
+        _step_until(h, pair, "P returned params", lambda: pair.results["r"].status == "decoding")
         pair.kill("prefill")
-        start = time.monotonic()
-        while pair.results["r"].status == "decoding":
-            check(
-                time.monotonic() - start < h.fault_timeout_s,
-                f"D did not end the request within {h.fault_timeout_s:.0f}s after P died",
-            )
-            pair.step()
+        h.wait_for_fault_handling(
+            pair, "D ended the request after P died", lambda: pair.results["r"].status != "decoding"
+        )
         return pair.results["r"].status, pair.results["r"].tokens, baseline
 
 
@@ -156,15 +146,6 @@ def prefill_killed_fail(h: Harness) -> None:
 def decode_killed(h: Harness) -> None:
     with h.pair(processes=True) as pair:
         pair.submit("r", h.prompts([70], seed=9)["req-0"], 5)
-        _step_until(pair, "P returned params", lambda: pair.results["r"].status == "decoding")
+        _step_until(h, pair, "P returned params", lambda: pair.results["r"].status == "decoding")
         pair.kill("decode")
-        deadline = time.monotonic() + h.fault_timeout_s
-        pending = True
-        while pending and time.monotonic() < deadline:
-            _, pending = pair.prefill.step()
-            time.sleep(0.01)
-        check(
-            not pending,
-            f"P still holds blocks {h.fault_timeout_s:.0f}s after D died "
-            f"({pair.prefill.last_stats})",
-        )
+        h.wait_for_fault_handling(pair, "P freed its blocks after D died (a lease must)")

@@ -32,6 +32,7 @@ from kvx.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    BlockStoreFailed,
     KVCacheEvent,
     KVConnectorKVEvents,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockIds",
     "BlockRemoved",
+    "BlockStoreFailed",
     "BlockStored",
     "CachedRequestData",
     "Capability",

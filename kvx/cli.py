@@ -81,6 +81,18 @@ def _paragraph(text: str) -> str:
     return textwrap.fill(text, width=88)
 
 
+_parser_cache: tuple[Registry, argparse.ArgumentParser] | None = None
+
+
+def _parser_for(registry: Registry) -> argparse.ArgumentParser:
+    """The parser for `registry`'s commands, built once per registry (building it costs more
+    than validating a config, and tools call `main` in a loop)."""
+    global _parser_cache
+    if _parser_cache is None or _parser_cache[0] is not registry:
+        _parser_cache = (registry, _build_parser(registry))
+    return _parser_cache[1]
+
+
 def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvx",
@@ -329,7 +341,11 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
             markup=False,
             highlight=False,
         )
-    out.print_json(json.dumps(redacted(config, connectors), indent=2))
+    text = json.dumps(redacted(config, connectors), indent=2)
+    if out.is_terminal:
+        out.print_json(text)
+    else:  # piped: the same JSON without rendering it for a terminal
+        out.file.write(text + "\n")
     return EXIT_OK
 
 
@@ -381,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True, width=width)
     try:
         registry = get_registry()
-        parser = _build_parser(registry)
+        parser = _parser_for(registry)
         args, rest = parser.parse_known_args(
             merge_dotted_args(sys.argv[1:] if argv is None else argv)
         )

@@ -1,7 +1,8 @@
 """KV cache events a connector reports (blocks stored in / removed from its tiers).
 
 Matches the event kinds vLLM publishes (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) and the
-worker-side container `KVConnectorKVEvents` that is merged across workers.
+worker-side container `KVConnectorKVEvents` that is merged across workers. `BlockStoreFailed`
+is a kvx extension (vLLM has no such kind): kvx's vLLM adapter does not forward it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ class BlockRemoved(KVCacheEvent):
 
     block_hashes: tuple[bytes | int, ...]
     medium: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockStoreFailed(KVCacheEvent):
+    """kvx extension, not forwarded to vLLM: storing blocks in `medium` failed (a full disk,
+    an unreachable store), so they are not there to load; `reason` is the error. Built-in
+    connectors' workers report failures in their worker metadata and the scheduler half
+    emits each distinct one once from `take_events`."""
+
+    block_hashes: tuple[bytes | int | str, ...]
+    medium: str | None = None
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -88,9 +88,17 @@ def check(value: Any, schema: Any, path: str = "") -> list[ConfigProblem]:
 
 
 @functools.lru_cache(maxsize=256)
-def type_info(schema: Any) -> mi.Type:
-    """msgspec's description of a schema type, computed once per type (it is costly)."""
+def _cached_type_info(schema: Any) -> mi.Type:
     return mi.type_info(schema)
+
+
+def type_info(schema: Any) -> mi.Type:
+    """msgspec's description of `schema`, remembered for hashable schemas (computing it
+    costs more than checking a config against it)."""
+    try:
+        return _cached_type_info(schema)
+    except TypeError:  # unhashable
+        return mi.type_info(schema)
 
 
 def convert(value: Any, schema: type[T], path: str = "") -> T:

@@ -25,7 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvx
-from kvx.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvx.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockStoreFailed,
+    KVCacheEvent,
+)
 
 
 @dataclass
@@ -138,7 +144,9 @@ def cache_event(event: KVCacheEvent) -> vllm_events.KVCacheEvent:
 
 
 def cache_events(events: Iterable[KVCacheEvent]) -> list[vllm_events.KVCacheEvent]:
-    return [cache_event(e) for e in events]
+    """vLLM's events for kvx's; `BlockStoreFailed` (a kvx extension vLLM has no kind for) is
+    left out: kvx's stats and logs report failed saves."""
+    return [cache_event(e) for e in events if not isinstance(e, BlockStoreFailed)]
 
 
 def hit_sources(sources: dict[str, int]) -> dict[CacheHitSource, int]:

@@ -247,21 +247,42 @@ class DisaggregatedPair:
         Rounds that produce no output sleep a millisecond, so connectors' background threads
         (loads, writes, network) get the CPU while the engines wait for them.
         """
+        self.run_until(
+            self.finished,
+            "every request ended",
+            timeout_s=timeout_s,
+            check_kv=check_kv,
+            stall_s=stall_s,
+        )
+
+    def run_until(
+        self,
+        done: Callable[[], bool],
+        what: str,
+        *,
+        timeout_s: float = 300.0,
+        check_kv: bool = True,
+        stall_s: float | None = None,
+    ) -> None:
+        """Step until `done()` (described by `what` in errors), bounded as `run_until_finished`
+        says."""
         now = time.monotonic()
         deadline, last_progress, last_state = now + timeout_s, now, self._progress_state()
-        while not self.finished():
+        while not done():
             now = time.monotonic()
             if now > deadline:
                 raise EngineError(
-                    f"disaggregated run did not finish within {timeout_s:.0f}s: "
-                    f"{self.describe_unfinished()}"
+                    f"not reached within {timeout_s:.0f}s: {what}; {self.describe_unfinished()}"
                 )
             progressed = self.step(check_kv)
             state = self._progress_state()
             if progressed or state != last_state:
                 last_progress, last_state = now, state
             elif stall_s is not None and now - last_progress > stall_s:
-                raise EngineStall(f"no progress for {stall_s:.0f}s: {self.describe_unfinished()}")
+                raise EngineStall(
+                    f"no progress for {stall_s:.0f}s (waiting until {what}): "
+                    f"{self.describe_unfinished()}"
+                )
             if not progressed:
                 time.sleep(0.001)
 

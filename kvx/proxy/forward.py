@@ -76,8 +76,10 @@ def prefill_request(
 def decode_request(
     body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The client's request as D gets it: unchanged, plus P's `kv_transfer_params` if any."""
-    decode = dict(body)
+    """The client's request as D gets it: unchanged, plus P's `kv_transfer_params` if any. A
+    client's own `kv_transfer_params` never reach D: they would tell D which of P's blocks to
+    read (another request's KV)."""
+    decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     if kv_transfer_params:
         decode["kv_transfer_params"] = kv_transfer_params
     return decode

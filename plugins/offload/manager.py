@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvx import BlockRemoved, BlockStored, KVCacheEvent
+from kvx import BlockRemoved, BlockStored, BlockStoreFailed, KVCacheEvent
 from kvx.plugins.offload.policies import POLICIES
 
 
@@ -120,6 +120,18 @@ class OffloadingManager:
                 )
             else:
                 self._drop(key, announce=False)
+                self.events.append(
+                    BlockStoreFailed((bytes.fromhex(key),), "CPU", "a worker's copy failed")
+                )
+
+    def spill_failed(self, key: str, reason: str) -> None:
+        """A worker could not write chunk `key` to the disk tier: it is not there to load. The
+        spill was announced as `BlockStored` (DISK), so its removal is too (once, however
+        many workers failed)."""
+        if key in self.on_disk:
+            del self.on_disk[key]
+            self.events.append(BlockStoreFailed((bytes.fromhex(key),), "DISK", reason))
+            self.events.append(BlockRemoved((bytes.fromhex(key),), "DISK"))
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []

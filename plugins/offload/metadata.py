@@ -41,10 +41,12 @@ class OffloadMetadata(KVConnectorMetadata):
 
 @dataclass
 class OffloadWorkerMeta(KVConnectorWorkerMetadata):
-    """Chunk keys whose store finished on a worker (counts add up across workers)."""
+    """Chunk keys whose store finished on a worker (counts add up across workers), and chunk
+    keys a worker could not write to the disk tier (with the error)."""
 
     stored: dict[str, int] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
+    spill_failed: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, OffloadWorkerMeta):
@@ -52,4 +54,5 @@ class OffloadWorkerMeta(KVConnectorWorkerMetadata):
         for mine, theirs in ((self.stored, other.stored), (self.failed, other.failed)):
             for key, count in theirs.items():
                 mine[key] = mine.get(key, 0) + count
+        self.spill_failed.update(other.spill_failed)
         return self

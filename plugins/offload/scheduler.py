@@ -105,6 +105,7 @@ class OffloadScheduler(ConnectorScheduler):
         self.inflight: dict[str, set[str]] = {}  # request -> chunk keys being stored
         self.loading: dict[str, list[str]] = {}
         self.acks: dict[str, int] = {}
+        self.failed_acks: set[str] = set()  # chunks some worker failed to store
         self._loads: list[LoadSpec] = []
         self._held: list[str] = []
         self._spills: list[tuple[str, int]] = []
@@ -211,11 +212,17 @@ class OffloadScheduler(ConnectorScheduler):
             for failed, counts in ((False, meta.stored), (True, meta.failed)):
                 for key, count in counts.items():
                     self.acks[key] = self.acks.get(key, 0) + count
+                    if failed:  # one worker's failure fails the chunk, whatever comes later
+                        self.failed_acks.add(key)
                     if self.acks[key] >= self.workers:
                         del self.acks[key]
-                        self.manager.complete_store([key], success=not failed)
+                        ok = key not in self.failed_acks
+                        self.failed_acks.discard(key)
+                        self.manager.complete_store([key], success=ok)
                         for keys in self.inflight.values():
                             keys.discard(key)
+            for key, reason in meta.spill_failed.items():
+                self.manager.spill_failed(key, reason)
         for req_id in output.finished_recving or ():
             self.manager.complete_load(self.loading.pop(req_id, []))
 

@@ -45,6 +45,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._load_errors: set[int] = set()
         self._load_blocks: dict[str, list[int]] = {}
         self._pending_stores: list[StoreSpec] = []
+        self._spills: list[tuple[str, Future[None]]] = []  # (chunk key, its write to disk)
         self.stats = OffloadStats()
         self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
         self.fs: fsspec.AbstractFileSystem | None = None
@@ -77,7 +78,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._held.update(meta.held)
         self._pending_stores = list(meta.stores)
         for key, slot in meta.spills:  # before any store may overwrite the slot
-            self._pool.submit(self._spill, key, slot)
+            self._spills.append((key, self._pool.submit(self._spill, key, slot)))
         for key in meta.disk_drops:
             self._pool.submit(self._drop_from_disk, key)
         for load in meta.loads:
@@ -147,9 +148,14 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
             for name in sorted(self.cpu)
         )
         tmp = f"{self._path(key)}.tmp"
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data)
-        self.fs.mv(tmp, self._path(key))
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, self._path(key))
+        except BaseException:
+            if self.fs.exists(tmp):  # nothing torn left behind
+                self.fs.rm_file(tmp)
+            raise
         self.stats.count("spill", len(data), time.perf_counter() - start)
 
     def _read_chunk(self, key: str) -> dict[str, torch.Tensor]:
@@ -209,11 +215,26 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         return errors
 
     def take_worker_meta(self) -> OffloadWorkerMeta | None:
-        if not self._stored and not self._failed:
+        spill_failed = self._take_spill_failures()
+        if not self._stored and not self._failed and not spill_failed:
             return None
-        meta = OffloadWorkerMeta(self._stored, self._failed)
+        meta = OffloadWorkerMeta(self._stored, self._failed, spill_failed)
         self._stored, self._failed = {}, {}
         return meta
+
+    def _take_spill_failures(self) -> dict[str, str]:
+        """Chunk key -> error of each finished spill that failed (a full disk), counted as
+        `save_errors`."""
+        failed, still = {}, []
+        for key, future in self._spills:
+            if not future.done():
+                still.append((key, future))
+            elif (exc := future.exception()) is not None:
+                failed[key] = f"{type(exc).__name__}: {exc}"
+        self._spills = still
+        if failed:
+            self.stats.data["save_errors"] = self.stats.data.get("save_errors", 0) + len(failed)
+        return failed
 
     def take_stats(self) -> KVConnectorStats | None:
         if self.stats.is_empty():

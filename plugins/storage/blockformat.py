@@ -31,13 +31,17 @@ payload read into one buffer is aligned for every dtype):
 | checksum | u64 | XXH3-64 of (storage key, header before the checksum, payload) |
 
 The checksum detects corruption (it is not a MAC against a writer who means harm) and binds a
-value to its key, so a value under the wrong name is refused too. Data read back is
+value to its key, so a value under the wrong name is refused too. With `integrity: "mac"` the
+same field holds a keyed BLAKE2b-64 of the same bytes instead (`mac_key`, from the config's
+`mac_secret`), so a value written without the key is refused as well. Data read back is
 untrusted: every field is checked against what the reader expects before the payload is
 touched; nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import sys
 import warnings
@@ -188,18 +192,23 @@ def header_from(shape: BlockShape, checksum: int) -> bytes:
     return header_prefix(shape) + CHECKSUM.pack(checksum)
 
 
-def header(key: str, shape: BlockShape, payload: Iterable[memoryview | bytes]) -> bytes:
+def header(
+    key: str,
+    shape: BlockShape,
+    payload: Iterable[memoryview | bytes],
+    mac_key: bytes | None = None,
+) -> bytes:
     """The header of the value of `shape` under `key` whose payload is the concatenation of
-    `payload`."""
-    return header_from(shape, _digest(key, header_prefix(shape), payload))
+    `payload` (its checksum keyed with `mac_key` when given)."""
+    return header_from(shape, _digest(key, header_prefix(shape), payload, mac_key))
 
 
-def seal(key: str, shape: BlockShape, value: memoryview) -> None:
+def seal(key: str, shape: BlockShape, value: memoryview, mac_key: bytes | None = None) -> None:
     """Write the header into `value[:HEADER.size]`; the payload must be in place after it
     (`value` is exactly `shape.value_bytes` long)."""
     if len(value) != shape.value_bytes:
         raise ValueError(f"{key}: value buffer is {len(value)} bytes, expected {shape.value_bytes}")
-    value[: HEADER.size] = header(key, shape, [value[HEADER.size :]])
+    value[: HEADER.size] = header(key, shape, [value[HEADER.size :]], mac_key)
 
 
 def read_header(key: str, data: bytes | bytearray | memoryview, expect: BlockShape) -> BlockShape:
@@ -244,16 +253,27 @@ def stored_checksum(head: bytes | bytearray | memoryview) -> int:
 
 
 def checksum_ok(
-    key: str, head: bytes | bytearray | memoryview, payload: Iterable[memoryview]
+    key: str,
+    head: bytes | bytearray | memoryview,
+    payload: Iterable[memoryview],
+    mac_key: bytes | None = None,
 ) -> bool:
     """True if the checksum in `head` (a value's header) matches `key`, the header and the
-    concatenation of `payload`."""
+    concatenation of `payload` (keyed with `mac_key` when given)."""
     view = memoryview(head).cast("B")[: HEADER.size]
-    return _digest(key, view[: CHECKSUM_SPAN[0]], payload) == stored_checksum(view)
+    digest = _digest(key, view[: CHECKSUM_SPAN[0]], payload, mac_key)
+    if mac_key is not None:
+        return hmac.compare_digest(CHECKSUM.pack(digest), CHECKSUM.pack(stored_checksum(view)))
+    return digest == stored_checksum(view)
 
 
 def check_value(
-    key: str, data: bytes | bytearray | memoryview | None, expect: BlockShape, *, verify: bool
+    key: str,
+    data: bytes | bytearray | memoryview | None,
+    expect: BlockShape,
+    *,
+    verify: bool,
+    mac_key: bytes | None = None,
 ) -> tuple[BlockShape, memoryview]:
     """The stored shape and payload (a view into `data`) of a whole value; raise
     `BlockFormatError` if it is absent, torn, corrupt or of another shape, dtype, head range or
@@ -267,9 +287,16 @@ def check_value(
             f"{key}: value is {len(view)} bytes, expected {expect.value_bytes} (torn or padded)"
         )
     payload = view[HEADER.size :]
-    if verify and not checksum_ok(key, view, [payload]):
-        raise BlockFormatError(f"{key}: checksum mismatch (corrupt value)")
+    if verify and not checksum_ok(key, view, [payload], mac_key):
+        raise BlockFormatError(mismatch(key, mac_key))
     return shape, payload
+
+
+def mismatch(key: str, mac_key: bytes | None) -> str:
+    """What a value whose checksum (or MAC) does not verify is."""
+    if mac_key is None:
+        return f"{key}: checksum mismatch (corrupt value)"
+    return f"{key}: MAC mismatch (corrupt, or not written with this store's mac_secret)"
 
 
 def encode_block(key: str, shape: BlockShape, tensor: torch.Tensor) -> bytes:
@@ -295,7 +322,18 @@ def decode_block(
     return flat.view(shape.tensor_shape)
 
 
-def _digest(key: str, prefix: bytes | memoryview, payload: Iterable[memoryview | bytes]) -> int:
+def _digest(
+    key: str,
+    prefix: bytes | memoryview,
+    payload: Iterable[memoryview | bytes],
+    mac_key: bytes | None = None,
+) -> int:
+    if mac_key is not None:  # keyed: only holders of the key make a value that verifies
+        mac = hashlib.blake2b(key.encode(), digest_size=CHECKSUM.size, key=mac_key)
+        mac.update(prefix)
+        for chunk in payload:
+            mac.update(chunk)
+        return int.from_bytes(mac.digest(), "little")
     if _hash_buffers is not None:  # one call, without the GIL: IO threads hash side by side
         return int(_hash_buffers([key.encode(), prefix, *payload]))
     hasher = xxhash.xxh3_64(key.encode())

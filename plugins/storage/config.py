@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 REDIS_SCHEMES = ("redis", "rediss")
 REDIS_PASSWORD_KEY = "kv_connector_extra_config.redis_password"
+MIN_MAC_SECRET = 16
 
 
 class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -36,7 +38,9 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
     of, each engine's block size (default 16, or the engine's block size when 16 does not fit).
     Local files are readable only by their owner (`permissions: "owner"`, files 0600 and
     directories 0700) unless `permissions` is `"group"` (0640 / 0750). The default store is
-    the user's own cache directory.
+    the user's own cache directory. `integrity: "checksum"` (default) detects damaged values
+    (XXH3); `"mac"` keys each value's check with `mac_secret` (BLAKE2b), so anyone who can
+    write to the store but lacks the secret cannot plant a value the engines will load.
     """
 
     storage_url: str = DEFAULT_STORAGE_URL
@@ -52,8 +56,20 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
     permissions: Literal["owner", "group"] = "owner"
     storage_options: dict[str, Any] | None = None
     redis_password: Secret | None = None
+    integrity: Literal["checksum", "mac"] = "checksum"
+    mac_secret: str | None = None
 
     def __post_init__(self) -> None:
+        if self.integrity == "mac":
+            if self.mac_secret is None or len(self.mac_secret) < MIN_MAC_SECRET:
+                raise ValueError(
+                    f'mac_secret: integrity "mac" needs a secret of at least {MIN_MAC_SECRET} '
+                    "characters, shared by every engine that reads or writes the store"
+                )
+            if not self.verify_checksums:
+                raise ValueError('verify_checksums: integrity "mac" always verifies; drop false')
+        elif self.mac_secret is not None:
+            raise ValueError('mac_secret: only used with integrity "mac"')
         if self.shared_storage_path is not None:
             problem = path_problem(self.shared_storage_path)
             if problem is not None:
@@ -154,6 +170,13 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
             storage_options=self.storage_options,
             password=kvx.resolve_secret(self.redis_password, REDIS_PASSWORD_KEY),
         )
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The key of stored values' MACs (None: plain checksums)."""
+        if self.integrity != "mac" or self.mac_secret is None:
+            return None
+        return hashlib.blake2b(self.mac_secret.encode(), digest_size=32).digest()
 
     @property
     def url(self) -> str:

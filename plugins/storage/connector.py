@@ -57,6 +57,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
                 verify_checksums=options.verify_checksums,
                 io_threads=options.io_threads,
                 max_inflight_bytes=options.max_inflight_bytes,
+                mac_key=options.mac_key,
             )
         except BaseException:
             backend.close()

@@ -26,6 +26,7 @@ from kvx.plugins.storage.blockformat import (
     checksum_seed,
     header,
     header_prefix,
+    mismatch,
     read_header,
     stored_checksum,
 )
@@ -99,12 +100,18 @@ class DirectIO:
     (order, K order)."""
 
     def __init__(
-        self, backend: StorageBackend, table: list[Region], verify: bool, order: tuple[str, str]
+        self,
+        backend: StorageBackend,
+        table: list[Region],
+        verify: bool,
+        order: tuple[str, str],
+        mac_key: bytes | None = None,
     ) -> None:
         self.backend = backend
         self.table = table
         self.verify = verify
         self.order = order
+        self.mac_key = mac_key  # values are MACed, not checksummed: no native hashing
 
     def regions(self, block: int) -> list[memoryview]:
         """Engine block `block` of every layer of the stage: a stored value's payload."""
@@ -117,7 +124,7 @@ class DirectIO:
     def native(self) -> bool:
         """Whether values move through the backend's native block IO (local files),
         checksummed in the same pass."""
-        return self.verify and self.backend.hashed_io
+        return self.verify and self.backend.hashed_io and self.mac_key is None
 
     def fetch(
         self, unit: Unit, targets: list[int | None], name_of: Callable[[str], str]
@@ -151,9 +158,9 @@ class DirectIO:
                     elif self.verify and not (
                         digest == stored_checksum(head)
                         if digest is not None
-                        else checksum_ok(name, head, self.regions(block))
+                        else checksum_ok(name, head, self.regions(block), self.mac_key)
                     ):
-                        raise BlockFormatError(f"{name}: checksum mismatch (corrupt value)")
+                        raise BlockFormatError(mismatch(name, self.mac_key))
                 except BlockFormatError as exc:
                     errors[row] = exc
         return Fetched(unit, None, None, errors, foreign=foreign)
@@ -175,7 +182,7 @@ class DirectIO:
         """Write values straight from the engine's blocks (an IO thread): local files in one
         native call, checksummed as they are written; otherwise as many per call as are worth
         a round trip."""
-        if self.backend.hashed_io:
+        if self.backend.hashed_io and self.mac_key is None:
             seeds = [checksum_seed(name, shape) for name in names]
             self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self.table, blocks)
             return
@@ -184,5 +191,5 @@ class DirectIO:
             vectors: list[tuple[str, list[bytes | memoryview]]] = []
             for name, block in zip(names[at : at + per], blocks[at : at + per], strict=True):
                 payload = self.regions(block)
-                vectors.append((name, [header(name, shape, payload), *payload]))
+                vectors.append((name, [header(name, shape, payload, self.mac_key), *payload]))
             self.backend.put_vectored(vectors)

@@ -107,6 +107,17 @@ def _stage(layer_names: tuple[str, ...], start: int, stop: int) -> Stage:
     return Stage(range(start, stop), layer_set_hash(layer_names[start:stop]))
 
 
+def block_key_of(value_name: str) -> str:
+    """The block key a `value_key` names (the same for every stage and head shard)."""
+    return value_name.rpartition("/")[2].partition(".")[0]
+
+
+def medium_of(url: str) -> str:
+    """The `medium` of KV events for a store at `url` (`DISK` for local files)."""
+    scheme = url.partition("://")[0].lower() if "://" in url else "file"
+    return "DISK" if scheme == "file" else scheme.upper()
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The key space and block shape an engine reads and writes (same on both sides)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvx import KVConnectorMetadata
+from kvx import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -45,3 +45,16 @@ class StoreSpec:
 class StorageMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+
+
+@dataclass
+class StorageWorkerMeta(KVConnectorWorkerMetadata):
+    """Saves that failed on workers since their last report: (block keys, medium, reason)."""
+
+    failed_saves: list[tuple[list[str], str, str]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, StorageWorkerMeta):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into StorageWorkerMeta")
+        self.failed_saves += other.failed_saves
+        return self

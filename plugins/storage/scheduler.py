@@ -14,7 +14,7 @@ from typing import Any
 import kvx
 from kvx import ConnectorScheduler, StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
-from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
+from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StorageWorkerMeta, StoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class StorageScheduler(ConnectorScheduler):
         self._reqs: dict[str, _Request] = {}  # scheduled requests
         self._found: dict[str, dict[int, _Partition]] = {}  # this step: block -> partition
         self._loads: dict[str, int] = {}  # this step: request id -> external tokens
+        self._events: list[kvx.KVCacheEvent] = []  # failed saves the workers reported
 
     # -- contract --------------------------------------------------------------------------
 
@@ -124,6 +125,20 @@ class StorageScheduler(ConnectorScheduler):
         for table in tables:
             table.pop(request.request_id, None)
         return False, None
+
+    def update_connector_output(self, connector_output: kvx.KVConnectorOutput) -> None:
+        """Workers' failed saves become `BlockStoreFailed` events (once per distinct one)."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, StorageWorkerMeta):
+            failures = (
+                kvx.BlockStoreFailed(tuple(keys), medium, reason)
+                for keys, medium, reason in meta.failed_saves
+            )
+            self._events += dict.fromkeys(failures)
+
+    def take_events(self) -> list[kvx.KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
 
     def shutdown(self) -> None:
         self.backend.close()

@@ -18,7 +18,19 @@ class Tally:
 
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
+        self._failed: list[tuple[tuple[str, ...], str]] = []
         self._lock = threading.Lock()
+
+    def failed(self, block_keys: list[str], reason: str) -> None:
+        """Storing these blocks failed (`save_errors` counts the failed writes)."""
+        with self._lock:
+            self._failed.append((tuple(block_keys), reason))
+
+    def take_failures(self) -> list[tuple[tuple[str, ...], str]]:
+        """(block keys, reason) of each failed save since the last call."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
 
     def add(self, **counts: int) -> None:
         with self._lock:

@@ -46,7 +46,7 @@ from kvx.plugins.storage.direct import (
     check_size,
     splits_by_tokens,
 )
-from kvx.plugins.storage.keys import Geometry, Stage
+from kvx.plugins.storage.keys import Geometry, Stage, block_key_of, medium_of
 from kvx.plugins.storage.load_plan import (
     Load,
     Unit,
@@ -56,7 +56,7 @@ from kvx.plugins.storage.load_plan import (
     unit_key,
     valid_tokens,
 )
-from kvx.plugins.storage.metadata import StorageMetadata, StoreSpec
+from kvx.plugins.storage.metadata import StorageMetadata, StorageWorkerMeta, StoreSpec
 from kvx.plugins.storage.scatter import scatter
 from kvx.plugins.storage.stats import StorageStats, Tally
 from kvx.plugins.storage.values import layer_view, token_slice, unify_orders
@@ -80,10 +80,12 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         verify_checksums: bool,
         io_threads: int,
         max_inflight_bytes: int,
+        mac_key: bytes | None = None,
     ) -> None:
         self.geo = geometry
         self.backend = backend
-        self.verify = verify_checksums
+        self.verify = verify_checksums or mac_key is not None
+        self.mac_key = mac_key  # values carry a keyed MAC instead of a checksum
         self.layout = get_layout("MLA" if geometry.mla else ctx.cache.layout)
         if self.layout.is_cross_layer:
             raise ValueError(
@@ -104,7 +106,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         # direct IO: values straight from and into the stage's engine blocks
         self.direct = False
         self._pieces = 1
-        self._direct_io = DirectIO(backend, [], verify_checksums, (self.order, self.k_order))
+        self._direct_io = DirectIO(backend, [], self.verify, (self.order, self.k_order), mac_key)
         self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvx-storage-io")
@@ -253,7 +255,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         for name, row, size in zip(names, rows, sizes, strict=True):
             try:
                 check_size(name, size, len(row))
-                stored, _ = check_value(name, row, shape, verify=self.verify)
+                stored, _ = check_value(name, row, shape, verify=self.verify, mac_key=self.mac_key)
                 errors.append(None)
                 shapes.append(stored)
             except BlockFormatError as exc:
@@ -420,9 +422,12 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             else:
                 buffers = [(name, value) for name, value in items if isinstance(value, memoryview)]
                 for name, value in buffers:
-                    seal(name, shape, value)
+                    seal(name, shape, value, self.mac_key)
                 self.backend.put_many(buffers)
             self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
+        except Exception as exc:
+            self._tally.failed([name for name, _ in items], f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             if not direct:
                 self._budget.release(len(items) * shape.value_bytes)
@@ -434,6 +439,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
         self._tally.add(save_errors=1)
+        self._tally.failed([name for name, _ in self._items], f"layers {missing} never saved")
         if self._step_values is not None:
             self._budget.release(self._step_values.numel())
         self._step_values, self._saves_meta, self._saved_layers = None, None, set()
@@ -466,6 +472,16 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
 
     def take_stats(self) -> StorageStats | None:
         return self._tally.take()
+
+    def take_worker_meta(self) -> StorageWorkerMeta | None:
+        """The writes that failed since the last call (their block keys), for the scheduler
+        half to report as `BlockStoreFailed` events."""
+        medium = medium_of(self.backend.url)
+        failed = [
+            (list(dict.fromkeys(map(block_key_of, names))), medium, reason)
+            for names, reason in self._tally.take_failures()
+        ]
+        return StorageWorkerMeta(failed) if failed else None
 
     def shutdown(self) -> None:
         self.wait_for_save()

@@ -124,6 +124,37 @@ def test_xfail_per_scenario_and_failures_name_the_rule(pytester: pytest.Pytester
     assert "During handling" not in result.stdout.str()
 
 
+def test_fail_fast_skips_the_failed_configs_other_scenarios_only(
+    pytester: pytest.Pytester,
+) -> None:
+    broken = EXAMPLE | {"kv_connector": "NoSuchConnector"}
+    pytester.makeconftest(
+        f"""
+        import pytest
+
+        @pytest.fixture(params=["broken", "good"])
+        def kvx_config(request):
+            return {json.dumps(broken)} if request.param == "broken" else {json.dumps(EXAMPLE)}
+        """
+    )
+    pytester.makepyfile(test_example=THREE_LINES)
+    result = pytester.runpytest_subprocess(
+        "-k", "pd_short_prompt or pd_block_multiple", "-rs", "--kvx-fail-fast", *NO_TIMEOUT_PLUGIN
+    )
+    assert outcomes(result) == {
+        "failed": 1,
+        "passed": 2,
+        "skipped": 1,
+        "deselected": outcomes(result)["deselected"],
+    }, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "NoSuchConnector: 1 failed, 1 not run; NO KV transfer tested",
+            "SKIPPED * not run: --kvx-fail-fast, pd_short_prompt failed first",
+        ]
+    )
+
+
 def test_a_connector_claiming_nothing_fails_unless_allowed(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,6 +95,24 @@ def test_a_connector_holding_blocks_forever_fails_fast_naming_them(
 
 
 @pytest.mark.timeout(60)
+def test_a_fault_scenario_waiting_on_a_lease_fails_fast_naming_the_held_blocks(
+    broken_importable: None,
+) -> None:
+    """A connector that never frees a finished prompt's blocks is not waited for until the
+    fault timeout (60 s): the stall limit applies while P should be letting a lease run out
+    (every fault scenario waits through `Harness.wait_for_fault_handling`)."""
+    start = time.monotonic()
+    (result,) = run_suite(broken("NeverFrees"), only=["abort_between_prefill_and_decode"])
+    elapsed = time.monotonic() - start
+    assert result.outcome == FAILED
+    assert elapsed < 15, elapsed
+    message = result.message
+    assert message.startswith("EngineStall: no progress for 10s (waiting until P freed"), message
+    assert "blocks held after finish" in message and "blocks [" in message, message
+    assert "get_finished() to report it in finished_sending (no worker has)" in message
+
+
+@pytest.mark.timeout(60)
 def test_the_skeleton_that_claims_nothing_does_not_pass(broken_importable: None) -> None:
     suite = run_suite(broken("DoesNothing"), options=OPTIONS)
     assert suite.count(FAILED) == 0 and suite.count(PASSED) == 1  # idempotent_matching

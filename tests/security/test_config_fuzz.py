@@ -1,8 +1,9 @@
 """10,000 seeded mutations of every built-in connector's config, each through `kvx validate`
-(exit 0 or 2, nothing else), validation and construction of both roles (nothing but
-`ConfigError`). Each mutation draws field values from a catalogue of known-good and known-bad
-values, so the test also knows the answer: a config holding a bad value must be refused (at
-validation or at construction) and one holding only good values must be built."""
+in process (exit 0 or 2, nothing else, agreeing with parsing the config), validation and
+construction of both roles (nothing but `ConfigError`). Each mutation draws field values
+from a catalogue of known-good and known-bad values, so the test also knows the answer: a
+config holding a bad value must be refused (at validation or at construction) and one holding
+only good values must be built."""
 
 from __future__ import annotations
 
@@ -58,9 +59,13 @@ def catalogue(tmp: Path) -> dict[str, dict[str, tuple[list[Any], list[Any]]]]:
             "io_threads": ([None, 1, 4], [0, 65]),
             "timeout_s": ([None, 1.0], [0, -1, 1e400]),
             "namespace": ([None, "ns.1"], ["a/b", "", long_name]),
-            "verify_checksums": ([None, False], ["yes"]),
+            "verify_checksums": ([None, True], ["yes"]),  # false and integrity "mac" conflict
             "max_inflight_bytes": ([None, 1 << 20], [0]),
             "permissions": ([None, "owner", "group"], ["world"]),
+            "mac": (  # integrity and mac_secret go together
+                [None, ("mac", "0123456789abcdef")],
+                [("mac", None), ("mac", "short"), (None, "0123456789abcdef"), ("hmac", None)],
+            ),
         },
         "OffloadingConnector": {
             "cpu_bytes_to_use": ([1 << 20], [0, 10, 2**64, 1 << 49, 1e400, "1"]),
@@ -118,10 +123,13 @@ TOP: dict[str, tuple[list[Any], list[Any]]] = {
 }
 
 
+PAIRS = {"disk": ("disk_url", "disk_bytes_to_use"), "mac": ("integrity", "mac_secret")}
+
+
 def _set(extra: dict[str, Any], field: str, value: Any) -> None:
-    if field == "disk":
+    if field in PAIRS:
         if value is not None:
-            for key, item in zip(("disk_url", "disk_bytes_to_use"), value, strict=True):
+            for key, item in zip(PAIRS[field], value, strict=True):
                 if item is not None:
                     extra[key] = item
     elif field == "proxy":
@@ -183,24 +191,26 @@ def test_config_mutations(tmp_path: Path) -> None:
     cat = catalogue(tmp_path)
     rng = random.Random(2026)
     built: dict[str, str] = {}  # connector + extra config -> "ok" / why it was refused
-    accepted_bad, refused_good = [], []
+    accepted_bad, refused_good, disagree = [], [], []
     outcomes = {True: 0, False: 0}
     codes: dict[int, int] = {}
-    for i in range(MUTATIONS):
+    for _ in range(MUTATIONS):
         data, bad = mutation(rng, cat)
         text = json.dumps(data)
-        if i % 10 == 0:  # `kvx validate` itself, in process (1,000 of the 10,000)
-            with (
-                contextlib.redirect_stdout(io.StringIO()),
-                contextlib.redirect_stderr(io.StringIO()),
-            ):
-                code = cli.main(["validate", "--kv-transfer-config", text])
-            codes[code] = codes.get(code, 0) + 1
+        # every mutation through `kvx validate` itself, in process
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main(["validate", "--kv-transfer-config", text])
+        codes[code] = codes.get(code, 0) + 1
         try:
             config = KVTransferConfig.from_json(text)
         except ConfigError as exc:
             outcome = f"refused: {exc}"
-        else:  # construction depends on the connector and its extra config only: built once
+            if code != 2:
+                disagree.append(f"{text}: validate exit {code}, parsing refused it")
+        else:
+            if code != 0:
+                disagree.append(f"{text}: validate exit {code}, parsing accepted it")
+            # construction depends on the connector and its extra config only: built once
             key = json.dumps([config.kv_connector, config.kv_connector_extra_config])
             if key not in built:
                 try:
@@ -215,6 +225,7 @@ def test_config_mutations(tmp_path: Path) -> None:
         if not bad and outcome != "ok":
             refused_good.append(f"{text} -> {outcome}")
     assert set(codes) <= {0, 2}, codes
+    assert not disagree, disagree[:3]
     assert not accepted_bad, accepted_bad[:3]
     assert not refused_good, refused_good[:3]
     assert outcomes[True] > 2000 and outcomes[False] > 2000, outcomes  # both are exercised

@@ -211,6 +211,7 @@ def test_kv_events_become_vllm_events_vllm_can_encode() -> None:
         [
             kvx.BlockStored((b"a", b"b"), None, (1, 2, 3), 128, medium="DISK"),
             kvx.BlockRemoved((b"a",), medium="DISK"),
+            kvx.BlockStoreFailed(("0a1b",), "DISK", "OSError: no space"),  # kvx only: left out
             kvx.AllBlocksCleared(),
         ]
     )
