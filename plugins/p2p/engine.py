@@ -346,7 +346,13 @@ class P2pEngine:
             peer.geometry = reply.geometry
 
     def geometry_of(self, address: str) -> Geometry:
-        """The KV geometry of the worker at `address` (HELLO on first contact)."""
+        """The KV geometry of the worker at `address` (HELLO on first contact). A paired peer's
+        is answered without its lock, which a PUT_ASYNC send may hold while it waits for acks:
+        P's next layer must not wait for them."""
+        with self._peers_lock:
+            known = self._peers.get(address)
+        if known is not None and known.geometry is not None and not known.closed:
+            return known.geometry
         with self._locked(address, time.monotonic() + self.timeout_s) as peer:
             assert peer.geometry is not None
             return peer.geometry

@@ -13,7 +13,7 @@ differs is only where the bytes go:
 
 Why ZMQ frames on CPU and not torch.distributed gloo send/recv: `benchmarks/bench_p2p.py`
 moves the same 128 MiB both ways in one run; on this (shared, loaded) 2-core machine raw
-zero-copy ZMQ frames were 3.4x to 9.9x faster than raw gloo send/recv (medians of 3-5 rounds,
+zero-copy ZMQ frames were 1.3x to 9.9x faster than raw gloo send/recv (medians of 3-5 rounds,
 docs/performance.md), and they need no process group.
 """
 

@@ -170,3 +170,29 @@ def test_get_serves_a_head_slice_and_a_dead_peer_is_bounded() -> None:
         assert time.monotonic() - start < 5
     finally:
         client.close()
+
+
+@pytest.mark.timeout(60)
+def test_geometry_of_a_paired_peer_does_not_wait_for_a_send_in_flight(
+    receiver: P2pEngine,
+) -> None:
+    """P's next layer asks D's geometry while PUT_ASYNC's sender holds the peer, waiting for
+    acks; a known geometry must not queue behind that (it serialized copy-out and sending)."""
+    import threading
+
+    sender = _engine(None)
+    try:
+        address = receiver.address or ""
+        assert sender.geometry_of(address) == GEOMETRY  # paired
+        peer = sender._peers[address]
+        answered = threading.Event()
+        with peer.lock:  # a send in flight
+            thread = threading.Thread(
+                target=lambda: sender.geometry_of(address) == GEOMETRY and answered.set()
+            )
+            thread.start()
+            got = answered.wait(1.5)
+        thread.join(5)
+        assert got, "geometry_of waited for the peer's lock"
+    finally:
+        sender.close()
