@@ -7,8 +7,6 @@ nothing else (docs/architecture.md, enforced by tests/core/test_import_rule.py).
 
 from __future__ import annotations
 
-import pluggy
-
 from kvx._version import __version__
 from kvx.config import KVTransferConfig, load_cli_arg
 from kvx.contract import (
@@ -35,8 +33,16 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.hookimpls import hookimpl, provides
 from kvx.registry import Registry, create_connector, get_layout, get_registry
-from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.rolesplit import (
+    ConnectorScheduler,
+    ConnectorWorker,
+    RequestTracker,
+    RoleSplitConnector,
+    ScheduledRequest,
+    TrackedRequest,
+)
 from kvx.schema import path_problem, url_problem
 from kvx.specs import (
     CommandSpec,
@@ -69,9 +75,6 @@ from kvx.types import (
     yield_req_data,
 )
 from kvx.userdirs import make_private_dirs, user_cache_dir
-
-hookimpl = pluggy.HookimplMarker("kvx")
-"""Marks a plugin's implementation of a `kvx_*` hook (see `kvx.hookspecs`)."""
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -114,13 +117,16 @@ __all__ = [
     "RegistryError",
     "Request",
     "RequestStatus",
+    "RequestTracker",
     "RoleSplitConnector",
+    "ScheduledRequest",
     "SchedulerOutput",
     "StorageBackend",
     "StorageBackendOptions",
     "StorageBackendSpec",
     "StorageRegionTable",
     "SupportsHMA",
+    "TrackedRequest",
     "TransformSpec",
     "__version__",
     "copy_into",
@@ -132,6 +138,7 @@ __all__ = [
     "make_private_dirs",
     "open_storage_backend",
     "path_problem",
+    "provides",
     "supports_hma",
     "url_problem",
     "user_cache_dir",
