@@ -38,6 +38,7 @@ from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import (
     ConnectorScheduler,
     ConnectorWorker,
+    PlanningScheduler,
     RequestTracker,
     RoleSplitConnector,
     ScheduledRequest,
@@ -113,6 +114,7 @@ __all__ = [
     "MissingDependencyError",
     "NewRequestData",
     "ParallelInfo",
+    "PlanningScheduler",
     "Registry",
     "RegistryError",
     "Request",

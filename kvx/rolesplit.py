@@ -204,6 +204,35 @@ class RequestTracker(Generic[R]):
         return ScheduledRequest(tracked, computed, scheduled, load, resumed)
 
 
+class PlanningScheduler(ConnectorScheduler, Generic[R, M]):
+    """A scheduler half that plans each step request by request when the step's metadata is
+    built (storage, LMCache): `update_state_after_alloc` records the step's load in
+    `self.requests` (a `RequestTracker` the subclass makes), and `build_connector_meta` calls
+    `plan` for each scheduled request, then `step_planned`."""
+
+    metadata_type: type[M]
+    requests: RequestTracker[R]
+
+    @abstractmethod
+    def plan(self, meta: M, step: ScheduledRequest[R]) -> None:
+        """Add `step`'s loads and stores to this step's `meta`."""
+
+    def step_planned(self) -> None:
+        """Every scheduled request was planned (e.g. drop what was learned for this step)."""
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.requests.record_load(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> M:
+        meta = self.metadata_type()
+        for step in self.requests.scheduled(scheduler_output):
+            self.plan(meta, step)
+        self.step_planned()
+        return meta
+
+
 class ConnectorWorker(ABC, Generic[M]):
     """The worker half: the contract's worker-side methods, given this step's metadata (of
     type `M`, checked by the facade) where they need it. Results are drained by `take_*`."""

@@ -15,9 +15,9 @@ from typing import Any
 import kvx
 from kvx import (
     BlockStored,
-    ConnectorScheduler,
     KVCacheEvent,
     KVConnectorOutput,
+    PlanningScheduler,
     RequestTracker,
     ScheduledRequest,
 )
@@ -38,7 +38,9 @@ class _Request:
     stored: int  # prompt tokens known to be in LMCache (chunk-aligned, or the whole prompt)
 
 
-class LMCacheScheduler(ConnectorScheduler):
+class LMCacheScheduler(PlanningScheduler[_Request, LMCacheMetadata]):
+    metadata_type = LMCacheMetadata
+
     def __init__(
         self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool, load: bool
     ) -> None:
@@ -52,7 +54,7 @@ class LMCacheScheduler(ConnectorScheduler):
         self.store = store
         self.load = load  # a pure producer (kv_producer) never loads
         self.medium = options.medium()
-        self._reqs = RequestTracker(
+        self.requests = RequestTracker(
             "kvx lmcache", lambda new: _Request(list(new.prompt_token_ids), 0)
         )
         self._hits: dict[str, int] = {}  # this step: request -> prompt tokens LMCache holds
@@ -76,17 +78,8 @@ class LMCacheScheduler(ConnectorScheduler):
         end = min(hit, cap) // self.block_size * self.block_size
         return max(0, end - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self._reqs.record_load(request.request_id, num_external_tokens)
-
-    def build_connector_meta(self, out: kvx.SchedulerOutput) -> LMCacheMetadata:
-        meta = LMCacheMetadata()
-        for step in self._reqs.scheduled(out):
-            self._plan(meta, step)
+    def step_planned(self) -> None:
         self._hits.clear()
-        return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """A chunk becomes a `BlockStored` event once every worker stored its share."""
@@ -115,7 +108,7 @@ class LMCacheScheduler(ConnectorScheduler):
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Stores finish inside the step that computed the tokens: blocks are never held."""
-        self._reqs.forget(request.request_id)
+        self.requests.forget(request.request_id)
         self._hits.pop(request.request_id, None)
         return False, None
 
@@ -128,7 +121,7 @@ class LMCacheScheduler(ConnectorScheduler):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _plan(self, meta: LMCacheMetadata, step: ScheduledRequest[_Request]) -> None:
+    def plan(self, meta: LMCacheMetadata, step: ScheduledRequest[_Request]) -> None:
         """Add the request's load (the tokens just counted as computed) and the chunks its
         scheduled prompt tokens complete this step."""
         state, computed = step.state, step.num_computed_tokens

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvx
-from kvx import ConnectorScheduler, RequestTracker, ScheduledRequest, StorageBackend
+from kvx import PlanningScheduler, RequestTracker, ScheduledRequest, StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StoreSpec
 
@@ -28,9 +28,11 @@ class _Request:
     keys: list[str]
 
 
-class StorageScheduler(ConnectorScheduler):
+class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
     """Existence checks are fresh on every call; what is learned is kept only until the step's
     `build_connector_meta`, since other engines add blocks (and TTLs drop them) at any time."""
+
+    metadata_type = StorageMetadata
 
     def __init__(
         self,
@@ -52,7 +54,7 @@ class StorageScheduler(ConnectorScheduler):
         ]
         self._stages: dict[int, list[Stage]] = {}  # writer PP size -> its stages
         self._keys: dict[str, list[str]] = {}  # request id -> keys of its prompt's full blocks
-        self._reqs = RequestTracker("kvx storage", self._start)  # scheduled requests
+        self.requests = RequestTracker("kvx storage", self._start)  # scheduled requests
         self._found: dict[str, dict[int, _Partition]] = {}  # this step: block -> partition
 
     # -- contract --------------------------------------------------------------------------
@@ -76,23 +78,14 @@ class StorageScheduler(ConnectorScheduler):
         end = min((first + len(found)) * bs, cap) // ebs * ebs
         return max(0, end - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self._reqs.record_load(request.request_id, num_external_tokens)
-
-    def build_connector_meta(self, out: kvx.SchedulerOutput) -> StorageMetadata:
-        meta = StorageMetadata()
-        for step in self._reqs.scheduled(out):
-            self._plan(meta, step)
+    def step_planned(self) -> None:
         self._found.clear()
-        return meta
 
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Saves are durable by the step's `wait_for_save`: blocks are never held."""
-        self._reqs.forget(request.request_id)
+        self.requests.forget(request.request_id)
         for table in (self._keys, self._found):
             table.pop(request.request_id, None)
         return False, None
@@ -117,7 +110,7 @@ class StorageScheduler(ConnectorScheduler):
             self._keys[request.request_id] = keys
         return keys
 
-    def _plan(self, meta: StorageMetadata, step: ScheduledRequest[_Request]) -> None:
+    def plan(self, meta: StorageMetadata, step: ScheduledRequest[_Request]) -> None:
         """Add the request's load (tokens just counted as computed) and the stored blocks its
         scheduled tokens complete this step (prompt tokens only)."""
         bs, ebs = self.geo.block_size, self.geo.engine_block_size

@@ -1,14 +1,27 @@
 """RequestTracker: each scheduled request's block table kept from the scheduler outputs
 (whole tables for new and resumed requests, new blocks for running ones, none while
-preempted), and each step's recorded loads handed to the right request once."""
+preempted), and each step's recorded loads handed to the right request once; PlanningScheduler,
+the scheduler half built on it."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from kvx import CachedRequestData, NewRequestData, RequestTracker, SchedulerOutput
+from kvx import (
+    CachedRequestData,
+    KVCacheBlocks,
+    KVConnectorMetadata,
+    NewRequestData,
+    PlanningScheduler,
+    Request,
+    RequestTracker,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 def new(req_id: str, blocks: list[int], computed: int = 0) -> NewRequestData:
@@ -73,3 +86,33 @@ def test_only_tracked_requests_without_start_and_stray_loads_are_dropped(
     ]
     assert "kvx test: loads of unscheduled requests dropped: {'never-scheduled': 48}" in caplog.text
     assert tracker.scheduled(out)[0].num_external_tokens == 0  # handed out once
+
+
+def test_planning_scheduler_plans_each_scheduled_request_once_per_step() -> None:
+    @dataclass
+    class Plan(KVConnectorMetadata):
+        planned: list[tuple[str, list[int], int]] = field(default_factory=list)
+
+    class Planner(PlanningScheduler[str, Plan]):
+        metadata_type = Plan
+
+        def __init__(self) -> None:  # "x" is not followed
+            self.requests = RequestTracker("planner", lambda n: None if n.req_id == "x" else "s")
+            self.steps_planned = 0
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+            return 0, False
+
+        def plan(self, meta: Plan, step: ScheduledRequest[str]) -> None:
+            meta.planned.append((step.req_id, step.block_ids, step.num_external_tokens))
+
+        def step_planned(self) -> None:
+            self.steps_planned += 1
+
+    planner = Planner()
+    request = Request("a", [1] * 40)
+    planner.update_state_after_alloc(request, KVCacheBlocks(([1, 2, 3],)), 32)
+    out = SchedulerOutput(scheduled_new_reqs=[new("a", [1, 2, 3], 32), new("x", [4])])
+    meta = planner.build_connector_meta(out)
+    assert isinstance(meta, Plan) and meta.planned == [("a", [1, 2, 3], 32)]
+    assert planner.steps_planned == 1
