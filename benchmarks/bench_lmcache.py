@@ -15,7 +15,7 @@ file per chunk, page cache). Each round runs every variant, interleaved; medians
 rounds, with the process CPU time beside the wall time. Retrieved bytes are checked against
 the source. Ratios are the result; absolute numbers on a shared machine are noise.
 
-    .venv-lmcache/bin/python benchmarks/bench_lmcache.py [--png out.png]
+    .venv-vllm/bin/python benchmarks/bench_lmcache.py [--png out.png]
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def main() -> None:
             f"{name:38} {wall * 1e3:9.1f} {cpu * 1e3:9.1f} {nbytes / wall / 1e9:7.2f} {ratio:6.2f}x"
         )
     if args.png:
-        import matplotlib  # the bench extra; not in .venv-lmcache
+        import matplotlib  # the bench extra; not in .venv-vllm
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -106,8 +106,9 @@ class KV:
                 raise SystemExit(f"{what}: loaded bytes of {name} differ from the saved ones")
 
 
-def make_kv(layers: int, requests: int, tokens: int, heads: int, head_size: int) -> KV:
-    block_size = 16
+def make_kv(
+    layers: int, requests: int, tokens: int, heads: int, head_size: int, block_size: int = 16
+) -> KV:
     per_request = tokens // block_size
     used = requests * per_request
     num_blocks = 2 * used

@@ -1,8 +1,8 @@
 """kvx: a pluggable KV-cache transfer SDK for LLM serving.
 
 The public API is what this module exports in `__all__`, plus the modules `kvx.topology`,
-`kvx.wire` and `kvx.engine` (each by its own `__all__`); plugins (built-in ones included) use
-nothing else (docs/architecture.md, enforced by tests/core/test_import_rule.py).
+`kvx.wire`, `kvx.discovery` and `kvx.engine` (each by its own `__all__`); plugins (built-in
+ones included) use nothing else (docs/architecture.md, enforced by tests/core/test_import_rule.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from kvx.events import (
     KVConnectorKVEvents,
 )
 from kvx.hookimpls import hookimpl, provides
+from kvx.loading import install_hint
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import (
     ConnectorScheduler,
@@ -45,6 +46,7 @@ from kvx.rolesplit import (
     TrackedRequest,
 )
 from kvx.schema import path_problem, url_problem
+from kvx.secrets import Secret, SecretSource, resolve_secret
 from kvx.specs import (
     CommandSpec,
     ConnectorSpec,
@@ -123,6 +125,8 @@ __all__ = [
     "RoleSplitConnector",
     "ScheduledRequest",
     "SchedulerOutput",
+    "Secret",
+    "SecretSource",
     "StorageBackend",
     "StorageBackendOptions",
     "StorageBackendSpec",
@@ -136,11 +140,13 @@ __all__ = [
     "get_layout",
     "get_registry",
     "hookimpl",
+    "install_hint",
     "load_cli_arg",
     "make_private_dirs",
     "open_storage_backend",
     "path_problem",
     "provides",
+    "resolve_secret",
     "supports_hma",
     "url_problem",
     "user_cache_dir",

@@ -22,10 +22,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
+from kvx.checks import check_config, config_notes, connector_configs, import_notes, redacted
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
-from kvx.errors import ConfigError, MissingDependencyError, RegistryError
-from kvx.loading import load_target
+from kvx.dotted import merge_dotted_args
+from kvx.errors import ConfigError, RegistryError
+from kvx.loading import install_hint, load_target
 from kvx.registry import Registered, Registry, get_registry
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
@@ -51,7 +53,9 @@ LIST_EXAMPLES = """examples:
 VALIDATE_EXAMPLES = """examples:
   kvx validate --kv-transfer-config '{"kv_connector": "SharedStorageConnector",
       "kv_connector_extra_config": {"storage_url": "file:///tmp/kvx-kv"}}'
-  kvx validate --kv-transfer-config @my-config.json
+  kvx validate --kv-transfer-config @my-config.json --check   # also open the store, bind ports
+  kvx validate --kv-transfer-config.kv_connector=NixlConnector \
+      --kv-transfer-config.kv_role=kv_both     # vLLM's dot notation, merged into the JSON
 
 exit status: 0 valid (notes on stderr), 2 invalid (each problem names the key, the value and
 what is allowed)
@@ -131,6 +135,12 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         required=True,
         metavar="JSON|@FILE",
         help="the config as a JSON object, or @path to a JSON file (required)",
+    )
+    p_val.add_argument(
+        "--check",
+        action="store_true",
+        help="also try it on this machine: import each connector, read each secret, open the "
+        "storage, bind the ports (default: check the config's text only)",
     )
     p_val.set_defaults(func=_cmd_validate)
 
@@ -303,39 +313,24 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
     except ConfigError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
-    for note in _validate_notes(config, registry):
-        err.print(f"note: {note}", markup=False, highlight=False)
-    out.print_json(config.to_json())
-    return EXIT_OK
-
-
-def _validate_notes(config: KVTransferConfig, registry: Registry) -> list[str]:
-    """What the operator should know about a valid config (missing extras, unchecked keys)."""
-    notes = []
+    connectors = list(connector_configs(config, registry))
+    notes = import_notes(connectors, registry) + config_notes(connectors)
     if config.kv_connector is None:
-        return ["no kv_connector is set: KV transfer is disabled"]
-    if config.kv_connector_module_path:
-        target = registry.extra_config_target(config.kv_connector, config.kv_connector_module_path)
-        if target.unchecked and config.kv_connector_extra_config:
-            notes.append(
-                f"{config.kv_connector} declares no extra_config_schema; its "
-                "kv_connector_extra_config was not validated"
-            )
-        return notes
-    entry = registry.connector(config.kv_connector)
-    hint = entry.install_hint()
-    if hint:
-        notes.append(f"connector {entry.name!r} needs {', '.join(entry.missing())} to run: {hint}")
-        return notes
-    try:
-        registry.load_connector_class(entry.name)
-    except MissingDependencyError as exc:
-        notes.append(f"{exc} to run")
-    except RegistryError as exc:
-        raise RegistryError(
-            f"the config is valid but its connector cannot be used: {exc}"
-        ) from None
-    return notes
+        notes.append("no kv_connector is set: KV transfer is disabled")
+    for note in notes:
+        err.print(f"note: {note}", markup=False, highlight=False)
+    if args.check:
+        problems = check_config(connectors, registry)
+        if problems:
+            err.print(f"error: {ConfigError(problems)}", markup=False, highlight=False)
+            return EXIT_USAGE
+        err.print(
+            "check: the connectors import, the secrets read, the storage opens, the ports bind",
+            markup=False,
+            highlight=False,
+        )
+    out.print_json(json.dumps(redacted(config, connectors), indent=2))
+    return EXIT_OK
 
 
 def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -370,7 +365,7 @@ def _cmd_proxy(args: argparse.Namespace, out: Console, err: Console) -> int:
     if missing:
         err.print(
             f"error: kvx proxy needs the 'proxy' extra ({', '.join(missing)} not installed): "
-            "pip install 'kvx[proxy]'",
+            f"{install_hint('proxy', missing[0])}",
             markup=False,
             highlight=False,
         )
@@ -387,7 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         registry = get_registry()
         parser = _build_parser(registry)
-        args, rest = parser.parse_known_args(argv)
+        args, rest = parser.parse_known_args(
+            merge_dotted_args(sys.argv[1:] if argv is None else argv)
+        )
         command = getattr(args, "plugin_command", None)
         if command is not None:
             return _run_plugin_command(registry, command, rest)
@@ -400,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print("interrupted")
         return 130
     except (RegistryError, ConfigError) as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
+        err.print(f"error: {_described(exc)}", markup=False, highlight=False)
         return EXIT_USAGE
     except Exception as exc:
         if os.environ.get("KVX_DEBUG"):
@@ -412,6 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             highlight=False,
         )
         return EXIT_INTERNAL
+
+
+def _described(exc: RegistryError | ConfigError) -> str:
+    """The error's text; problems that are all with flags (`--tp`, `--layout`) are a bad
+    command line, not an invalid KV transfer config."""
+    if isinstance(exc, ConfigError) and all(p.path.startswith("--") for p in exc.problems):
+        return "; ".join(f"argument {p}" for p in exc.problems)
+    return str(exc)
 
 
 def run() -> None:

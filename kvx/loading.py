@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 import importlib.util
+import json
 from collections.abc import Iterable
+from urllib.parse import unquote
 
 from kvx.errors import MissingDependencyError, RegistryError
 
 
 def install_hint(extra: str | None, missing: str) -> str:
-    if extra:
+    """The command that installs kvx's `extra` (or, without one, the module `missing`) for the
+    way kvx itself was installed: `pip install 'kvx[extra]'` from a package index,
+    `pip install -e '/path/to/checkout[extra]'` from a source checkout (kvx is on no index)."""
+    if not extra:
+        return f"pip install {missing}"
+    source = _install_source()
+    if source is None:
         return f"pip install 'kvx[{extra}]'"
-    return f"pip install {missing}"
+    directory, editable = source
+    return f"pip install {'-e ' if editable else ''}'{directory}[{extra}]'"
+
+
+@functools.cache
+def _install_source() -> tuple[str, bool] | None:
+    """The local directory kvx was installed from and whether editably (pip's
+    `direct_url.json`, PEP 610); None when it came from a package index or a wheel file."""
+    # every kvx distribution visible (a build's kvx.egg-info in the working directory too):
+    # the installed one is the one pip recorded
+    for dist in importlib.metadata.distributions(name="kvx"):
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "null")
+        except ValueError:
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("dir_info"), dict):
+            continue
+        url = info.get("url")
+        if isinstance(url, str) and url.startswith("file://"):
+            return unquote(url.removeprefix("file://")), bool(info["dir_info"].get("editable"))
+    return None
 
 
 def missing_requirements(requires: Iterable[str]) -> list[str]:

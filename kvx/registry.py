@@ -98,8 +98,10 @@ class Registry(PluginCatalogs):
         return self.catalogs["storage backend"].get(name)
 
     def storage_backend_for_url(self, url: str) -> Registered[StorageBackendSpec]:
-        """The backend registered for the scheme of `url` (`file://...` -> `file`)."""
-        scheme = url.split("://", 1)[0] if "://" in url else "file"
+        """The backend registered for the scheme of `url` (`file://...` -> `file`); a chained
+        URL's (fsspec's `simplecache::s3://...`) is its first protocol's."""
+        first = url.split("::", 1)[0]
+        scheme = first.split("://", 1)[0] if "://" in url else "file"
         entries = list(self.catalogs["storage backend"].entries.values())
         for entry in entries:
             if scheme in entry.spec.schemes:
@@ -178,7 +180,7 @@ class Registry(PluginCatalogs):
         if config.kv_connector_module_path == "":
             raise RegistryError("kv_connector_module_path cannot be an empty string")
         if config.kv_connector_module_path:
-            return _load_module_path_class(config.kv_connector_module_path, config.kv_connector)
+            return load_module_path_class(config.kv_connector_module_path, config.kv_connector)
         return self.load_connector_class(config.kv_connector)
 
     def extra_config_target(
@@ -189,12 +191,16 @@ class Registry(PluginCatalogs):
         path = join_path(config_path, "kv_connector")
         if module_path:
             try:
-                cls = _load_module_path_class(module_path, connector)
+                cls = load_module_path_class(module_path, connector)
             except RegistryError as exc:
                 raise ConfigError(
                     [ConfigProblem(join_path(config_path, "kv_connector_module_path"), str(exc))]
                 ) from None
             schema = getattr(cls, "extra_config_schema", None)
+            if schema is None:  # a registered connector's class, loaded by its module path
+                registered = self._registered_as(cls)
+                if registered is not None:
+                    return self.extra_config_target(registered, None, config_path)
             return ExtraConfigTarget(
                 connector, schema, getattr(cls, "child_configs_key", None), schema is None
             )
@@ -224,6 +230,19 @@ class Registry(PluginCatalogs):
                 raise ConfigError([ConfigProblem(path, str(exc))]) from None
         return ExtraConfigTarget(entry.name, schema, entry.spec.child_configs_key)
 
+    def _registered_as(self, cls: type) -> str | None:
+        """The registered name of connector class `cls`, if any (only targets naming a class
+        of the same name are imported)."""
+        for name, entry in self.catalogs["connector"].entries.items():
+            if entry.spec.target.rpartition(":")[2] != cls.__name__:
+                continue
+            try:
+                if load_target(entry.spec.target, what=f"connector {name!r}") is cls:
+                    return name
+            except RegistryError:
+                continue
+        return None
+
     def supports_hma_config(self, config: KVTransferConfig) -> bool:
         """True if the config's connector (and, for composites, every child) supports HMA."""
         cls = self.resolve_connector_class(config)
@@ -240,8 +259,9 @@ class Registry(PluginCatalogs):
         )
 
 
-def _load_module_path_class(module_path: str, class_name: str) -> type[KVConnectorBase_V1]:
-    """Import `class_name` from `module_path` (vLLM's `kv_connector_module_path`)."""
+def load_module_path_class(module_path: str, class_name: str) -> type[KVConnectorBase_V1]:
+    """Import `class_name` from `module_path` (vLLM's `kv_connector_module_path`) and check it
+    is a connector class of this contract taking `(config, role, ctx)`."""
     cls = load_target(f"{module_path}:{class_name}", what=f"connector {class_name!r}")
     cls = check_connector_class(cls, f"{module_path}.{class_name}")
     try:

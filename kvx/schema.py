@@ -7,6 +7,7 @@ did-you-mean for misspelled keys and literal values. Unknown keys are errors.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -82,8 +83,14 @@ def describe(t: mi.Type) -> str:
 def check(value: Any, schema: Any, path: str = "") -> list[ConfigProblem]:
     """Every problem of `value` against `schema` (a type msgspec understands)."""
     problems: list[ConfigProblem] = []
-    _check(value, mi.type_info(schema), path, problems)
+    _check(value, type_info(schema), path, problems)
     return problems
+
+
+@functools.lru_cache(maxsize=256)
+def type_info(schema: Any) -> mi.Type:
+    """msgspec's description of a schema type, computed once per type (it is costly)."""
+    return mi.type_info(schema)
 
 
 def convert(value: Any, schema: type[T], path: str = "") -> T:

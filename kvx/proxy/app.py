@@ -126,7 +126,11 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
         return JSONResponse(document, 200 if ready else 503)
 
     async def servers(request: Request) -> Response:
-        return JSONResponse({"routing": config.routing, **pool.snapshot()})
+        document: dict[str, Any] = {"routing": config.routing, **pool.snapshot()}
+        discovery = getattr(request.app.state, "discovery", None)
+        if discovery is not None:
+            document["discovery"] = {"address": discovery.address, **vars(discovery.counts)}
+        return JSONResponse(document)
 
     async def proxy_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProxyError)

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvx.discovery import DEFAULT_DISCOVERY_PORT
 from kvx.errors import ConfigProblem, quote
 from kvx.proxy.config import (
     DEFAULT_HOST,
@@ -84,6 +85,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    parser.add_argument(
+        "--discovery-port",
+        default=None,
+        metavar="PORT",
+        help="listen here for P and D servers announcing themselves by heartbeat "
+        f"(ZMQ; {DEFAULT_DISCOVERY_PORT} in vLLM's example, 0 for a free one; default: off)",
+    )
+    parser.add_argument(
+        "--discovery-host",
+        default=DEFAULT_HOST,
+        metavar="HOST",
+        help=f"address the discovery listener binds (default {DEFAULT_HOST})",
+    )
+    parser.add_argument(
+        "--discovery-timeout",
+        default=str(_DEFAULTS.discovery_timeout),
+        metavar="S",
+        help="seconds after its last heartbeat a discovered server leaves the rotation "
+        f"(default {_DEFAULTS.discovery_timeout:g})",
+    )
+    parser.add_argument(
+        "--discovery-max-servers",
+        default=str(_DEFAULTS.discovery_max_servers),
+        metavar="N",
+        help="most discovered servers in rotation at once "
+        f"(default {_DEFAULTS.discovery_max_servers})",
+    )
+    parser.add_argument(
+        "--discovery-secret-file",
+        default=None,
+        metavar="PATH",
+        help="a file holding the shared secret announcements must be sealed with "
+        "(default: none, any announcement is accepted)",
+    )
 
 
 def _number(
@@ -97,13 +132,28 @@ def _number(
         return None
 
 
+def _secret(path: str | None, problems: list[ConfigProblem]) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read(4096).strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(ConfigProblem("--discovery-secret-file", f"{quote(path)}: {exc}"))
+        return None
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The settings the flags give; ProxySettingError lists every bad flag at once."""
     problems: list[ConfigProblem] = []
     for flag, urls in (("--prefill", args.prefill), ("--decode", args.decode)):
-        if not urls:
+        if not urls and args.discovery_port is None:
             problems.append(
-                ConfigProblem(flag, f"at least one server URL is required (repeat {flag} for more)")
+                ConfigProblem(
+                    flag,
+                    f"at least one server URL is required (repeat {flag} for more), or "
+                    "--discovery-port for servers that announce themselves",
+                )
             )
     numbers = {
         "port": _number("--port", args.port, int, problems),
@@ -112,12 +162,24 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         "request_timeout": _number("--request-timeout", args.request_timeout, float, problems),
         "max_body_bytes": _number("--max-body-bytes", args.max_body_bytes, int, problems),
     }
+    if args.discovery_port is not None:
+        numbers |= {
+            "discovery_port": _number("--discovery-port", args.discovery_port, int, problems),
+            "discovery_timeout": _number(
+                "--discovery-timeout", args.discovery_timeout, float, problems
+            ),
+            "discovery_max_servers": _number(
+                "--discovery-max-servers", args.discovery_max_servers, int, problems
+            ),
+            "discovery_secret": _secret(args.discovery_secret_file, problems),
+        }
     try:
         config = ProxyConfig(
             prefill=tuple(args.prefill),
             decode=tuple(args.decode),
             host=args.host,
             routing=args.routing,
+            discovery_host=args.discovery_host,
             **{name: value for name, value in numbers.items() if value is not None},
         )
     except ProxySettingError as exc:
@@ -142,10 +204,12 @@ def run(config: ProxyConfig, out: Console) -> int:
         )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
 
-    def announce(url: str) -> None:
+    def announce(url: str, discovery: str | None) -> None:
+        found = f"; discovery on {discovery}" if discovery else ""
         out.print(
             f"kvx proxy listening on {url} (routing {config.routing}; "
-            f"prefill: {', '.join(config.prefill)}; decode: {', '.join(config.decode)})",
+            f"prefill: {', '.join(config.prefill) or '-'}; "
+            f"decode: {', '.join(config.decode) or '-'}{found})",
             markup=False,
             highlight=False,
         )

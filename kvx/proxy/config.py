@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
@@ -80,13 +80,43 @@ def _server_problems(flag: str, urls: Iterable[str], problems: list[ConfigProble
         seen.add(normal)
 
 
+def _int_in(flag: str, value: object, low: int, high: int, problems: list[ConfigProblem]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        problems.append(
+            ConfigProblem(
+                flag, f"{quote(value)} is not allowed; expected an integer in {low}-{high}"
+            )
+        )
+
+
+def _discovery_problems(config: ProxyConfig, problems: list[ConfigProblem]) -> None:
+    if config.discovery_port is None:
+        return
+    _int_in("--discovery-port", config.discovery_port, 0, 65535, problems)
+    host = config.discovery_host
+    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
+        problems.append(ConfigProblem("--discovery-host", f"{quote(host)} is not a host name"))
+    _positive_seconds("--discovery-timeout", config.discovery_timeout, problems)
+    _int_in("--discovery-max-servers", config.discovery_max_servers, 1, 4096, problems)
+    secret = config.discovery_secret
+    if secret is not None and (not isinstance(secret, str) or len(secret) < 8):
+        problems.append(
+            ConfigProblem(
+                "--discovery-secret-file",
+                "the secret must be a text of at least 8 characters (leading and trailing "
+                "white space is ignored)",
+            )
+        )
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Everything `kvx proxy` is told. Invalid values raise `ProxySettingError` naming the
     flag (`--request-timeout`, ...), the value and what is allowed.
 
     `prefill` and `decode` may be empty in the Python API (servers can be added at run time
-    through `ServerPool.add`); the CLI requires at least one of each.
+    through `ServerPool.add`); the CLI requires at least one of each unless discovery is on
+    (`discovery_port`).
     """
 
     prefill: tuple[str, ...] = ()
@@ -102,6 +132,15 @@ class ProxyConfig:
     """Seconds an upstream server has to connect, answer, and send each next chunk of a stream;
     a non-streamed answer must arrive whole within it. Also bounds reading a client's body."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    discovery_port: int | None = None
+    """Listen for P and D servers announcing themselves on this port (0: a free one); None:
+    no discovery (`kvx.proxy.discovery`)."""
+    discovery_host: str = DEFAULT_HOST
+    discovery_timeout: float = 10.0
+    """Seconds after its last heartbeat a discovered server leaves the rotation."""
+    discovery_max_servers: int = 256
+    discovery_secret: str | None = field(default=None, repr=False)
+    """Announcements must be sealed with it (HMAC-SHA256); None: any is accepted."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -145,6 +184,7 @@ class ProxyConfig:
                     f"1-{MAX_BODY_BYTES_LIMIT}",
                 )
             )
+        _discovery_problems(self, problems)
         if problems:
             raise ProxySettingError(problems)
         object.__setattr__(self, "prefill", tuple(normalize_server_url(u) for u in self.prefill))

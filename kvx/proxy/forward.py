@@ -7,7 +7,8 @@ byte for byte. This is the exchange vLLM's disaggregated-serving proxies perform
 
 Retries: a P server that fails is replaced by another (nothing has reached the client yet);
 a D server is replaced only when the connection to it could not be made, since a D that got
-the request may already have pulled the KV cache from P.
+the request may already have pulled the KV cache from P, and not even then when P was told to
+push the KV cache to that D (`decode_address`).
 """
 
 from __future__ import annotations
@@ -52,10 +53,19 @@ MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
 """The largest answer the proxy holds in memory (P's answers, non-streamed D answers)."""
 
 
-def prefill_request(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The client's request as P gets it."""
+def peer_addresses(decode: Upstream) -> dict[str, str]:
+    """`decode_address`: the KV listener (host:port) of the D serving a request, when D
+    announced one (service discovery). A connector where P pushes the KV cache to D (P2P NCCL's
+    PUT modes) learns from it where to send it; D finds P in P's own answer."""
+    return {"decode_address": decode.kv_address} if decode.kv_address else {}
+
+
+def prefill_request(
+    body: Mapping[str, Any], peers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The client's request as P gets it (with D's KV address, if known)."""
     prefill = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
-    prefill["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    prefill["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **(peers or {})}
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "max_completion_tokens" in prefill:
@@ -197,7 +207,7 @@ class Forwarder:
             raise self._unavailable(Role.DECODE, [])
         decoding = False
         try:
-            prefilled = await self._prefill(exchange)
+            prefilled = await self._prefill(exchange, decode_server)
             if isinstance(prefilled, Response):
                 return prefilled
             decoding = True
@@ -208,14 +218,14 @@ class Forwarder:
         return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
 
     async def _prefill(
-        self, exchange: Exchange
+        self, exchange: Exchange, decode_server: Upstream
     ) -> tuple[dict[str, Any] | None, Upstream] | Response:
         """P's `kv_transfer_params` and which P gave them; or P's own answer when it refused
         the request (4xx: the client's request is at fault, so it gets P's reason)."""
-        body = prefill_request(exchange.body)
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
         while (server := self._reserve(Role.PREFILL, tried)) is not None:
+            body = prefill_request(exchange.body, peer_addresses(decode_server))
             server.requests += 1
             try:
                 async with (
@@ -285,10 +295,18 @@ class Forwarder:
                     self._relay(answer, server, exchange), answer.status_code, headers
                 )
             except httpx.ConnectError as exc:
-                # The request never reached this server: another may take it.
+                # The request never reached this server: another may take it, unless P was
+                # told to send the KV cache to this one (decode_address).
                 reason = describe_failure(exc, self.timeout)
                 self._failed(exchange, server, reason, attempts)
                 self.pool.mark_down(server, reason)
+                if server is decode_server and server.kv_address:
+                    raise ProxyError(
+                        502,
+                        f"decode server {server.url}: {reason}; P sent this request's KV cache "
+                        f"to it ({server.kv_address}), so no other decode server can take it",
+                        attempts,
+                    ) from None
             except (httpx.TimeoutException, TimeoutError):
                 raise self._timed_out(exchange, server, attempts) from None
             except (httpx.HTTPError, AnswerTooLarge) as exc:

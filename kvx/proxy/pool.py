@@ -1,8 +1,8 @@
 """The set of prefill and decode servers, each with its health and load.
 
 Servers can be added and removed while the proxy runs (`ServerPool.add` / `remove`): the
-P2P NCCL connector's service discovery will call them when P and D servers announce
-themselves. Every method is thread-safe, so a discovery thread may call them too.
+discovery listener (`kvx.proxy.discovery`) calls them when P and D servers announce themselves
+or stop doing so. Every method is thread-safe, so a discovery thread may call them too.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class Upstream:
     """When `health` last changed (Unix time)."""
     checked_at: float | None = None
     removed: bool = False
+    kv_address: str | None = None
+    """host:port of its connector's KV listener, when it announced one (discovery)."""
+    discovered: bool = False
+    """Added by discovery (it leaves when its heartbeats stop), not by the configuration."""
 
     @property
     def eligible(self) -> bool:
@@ -62,6 +66,8 @@ class Upstream:
             "requests": self.requests,
             "failures": self.failures,
             "last_error": self.last_error,
+            "kv_address": self.kv_address,
+            "discovered": self.discovered,
         }
 
     def describe(self) -> str:
@@ -82,18 +88,41 @@ class ServerPool:
         for url in decode:
             self.add(Role.DECODE, url)
 
-    def add(self, role: Role | str, url: str) -> Upstream:
+    def add(self, role: Role | str, url: str, kv_address: str | None = None) -> Upstream:
         """Put a server into rotation (health unknown until checked); adding a known server
-        returns it unchanged. ValueError for a bad URL or role."""
-        role, url = Role(role), normalize_server_url(url)
+        returns it, with `kv_address` (if given) updated. ValueError for a bad URL or role."""
+        server = self._add(Role(role), normalize_server_url(url), kv_address, None)
+        assert server is not None
+        return server
+
+    def add_discovered(
+        self, role: Role | str, url: str, kv_address: str | None, limit: int
+    ) -> Upstream | None:
+        """`add` for a server that announced itself: a new one only while fewer than `limit`
+        discovered servers are in the pool (else None); a known one is returned as `add`
+        does."""
+        return self._add(Role(role), normalize_server_url(url), kv_address, limit)
+
+    def _add(
+        self, role: Role, url: str, kv_address: str | None, limit: int | None
+    ) -> Upstream | None:
         with self._lock:
             for server in self._servers[role]:
                 if server.url == url:
+                    if kv_address is not None:
+                        server.kv_address = kv_address
                     return server
-            server = Upstream(url, role)
+            if limit is not None and self._count_discovered() >= limit:
+                return None
+            server = Upstream(url, role, kv_address=kv_address, discovered=limit is not None)
             self._servers[role].append(server)
-        log.info("%s server %s added", role, url)
+        how = " by discovery" if limit is not None else ""
+        kv = f" (kv {kv_address})" if kv_address else ""
+        log.info("%s server %s%s added%s", role, url, kv, how)
         return server
+
+    def _count_discovered(self) -> int:
+        return sum(s.discovered for servers in self._servers.values() for s in servers)
 
     def remove(self, role: Role | str, url: str) -> bool:
         """Take a server out of the pool; requests already sent to it finish. False if it was

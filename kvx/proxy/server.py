@@ -16,6 +16,7 @@ import uvicorn
 from kvx.errors import ConfigProblem
 from kvx.proxy.app import build_app
 from kvx.proxy.config import ProxyConfig, ProxySettingError
+from kvx.proxy.discovery import DiscoveryListener, DiscoverySettings
 from kvx.proxy.pool import ServerPool
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -51,10 +52,28 @@ def listening_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _server(config: ProxyConfig, pool: ServerPool | None) -> uvicorn.Server:
+def start_discovery(config: ProxyConfig, pool: ServerPool) -> DiscoveryListener | None:
+    """The discovery listener the config asks for, listening and serving; None if none."""
+    if config.discovery_port is None:
+        return None
+    settings = DiscoverySettings(
+        host=config.discovery_host,
+        port=config.discovery_port,
+        timeout_s=config.discovery_timeout,
+        max_servers=config.discovery_max_servers,
+        secret=config.discovery_secret,
+    )
+    return DiscoveryListener(pool, settings).start()
+
+
+def _server(
+    config: ProxyConfig, pool: ServerPool, discovery: DiscoveryListener | None
+) -> uvicorn.Server:
+    app = build_app(config, pool)
+    app.state.discovery = discovery
     return uvicorn.Server(
         uvicorn.Config(
-            build_app(config, pool),
+            app,
             lifespan="on",
             log_config=None,  # keep the host program's logging as it is
             access_log=False,
@@ -67,17 +86,26 @@ def serve(
     config: ProxyConfig,
     *,
     pool: ServerPool | None = None,
-    on_listening: Callable[[str], None] | None = None,
+    on_listening: Callable[[str, str | None], None] | None = None,
 ) -> None:
-    """Run the proxy until SIGINT/SIGTERM. `on_listening` gets its URL once the socket listens
-    (connections made from then on wait for the proxy to accept them)."""
+    """Run the proxy until SIGINT/SIGTERM. `on_listening` gets its URL and the discovery
+    listener's host:port (None without discovery) once both listen (connections made from then
+    on wait for the proxy to accept them)."""
     sock = bind_listener(config.host, config.port)
-    if on_listening is not None:
-        on_listening(listening_url(sock))
+    pool = pool if pool is not None else ServerPool(config.prefill, config.decode)
     try:
-        _server(config, pool).run(sockets=[sock])
+        discovery = start_discovery(config, pool)
+    except ProxySettingError:
+        sock.close()
+        raise
+    if on_listening is not None:
+        on_listening(listening_url(sock), discovery.address if discovery else None)
+    try:
+        _server(config, pool, discovery).run(sockets=[sock])
     finally:
         sock.close()
+        if discovery is not None:
+            discovery.stop()
 
 
 class RunningProxy:
@@ -87,7 +115,12 @@ class RunningProxy:
         self.pool = pool if pool is not None else ServerPool(config.prefill, config.decode)
         self._sock = bind_listener(config.host, config.port)
         self.url = listening_url(self._sock)
-        self._server = _server(config, self.pool)
+        try:
+            self.discovery = start_discovery(config, self.pool)
+        except ProxySettingError:
+            self._sock.close()
+            raise
+        self._server = _server(config, self.pool, self.discovery)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="kvx-proxy", daemon=True
         )
@@ -103,6 +136,8 @@ class RunningProxy:
         self._server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
+        if self.discovery is not None:
+            self.discovery.stop()
         if self._thread.is_alive():
             raise RuntimeError(f"kvx proxy on {self.url} did not stop within {timeout} s")
 

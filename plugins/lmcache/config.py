@@ -27,6 +27,11 @@ class LMCacheConfig(msgspec.Struct, forbid_unknown_fields=True):
     - `use_layerwise`: store and load one layer at a time, pipelined with the forward pass.
     - `cache_policy`: eviction of the local tiers; `blocking_timeout_secs`: LMCache's wait for a
       remote get.
+    - `pre_caching_hash_algorithm`: how chunk keys are hashed. kvx defaults to `sha256_cbor`
+      (LMCache's default is `builtin`): where vLLM is installed, LMCache seeds its hash chain
+      from vLLM's, and with `builtin` that seed is Python's per-process string hash, so a
+      chunk stored by one process is never found by another unless every process shares
+      `PYTHONHASHSEED`.
     - `extra_config`: LMCache's free-form `extra_config` dict, passed through unchanged.
     - `lookup_timeout_s` (kvx): how long the scheduler waits for the workers' hit counts.
     """
@@ -42,6 +47,7 @@ class LMCacheConfig(msgspec.Struct, forbid_unknown_fields=True):
     save_unfull_chunk: bool = False
     cache_policy: Literal["LRU", "LFU", "FIFO", "MRU"] = "LRU"
     blocking_timeout_secs: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 10
+    pre_caching_hash_algorithm: Literal["sha256_cbor", "sha256", "builtin"] = "sha256_cbor"
     extra_config: dict[str, Any] | None = None
     lookup_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 10.0
 
@@ -91,6 +97,7 @@ class LMCacheConfig(msgspec.Struct, forbid_unknown_fields=True):
             "save_unfull_chunk": self.save_unfull_chunk,
             "cache_policy": self.cache_policy,
             "blocking_timeout_secs": self.blocking_timeout_secs,
+            "pre_caching_hash_algorithm": self.pre_caching_hash_algorithm,
             "extra_config": dict(self.extra_config or {}),
             "enable_kv_events": True,
         }

@@ -14,6 +14,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import threading
 import uuid
 from typing import Any
@@ -109,10 +110,29 @@ def release_engine(key: str) -> None:
         destroy_engine(instance)
 
 
+def _quiet_lmcache_logging() -> None:
+    """At interpreter exit LMCache's loggers may still hold a stream that is already closed
+    (a test runner's capture file, a replaced `sys.stderr`): every record then prints a
+    "Logging error" traceback. Point such handlers at the current `sys.stderr`, and keep only
+    warnings and errors: the INFO lines of a routine teardown are noise after the program's
+    own last line."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if not name.startswith("lmcache") or not isinstance(logger, logging.Logger):
+            continue
+        logger.setLevel(max(logger.level, logging.WARNING))
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and getattr(
+                handler.stream, "closed", False
+            ):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one
+
+
 def _destroy_all() -> None:
     with _lock:
         doomed = [p.instance for p in _pool.values()]
         _pool.clear()
+    if doomed:
+        _quiet_lmcache_logging()
     for instance in doomed:
         destroy_engine(instance, timeout_s=5.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvx import ConfigError, ConfigProblem, MissingDependencyError
+from kvx import ConfigError, ConfigProblem, MissingDependencyError, install_hint
 from kvx.plugins.nixl.interfaces import UCX_NET_DEVICES, interface_of
 
 
@@ -18,7 +18,7 @@ def make_agent(name: str, backends: list[str], num_threads: int, listen_host: st
     except ImportError as exc:
         raise MissingDependencyError(
             f"NixlConnector needs NIXL, which failed to import ({exc}); install it with "
-            "pip install 'kvx[nixl]'"
+            f"{install_hint('nixl', 'nixl')}"
         ) from None
     config = nixl_agent_config(
         enable_prog_thread=False, backends=list(backends), num_threads=num_threads

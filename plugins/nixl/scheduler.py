@@ -14,7 +14,7 @@ from typing import Any
 
 import kvx
 from kvx import KVConnectorHandshakeMetadata, RequestStatus
-from kvx.plugins.nixl.config import NixlConfig
+from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
 from kvx.plugins.nixl.handshake import (
     compatibility_factors,
     compatibility_hash,
@@ -55,6 +55,10 @@ def malformed_params(params: dict[str, Any]) -> str | None:
 class NixlScheduler(kvx.ConnectorScheduler):
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
+        self.secret = kvx.resolve_secret(
+            options.shared_secret, SECRET_KEY, min_length=MIN_SECRET_LENGTH
+        )
+        self.address = side_channel_address(options)
         self.config = config
         self.ctx = ctx
         self.engine_id = str(config.engine_id)
@@ -81,12 +85,12 @@ class NixlScheduler(kvx.ConnectorScheduler):
             payloads[rank] = meta.payload
         factors = compatibility_factors(self.ctx)
         self._server = SideChannelServer(
-            self.options.side_channel_host,
-            self.options.side_channel_port,
+            self.address.host,
+            self.address.port,
             compatibility_hash(factors),
             factors,
             payloads,
-            self.options.shared_secret,
+            self.secret,
         )
 
     # -- D side ---------------------------------------------------------------------------

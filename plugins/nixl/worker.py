@@ -21,7 +21,7 @@ import torch
 import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
-from kvx.plugins.nixl.config import NixlConfig
+from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
 from kvx.plugins.nixl.handshake import (
     AgentMetadata,
     Notification,
@@ -55,12 +55,15 @@ HandshakeKey = tuple[str, str, int, int, int]
 class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
+        self.secret = kvx.resolve_secret(
+            options.shared_secret, SECRET_KEY, min_length=MIN_SECRET_LENGTH
+        )
         self.ctx = ctx
         self.engine_id = str(config.engine_id)
         p = ctx.parallel
         self.name = f"{self.engine_id}-pp{p.pp_rank}-tp{p.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.agent: Any = make_agent(
-            self.name, options.backends, options.num_threads, options.side_channel_host
+            self.name, options.backends, options.num_threads, side_channel_address(options).host
         )
         cache = ctx.cache
         self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
@@ -241,7 +244,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             spec,
             timeout_s=self.options.handshake_timeout_s,
             max_bytes=self.options.max_handshake_bytes,
-            secret=self.options.shared_secret,
+            secret=self.secret,
             enforce_compat=self.options.enforce_handshake_compat,
         )
         self._handshakes[key] = (future, [spec])
@@ -385,7 +388,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def _notify(self, remote: RemoteEngine, note: Notification) -> None:
         for key, count in remote.notify.items():
             message = seal_notification(
-                self.options.shared_secret, Notification(note.kind, note.request_ids, count)
+                self.secret, Notification(note.kind, note.request_ids, count)
             )
             try:
                 self.agent.send_notif(remote.agents[key], message)
@@ -417,7 +420,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         for sender, messages in notifs.items():
             for message in messages:
                 try:
-                    note = open_notification(self.options.shared_secret, message)
+                    note = open_notification(self.secret, message)
                 except WireError as exc:
                     logger.warning("ignoring a notification from %s: %s", sender, exc)
                     self.stats.count("num_refused_notifications")

@@ -3,6 +3,7 @@ finished request's blocks may be freed."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -13,6 +14,8 @@ from kvx import ConnectorScheduler, KVConnectorOutput, RequestTracker
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
+
+logger = logging.getLogger(__name__)
 
 
 def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[int, int, int]:
@@ -35,6 +38,24 @@ def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[i
     chunk_bytes = per_chunk * spec.block_size * spec.num_layers * parts * heads * spec.head_size
     chunk_bytes *= element
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if options.num_cpu_blocks is not None:  # vLLM's spelling: offloaded blocks, not bytes
+        cpu_bytes = options.num_cpu_blocks * chunk_bytes
+        if cpu_bytes > memory:
+            _refuse(
+                "num_cpu_blocks",
+                f"{options.num_cpu_blocks} offloaded blocks of {chunk_bytes} bytes (this "
+                f"engine's) are {cpu_bytes} bytes, more than this machine's memory ({memory} "
+                "bytes); lower num_cpu_blocks or give cpu_bytes_to_use",
+            )
+        logger.info(
+            "OffloadingConnector: num_cpu_blocks=%d is cpu_bytes_to_use=%d on this engine "
+            "(%d bytes per offloaded block)",
+            options.num_cpu_blocks,
+            cpu_bytes,
+            chunk_bytes,
+        )
+        return per_chunk, options.num_cpu_blocks, _disk_chunks(options, chunk_bytes)
+    assert options.cpu_bytes_to_use is not None  # OffloadingConfig: one of the two is set
     if options.cpu_bytes_to_use > memory:
         _refuse(
             "cpu_bytes_to_use",
@@ -47,13 +68,17 @@ def chunk_geometry(options: OffloadingConfig, ctx: kvx.EngineContext) -> tuple[i
             f"{options.cpu_bytes_to_use} bytes hold no chunk of {chunk_bytes} bytes; "
             "allowed: at least that much",
         )
+    return per_chunk, slots, _disk_chunks(options, chunk_bytes)
+
+
+def _disk_chunks(options: OffloadingConfig, chunk_bytes: int) -> int:
     disk = (options.disk_bytes_to_use or 0) // chunk_bytes
     if options.disk_url is not None and disk < 1:
         _refuse(
             "disk_bytes_to_use",
             f"{options.disk_bytes_to_use} bytes hold no chunk of {chunk_bytes} bytes",
         )
-    return per_chunk, slots, disk
+    return disk
 
 
 def _refuse(key: str, message: str) -> NoReturn:

@@ -22,6 +22,7 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <stdio.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -50,11 +51,12 @@ static void hash_piece(update_fn update, XXH3_state_t *state, const char *data, 
     if (end > s1) update(state, data + (s1 - at), (size_t)(end - s1));
 }
 
-/* Read from `fd` (offset 0 on) straight into the buffers until they are full or the file
+/* Read from `fd` (offset `base` on) straight into the buffers until they are full or the file
  * ends, about CHUNK_BYTES per preadv, hashing each chunk right after it is read (while it is
- * in the cache); the bytes read, or -1 with errno set. */
-static Py_ssize_t read_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
-                                   XXH3_state_t *state, Py_ssize_t s0, Py_ssize_t s1) {
+ * in the cache; `s0`, `s1` count from `base`); the bytes read, or -1 with errno set. */
+static Py_ssize_t read_hashed_impl(int fd, Py_ssize_t base, Py_buffer *views, Py_ssize_t n,
+                                   update_fn update, XXH3_state_t *state, Py_ssize_t s0,
+                                   Py_ssize_t s1) {
     struct iovec iov[CHUNK_IOVS];
     Py_ssize_t index = 0, offset_in = 0, done = 0;
     while (index < n) {
@@ -71,7 +73,7 @@ static Py_ssize_t read_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, updat
             index = n;
             break;
         }
-        ssize_t got = preadv(fd, iov, count, (off_t)done);
+        ssize_t got = preadv(fd, iov, count, (off_t)(base + done));
         if (got < 0) {
             if (errno == EINTR) continue;
             return -1;
@@ -381,6 +383,21 @@ static int preallocate(int fd, Py_ssize_t size) {
     return 0;
 }
 
+/* pwrite all `len` bytes at `offset`; 0, or -1 with errno set. */
+static int write_all(int fd, const unsigned char *data, Py_ssize_t len, Py_ssize_t offset) {
+    Py_ssize_t put = 0;
+    while (put < len) {
+        ssize_t got = pwrite(fd, data + put, (size_t)(len - put), (off_t)(offset + put));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            if (got == 0) errno = EIO; /* no progress: never loop on it */
+            return -1;
+        }
+        put += got;
+    }
+    return 0;
+}
+
 static PyObject *write_blocks(PyObject *self, PyObject *args) {
     PyObject *paths, *tmps, *seeds, *spec, *blocks;
     Py_buffer prefix;
@@ -429,13 +446,7 @@ static PyObject *write_blocks(PyObject *self, PyObject *args) {
         if (!error) {
             XXH64_hash_t digest = XXH3_64bits_digest(&state);
             for (int b = 0; b < 8; b++) head[prefix.len + b] = (unsigned char)(digest >> (8 * b));
-            Py_ssize_t put = 0;
-            while (put < head_len && !error) {
-                ssize_t got = pwrite(fd, head + put, (size_t)(head_len - put), (off_t)put);
-                if (got < 0 && errno != EINTR) error = errno;
-                if (got == 0) error = EIO; /* no progress: never loop on it */
-                if (got > 0) put += got;
-            }
+            if (write_all(fd, head, head_len, 0) < 0) error = errno;
         }
         if (close(fd) < 0 && !error) error = errno;
         if (!error && rename(tmp, PyBytes_AS_STRING(call.named.paths[i])) < 0) error = errno;
@@ -458,12 +469,137 @@ done:
     return result;
 }
 
+/* XXH3-64 of each of `n` keys (bytes-like), as a PyMem array; NULL with an exception. */
+static uint64_t *key_hashes(PyObject *keys, Py_ssize_t n) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
+    if (seq == NULL) return NULL;
+    uint64_t *hashes = NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd keys for %zd values", PySequence_Fast_GET_SIZE(seq), n);
+    } else if ((hashes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(uint64_t))) == NULL) {
+        PyErr_NoMemory();
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_buffer key;
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &key, PyBUF_SIMPLE) < 0) {
+                PyMem_Free(hashes);
+                hashes = NULL;
+                break;
+            }
+            hashes[i] = XXH3_64bits(key.buf, (size_t)key.len);
+            PyBuffer_Release(&key);
+        }
+    }
+    Py_DECREF(seq);
+    return hashes;
+}
+
+/* Write values i (header: `head` with its checksum; payload: the regions in `parts` of block
+ * ids[i]) back to back into `fd` after a segment header; 0 or an errno. Without the GIL. */
+static int write_segment_values(int fd, const call_t *call, unsigned char *head,
+                                Py_ssize_t prefix_len, update_fn update, Py_buffer *parts,
+                                Py_ssize_t first) {
+    Py_ssize_t head_len = prefix_len + 8, value_len = head_len + call->payload;
+    for (Py_ssize_t i = 0; i < call->n; i++) {
+        Py_ssize_t at = first + i * value_len;
+        fill_parts(parts, &call->table, call->ids[i]);
+        XXH3_state_t state;
+        XXH3_64bits_reset(&state);
+        XXH3_64bits_update(&state, call->named.buffers[i].buf, (size_t)call->named.buffers[i].len);
+        if (write_hashed_impl(fd, parts, call->table.n, update, &state, at + head_len) < 0)
+            return errno;
+        XXH64_hash_t digest = XXH3_64bits_digest(&state);
+        for (int b = 0; b < 8; b++) head[prefix_len + b] = (unsigned char)(digest >> (8 * b));
+        if (write_all(fd, head, head_len, at) < 0) return errno;
+    }
+    return 0;
+}
+
+/* write_segment: see the method table. */
+static PyObject *write_segment(PyObject *self, PyObject *args) {
+    PyObject *paths, *keys, *tmp_obj, *seeds, *spec, *blocks;
+    Py_buffer prefix;
+    int baseline = 0, mode = 0600;
+    if (!PyArg_ParseTuple(args, "OOO&Oy*OO|pi:write_segment", &paths, &keys, PyUnicode_FSConverter,
+                          &tmp_obj, &seeds, &prefix, &spec, &blocks, &baseline, &mode))
+        return NULL;
+    update_fn update = baseline ? update_baseline : best_update;
+    static const int where[4] = {1, 2, 4, 7};
+    PyObject *result = NULL;
+    call_t call;
+    int *errors = NULL;
+    Py_buffer *parts = NULL;
+    uint64_t *hashes = NULL;
+    unsigned char *head = NULL, *header = NULL;
+    char *alt = NULL;
+    if (hold_call(paths, keys, seeds, blocks, spec, PyBUF_SIMPLE, where, &call) < 0 ||
+        (hashes = key_hashes(call.fast[1], call.n)) == NULL)
+        goto done;
+    Py_ssize_t n = call.n;
+    if (n > KVX_SEG_MAX_VALUES) {
+        PyErr_Format(PyExc_ValueError, "%zd values; a segment holds at most %d", n,
+                     KVX_SEG_MAX_VALUES);
+        goto done;
+    }
+    const char *tmp = PyBytes_AS_STRING(tmp_obj);
+    size_t tmp_len = (size_t)PyBytes_GET_SIZE(tmp_obj);
+    Py_ssize_t first = kvx_segment_header_len(n), value_len = prefix.len + 8 + call.payload;
+    errors = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
+    parts = PyMem_Calloc(call.table.n > 0 ? (size_t)call.table.n : 1, sizeof(Py_buffer));
+    head = PyMem_Malloc((size_t)prefix.len + 8);
+    header = PyMem_Malloc((size_t)first);
+    alt = PyMem_Malloc(tmp_len + 24);
+    if (errors == NULL || parts == NULL || head == NULL || header == NULL || alt == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(head, prefix.buf, (size_t)prefix.len);
+    kvx_segment_header(header, n, hashes, value_len);
+    Py_BEGIN_ALLOW_THREADS
+    int error = 0;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (mode_t)mode);
+    if (fd < 0) error = errno;
+    if (!error) error = preallocate(fd, first + n * value_len);
+    if (!error) error = write_segment_values(fd, &call, head, prefix.len, update, parts, first);
+    if (!error && write_all(fd, header, first, 0) < 0) error = errno;
+    if (fd >= 0 && close(fd) < 0 && !error) error = errno;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *path = PyBytes_AS_STRING(call.named.paths[i]);
+        if (error) {
+            errors[i] = error;
+        } else if (link(tmp, path) < 0) { /* already stored: replaced, atomically */
+            snprintf(alt, tmp_len + 24, "%s.%zd", tmp, i);
+            if (errno != EEXIST || link(tmp, alt) < 0) errors[i] = errno;
+            else if (rename(alt, path) < 0) {
+                errors[i] = errno;
+                unlink(alt);
+            }
+        }
+    }
+    if (fd >= 0) unlink(tmp);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++)
+        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+done:
+    PyMem_Free(alt);
+    PyMem_Free(header);
+    PyMem_Free(head);
+    PyMem_Free(hashes);
+    PyMem_Free(parts);
+    PyMem_Free(errors);
+    release_call(&call);
+    Py_DECREF(tmp_obj);
+    PyBuffer_Release(&prefix);
+    return result;
+}
+
 static PyObject *read_blocks(PyObject *self, PyObject *args) {
-    PyObject *paths, *seeds, *heads, *spec, *blocks;
+    PyObject *paths, *seeds, *heads, *spec, *blocks, *keys = Py_None;
     Py_ssize_t s0, s1;
     int baseline = 0;
-    if (!PyArg_ParseTuple(args, "OOnnOOO|p:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
-                          &blocks, &baseline))
+    if (!PyArg_ParseTuple(args, "OOnnOOO|pO:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
+                          &blocks, &baseline, &keys))
         return NULL;
     update_fn update = baseline ? update_baseline : best_update;
     static const int where[4] = {1, 5, 2, 7};
@@ -473,8 +609,11 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     Py_ssize_t *sizes = NULL;
     XXH64_hash_t *digests = NULL;
     Py_buffer *parts = NULL;
+    uint64_t *hashes = NULL; /* per value its key's hash, to find it in a segment file */
+    kvx_segment_cache_t segment = {0, 0, 0, NULL};
     if (hold_call(paths, heads, seeds, blocks, spec, PyBUF_WRITABLE, where, &call) < 0 ||
-        hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0)
+        hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0 ||
+        (keys != Py_None && (hashes = key_hashes(keys, call.n)) == NULL))
         goto done;
     Py_ssize_t n = call.n;
     const table_t *table = &call.table;
@@ -497,14 +636,20 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         parts[0].buf = tops.buffers[i].buf;
         parts[0].len = tops.buffers[i].len;
         fill_parts(parts + 1, table, call.ids[i]);
-        Py_ssize_t total = tops.buffers[i].len + call.payload;
+        Py_ssize_t total = tops.buffers[i].len + call.payload, base = 0;
         sizes[i] = (Py_ssize_t)st.st_size;
+        if (hashes != NULL && sizes[i] > total) { /* a segment file holding several values? */
+            int found = kvx_segment_find(fd, &st, hashes[i], &segment, &base, &sizes[i]);
+            if (found < 0 || (found == 0 && segment.ino == st.st_ino && segment.dev == st.st_dev))
+                sizes[i] = -(Py_ssize_t)(found < 0 ? errno : ENOENT) - 1; /* not in it */
+        }
         if (sizes[i] == total) {
             XXH3_state_t state;
             XXH3_64bits_reset(&state);
             XXH3_64bits_update(&state, call.named.buffers[i].buf,
                                (size_t)call.named.buffers[i].len);
-            Py_ssize_t got = read_hashed_impl(fd, parts, table->n + 1, update, &state, s0, s1);
+            Py_ssize_t got =
+                read_hashed_impl(fd, base, parts, table->n + 1, update, &state, s0, s1);
             if (got < 0) sizes[i] = -(Py_ssize_t)errno - 1;
             else if (got != total) sizes[i] = got; /* shrank since fstat: no digest */
             else digests[i] = XXH3_64bits_digest(&state);
@@ -523,6 +668,8 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         else PyList_SET_ITEM(result, i, item);
     }
 done:
+    kvx_segment_forget(&segment);
+    PyMem_Free(hashes);
     PyMem_Free(parts);
     PyMem_Free(digests);
     PyMem_Free(sizes);
@@ -547,13 +694,21 @@ static PyMethodDef methods[] = {
      "(buffer, start, size, step): block b's region is buffer[start + b * step:][:size]. "
      "Per value 0, or the errno that stopped it (its temporary file removed). Without the GIL."},
     {"read_blocks", read_blocks, METH_VARARGS,
-     "read_blocks(paths, seeds, skip_start, skip_end, heads, regions, blocks, baseline=False) "
-     "-> per value "
+     "read_blocks(paths, seeds, skip_start, skip_end, heads, regions, blocks, baseline=False, "
+     "keys=None) -> per value "
      "(size, digest, errno): when the file is as long as heads[i] and the regions of "
      "blocks[i] (`regions` as for write_blocks), read it into them and digest is XXH3-64 of "
      "seeds[i] then the bytes except [skip_start, skip_end); otherwise nothing is read, "
      "digest is None and size the file's size, or None with the errno that stopped it. "
-     "Without the GIL; `baseline` as for write_blocks."},
+     "Without the GIL; `baseline` as for write_blocks. With `keys` (bytes, one per value), a "
+     "file longer than the value that is a segment (write_segment) is read from the value of "
+     "keys[i] in it, and a segment without that key counts as absent (ENOENT)."},
+    {"write_segment", write_segment, METH_VARARGS,
+     "write_segment(paths, keys, tmp_path, seeds, prefix, regions, blocks, baseline=False, "
+     "mode=0o600) -> errnos: write every value as write_blocks would, back to back into one new "
+     "file tmp_path after a segment header indexing them by XXH3-64 of keys[i] (`_segment.c`), "
+     "then hard-link it as each paths[i] (replacing what is there) and remove tmp_path. Per "
+     "value 0, or the errno that stopped it. Without the GIL."},
     {"vector", vector, METH_NOARGS, "vector() -> 'avx2' or 'baseline': the XXH3 build in use."},
     {NULL, NULL, 0, NULL},
 };

@@ -15,6 +15,7 @@ def write_blocks(
     regions: Sequence[_Region],
     blocks: Sequence[int],
     baseline: bool = False,
+    mode: int = 0o600,
     /,
 ) -> list[int]: ...
 def read_blocks(
@@ -26,6 +27,19 @@ def read_blocks(
     regions: Sequence[_Region],
     blocks: Sequence[int],
     baseline: bool = False,
+    keys: Sequence[bytes] | None = None,
     /,
 ) -> list[tuple[int | None, int | None, int]]: ...
+def write_segment(
+    paths: Sequence[str],
+    keys: Sequence[bytes],
+    tmp_path: str,
+    seeds: Sequence[bytes],
+    prefix: Buffer,
+    regions: Sequence[_Region],
+    blocks: Sequence[int],
+    baseline: bool = False,
+    mode: int = 0o600,
+    /,
+) -> list[int]: ...
 def vector() -> str: ...

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
-from kvx import path_problem, url_problem, user_cache_dir
+import kvx
+from kvx import Secret, path_problem, url_problem, user_cache_dir
+from kvx.plugins.storage.chains import chain_problem, missing_package, split_chain
 
 DEFAULT_STORAGE_URL = "file://" + user_cache_dir("kv")
 """The user's own store (`~/.cache/kvx/kv`), never a shared directory such as /tmp."""
@@ -17,6 +19,7 @@ FILE_MODES = {"owner": 0o600, "group": 0o640}
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 REDIS_SCHEMES = ("redis", "rediss")
+REDIS_PASSWORD_KEY = "kv_connector_extra_config.redis_password"
 
 
 class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -24,7 +27,11 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     `storage_url` picks the backend by scheme (`file://`, `memory://`, any fsspec protocol,
     `redis://host:port/db`); vLLM's `shared_storage_path` (a local directory) is accepted
-    instead of it. `storage_block_size` is the tokens per stored block (the key granularity):
+    instead of it. fsspec URLs may be chained (`simplecache::s3://bucket/kv`) and take
+    `storage_options`, passed to fsspec as they are (`{"s3": {"endpoint_url": ...}}` for one
+    protocol of a chain). A Redis password is given in the URL or, better, as
+    `redis_password`: `{"env": "NAME"}` or `{"file": "/path"}` (see `kvx.resolve_secret`).
+    `storage_block_size` is the tokens per stored block (the key granularity):
     engines that share a store must use the same value, and it must divide, or be a multiple
     of, each engine's block size (default 16, or the engine's block size when 16 does not fit).
     Local files are readable only by their owner (`permissions: "owner"`, files 0600 and
@@ -43,6 +50,8 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
     permissions: Literal["owner", "group"] = "owner"
+    storage_options: dict[str, Any] | None = None
+    redis_password: Secret | None = None
 
     def __post_init__(self) -> None:
         if self.shared_storage_path is not None:
@@ -58,22 +67,30 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
             if not self.shared_storage_path:
                 raise ValueError('shared_storage_path: "" is not a directory')
         url = self.url
-        match = _URL.match(url)
+        protocols, target = split_chain(url)
+        match = _URL.match(target)
         if match is None:
             raise ValueError(
-                f"storage_url: {url!r} is not a URL of the form scheme://...; e.g. "
-                "'file:///var/kv', 'memory://kv', 's3://bucket/kv', 'redis://127.0.0.1:6379/0'"
+                f"storage_url: {url[:200]!r} is not a URL of the form scheme://...; e.g. "
+                "'file:///var/kv', 'memory://kv', 's3://bucket/kv', 'redis://127.0.0.1:6379/0', "
+                "'simplecache::s3://bucket/kv'"
             )
         scheme = match.group(1)
-        problem = url_problem(url)
+        problem = url_problem(target)
         if problem is not None:
             raise ValueError(f"storage_url: {url[:200]!r} {problem}")
+        if protocols:
+            if scheme in REDIS_SCHEMES:
+                raise ValueError(
+                    f"storage_url: {url[:200]!r}: only fsspec URLs can be chained with '::'"
+                )
+            problem = chain_problem([*protocols, scheme])
+            if problem is not None:
+                raise ValueError(f"storage_url: {url[:200]!r}: {problem}")
         if scheme in REDIS_SCHEMES:
             redis_problem = _redis_url_problem(url)
             if redis_problem is not None:
                 raise ValueError(f"storage_url: {_redacted(url)!r}: {redis_problem}")
-        import kvx
-
         try:
             kvx.get_registry().storage_backend_for_url(url)
         except kvx.RegistryError as exc:
@@ -86,11 +103,57 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(
                 f"redis_client: only redis:// storage has a Redis client; storage_url is {url!r}"
             )
+        if self.storage_options is not None and scheme in REDIS_SCHEMES:
+            raise ValueError(
+                "storage_options: fsspec's options; a redis:// storage_url takes none (its "
+                "settings go in the URL, its password in redis_password)"
+            )
+        if self.redis_password is not None:
+            if scheme not in REDIS_SCHEMES:
+                raise ValueError(
+                    f"redis_password: only redis:// storage has a password; storage_url is "
+                    f"{url[:200]!r}"
+                )
+            if urlsplit(url).password is not None:
+                raise ValueError(
+                    "redis_password: storage_url has a password too; give it in one place "
+                    "(redis_password, so that it stays out of the URL)"
+                )
         if self.namespace is not None and not _NAMESPACE.match(self.namespace):
             raise ValueError(
                 f"namespace: {self.namespace!r} is not allowed; use 1-128 characters of "
                 "letters, digits, '.', '_' and '-'"
             )
+
+    def config_notes(self) -> list[kvx.ConfigProblem]:
+        """What `kvx validate` tells the operator: protocols fsspec knows but cannot load here."""
+        protocols, target = split_chain(self.url)
+        notes = []
+        for protocol in [*protocols, target.split("://", 1)[0]]:
+            missing = missing_package(protocol) if protocol not in REDIS_SCHEMES else None
+            if missing is not None:
+                notes.append(kvx.ConfigProblem("storage_url", f"needs a package to run: {missing}"))
+        return notes
+
+    def config_checks(self) -> list[kvx.ConfigProblem]:
+        """`kvx validate --check`: open the store (creating a local directory) and close it."""
+        try:
+            backend = kvx.open_storage_backend(self.url, self.backend_options())
+        except kvx.ConfigError as exc:
+            return [kvx.ConfigProblem(p.path.rpartition(".")[2], p.message) for p in exc.problems]
+        backend.close()
+        return []
+
+    def backend_options(self) -> kvx.StorageBackendOptions:
+        """How the connector opens its backend (the Redis password read from its source)."""
+        return kvx.StorageBackendOptions(
+            ttl_s=self.redis_ttl_s,
+            timeout_s=self.timeout_s,
+            redis_client=self.redis_client,
+            file_mode=FILE_MODES[self.permissions],
+            storage_options=self.storage_options,
+            password=kvx.resolve_secret(self.redis_password, REDIS_PASSWORD_KEY),
+        )
 
     @property
     def url(self) -> str:

@@ -9,10 +9,9 @@ from kvx import (
     Capability,
     RoleSplitConnector,
     StorageBackend,
-    StorageBackendOptions,
     open_storage_backend,
 )
-from kvx.plugins.storage.config import FILE_MODES, SharedStorageConfig
+from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import Geometry
 from kvx.plugins.storage.metadata import StorageMetadata
 from kvx.plugins.storage.scheduler import StorageScheduler
@@ -66,15 +65,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     def _open(self) -> tuple[SharedStorageConfig, Geometry, StorageBackend]:
         options = self.kv_transfer_config.extra_config_as(SharedStorageConfig)
         geometry = Geometry.of(self.engine_context, options.namespace, options.storage_block_size)
-        backend = open_storage_backend(
-            options.url,
-            StorageBackendOptions(
-                ttl_s=options.redis_ttl_s,
-                timeout_s=options.timeout_s,
-                redis_client=options.redis_client,
-                file_mode=FILE_MODES[options.permissions],
-            ),
-        )
+        backend = open_storage_backend(options.url, options.backend_options())
         return options, geometry, backend
 
 

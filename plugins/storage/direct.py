@@ -39,19 +39,33 @@ class CacheBlocks:
     of `inner` bytes (K then V for vLLM's layouts), `stride` bytes apart, in the layout's
     memory order (the stored element order of a block written by this engine)."""
 
-    def __init__(self, tensor: torch.Tensor, layout: Layout) -> None:
+    def __init__(self, tensor: torch.Tensor, layout: Layout, pieces: int = 1) -> None:
+        """`pieces` > 1: address each engine block as that many stored blocks (block `b`'s
+        piece `s` is block `b * pieces + s`), which needs tokens right inside `blocks` in
+        memory (each piece of a region then is a contiguous run of its tokens)."""
         sizes = layout.sizes_of(tensor)
+        if pieces > 1 and not splits_by_tokens(layout):
+            raise ValueError("engine blocks are not token-major: pieces are not contiguous")
         memory = tensor.permute(layout.stride_order)
         if tensor.device.type != "cpu" or not memory.is_contiguous():
             raise ValueError("not dense CPU memory in the layout's order")
         self.outer = math.prod(sizes[d] for d in layout.memory[: layout.memory.index("blocks")])
         self.flat = memory.reshape(-1).view(torch.uint8).numpy().data
         self.stride = len(self.flat) // self.outer
-        self.inner = self.stride // sizes["blocks"]
+        self.inner = self.stride // sizes["blocks"] // pieces
         self.starts = [o * self.stride for o in range(self.outer)]
 
     def regions(self) -> list[Region]:
         return [(self.flat, start, self.inner, self.inner) for start in self.starts]
+
+
+def splits_by_tokens(layout: Layout) -> bool:
+    """Whether a block of `layout` is token-major in memory (K and V alike), so a run of its
+    tokens is one contiguous piece of each of its regions."""
+    memory = layout.memory
+    return (not layout.k_memory or layout.k_memory == memory) and memory.index(
+        "tokens"
+    ) == memory.index("blocks") + 1
 
 
 @dataclass

@@ -18,6 +18,7 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from urllib.parse import quote
 
 import kvx
@@ -100,6 +101,12 @@ def value_key(namespace: str, block_size: int, block_key: str, stage: Stage, hea
     )
 
 
+@cache
+def _stage(layer_names: tuple[str, ...], start: int, stop: int) -> Stage:
+    """A stage of a model's layers (hashed once: every load plans stages per request)."""
+    return Stage(range(start, stop), layer_set_hash(layer_names[start:stop]))
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The key space and block shape an engine reads and writes (same on both sides)."""
@@ -147,7 +154,7 @@ class Geometry:
         return chain_seed(self.namespace, self.block_size, mm_hashes)
 
     def stage(self, layers: range) -> Stage:
-        return Stage(layers, layer_set_hash(self.layer_names[layers.start : layers.stop]))
+        return _stage(self.layer_names, layers.start, layers.stop)
 
     def stages(self, pp_size: int) -> list[Stage]:
         """The stages of a writer with `pp_size` stages (vLLM's default layer split)."""

@@ -112,9 +112,11 @@ def plan_units(
 
 
 def targets(unit: Unit, geo: Geometry) -> list[int | None]:
-    """Per row of a unit (stored block = engine block), the engine block it loads into, or
-    None when it holds no token the load needs."""
+    """Per row of a unit (a stored block that is an engine block, or a piece of one when
+    stored blocks are smaller), the block it loads into, or None when it holds no token the
+    load needs. Pieces: engine block `b`'s piece `s` is block `b * pieces + s`."""
     bs, ebs = geo.block_size, geo.engine_block_size
+    pieces = max(1, ebs // bs)
     out: list[int | None] = [None] * len(unit.keys)
     for seg in unit.segments:
         spec = seg.load.spec
@@ -122,7 +124,8 @@ def targets(unit: Unit, geo: Geometry) -> list[int | None]:
         for k, row in enumerate(seg.rows):
             t = t0 + k * bs
             if spec.start <= t < spec.start + spec.num_tokens:
-                out[row] = spec.block_ids[(t - spec.start) // ebs]
+                block = spec.block_ids[(t - spec.start) // ebs]
+                out[row] = block * pieces + (t - spec.start) % ebs // bs
     return out
 
 

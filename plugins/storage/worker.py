@@ -5,8 +5,8 @@ writer's own per-block element order (`blockformat.py`). When the engine's block
 memory and the stored block size is the engine's ("direct" IO), nothing is copied in Python:
 a value is written from, and read into, the cache's own bytes (one buffer per layer and K/V
 region of the block), with the backend's vectored IO (`direct.py`). Otherwise values go
-through pooled buffers (`buffers.py`, `values.py`): `save_kv_layer` gathers the layer's
-blocks into per-block value buffers and loads scatter them back, both with
+through pooled buffers (`buffers.py`, `values.py`, `scatter.py`): `save_kv_layer` gathers
+the layer's blocks into per-block value buffers and loads scatter them back, both with
 `kvx.layouts.convert_blocks`, which converts between the engine's layout / block size / TP
 shard and the stored form.
 
@@ -24,7 +24,6 @@ import contextlib
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -40,22 +39,27 @@ from kvx.plugins.storage.blockformat import (
     seal,
 )
 from kvx.plugins.storage.buffers import Budget, BufferPool, row_views
-from kvx.plugins.storage.direct import CacheBlocks, DirectIO, Fetched, check_size
+from kvx.plugins.storage.direct import (
+    CacheBlocks,
+    DirectIO,
+    Fetched,
+    check_size,
+    splits_by_tokens,
+)
 from kvx.plugins.storage.keys import Geometry, Stage
 from kvx.plugins.storage.load_plan import (
     Load,
-    Segment,
     Unit,
     failed_blocks,
     plan_units,
-    scatter_moves,
     targets,
     unit_key,
     valid_tokens,
 )
 from kvx.plugins.storage.metadata import StorageMetadata, StoreSpec
+from kvx.plugins.storage.scatter import scatter
 from kvx.plugins.storage.stats import StorageStats, Tally
-from kvx.plugins.storage.values import converted, layer_view, token_slice, unify_orders
+from kvx.plugins.storage.values import layer_view, token_slice, unify_orders
 from kvx.topology import is_primary_holder, physical_head_range
 
 logger = logging.getLogger(__name__)
@@ -99,6 +103,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._by_index: dict[int, torch.Tensor] = {}  # global layer index -> cache
         # direct IO: values straight from and into the stage's engine blocks
         self.direct = False
+        self._pieces = 1
         self._direct_io = DirectIO(backend, [], verify_checksums, (self.order, self.k_order))
         self._foreign: set[tuple[range, bytes, range]] = set()  # (layers, layer set, heads)
         self._io_threads = io_threads
@@ -139,10 +144,17 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._by_index = {index[name]: tensor for name, tensor in kv_caches.items()}
         self.caches = dict(kv_caches)
         self._direct_io.table = []
-        self.direct = self.geo.block_size == self.geo.engine_block_size
+        bs, ebs = self.geo.block_size, self.geo.engine_block_size
+        self._pieces = ebs // bs if ebs > bs else 1  # stored blocks per engine block
+        self.direct = bs == ebs or (
+            self._pieces > 1 and not self.k_order and splits_by_tokens(self.layout)
+        )
         if self.direct:
             try:
-                layers = [CacheBlocks(self._by_index[g], self.layout) for g in self.stage.layers]
+                layers = [
+                    CacheBlocks(self._by_index[g], self.layout, self._pieces)
+                    for g in self.stage.layers
+                ]
             except ValueError:  # a GPU cache, or a strided one: through buffers
                 self.direct = False
             else:
@@ -278,48 +290,19 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         if fetched.values is not None:
             rows = [row for seg, n in good for row in seg.rows[:n]]
             stored = unify_orders(fetched.values, rows, fetched.shapes, self.dtype)
-            self._scatter(unit, fetched.values, good, stored)
+            assert self.stage is not None
+            scatter(
+                unit,
+                fetched.values,
+                good,
+                stored,
+                self.geo,
+                self.stage,
+                self.heads,
+                self._by_index,
+                self.layout,
+            )
         self._tally.add(loaded_bytes=sum(n for _, n in good) * unit.shape.value_bytes)
-
-    def _scatter(
-        self,
-        unit: Unit,
-        values: torch.Tensor,
-        good: list[tuple[Segment, int]],
-        stored: BlockShape,
-    ) -> None:
-        """Copy the first `n` rows of each segment (values of the `stored` shape), every layer
-        this rank holds, into the cache: one convert_blocks call per layer and
-        engine-block-sized piece of a row."""
-        assert self.stage is not None
-        bs, ebs = self.geo.block_size, self.geo.engine_block_size
-        heads: dict[str, range] = {}
-        if not self.geo.mla and unit.heads != self.heads:
-            lo, hi = max(unit.heads.start, self.heads.start), min(unit.heads.stop, self.heads.stop)
-            heads["src_heads"] = range(lo - unit.heads.start, hi - unit.heads.start)
-            heads["dst_heads"] = range(lo - self.heads.start, hi - self.heads.start)
-        moves = scatter_moves(good, self.geo)
-        layers = range(
-            max(unit.stage.layers.start, self.stage.layers.start),
-            min(unit.stage.layers.stop, self.stage.layers.stop),
-        )
-        for g in layers:
-            view = layer_view(values, stored, g - unit.stage.layers.start, self.dtype)
-            shape = stored
-            if stored.k_order and bs > ebs:  # K and V orders differ: unsplit, then cut
-                shape = replace(stored, order=KV_ORDER, k_order="")
-                view = converted(view, range(view.shape[0]), stored, shape)
-            for tokens, src, dst, num_tokens in moves:
-                convert_blocks(
-                    token_slice(view, shape, tokens),
-                    self._by_index[g],
-                    src,
-                    dst,
-                    src_layout=shape.layout,
-                    dst_layout=self.layout,
-                    num_tokens=num_tokens,
-                    **heads,
-                )
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -367,10 +350,11 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         shape = self._own_shape()
         self._items = []
-        if self.direct:  # stored block = engine block
+        if self.direct:  # stored block = engine block, or a piece of one (`_pieces`)
+            k = self._pieces
             for spec in stores:
-                for r, name in self._complete_rows(spec, len(spec.block_ids)):
-                    self._items.append((name, spec.block_ids[r]))
+                for r, name in self._complete_rows(spec, len(spec.block_ids) * k):
+                    self._items.append((name, spec.block_ids[r // k] * k + r % k))
             return
         rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
         self._budget.acquire(sum(rows) * shape.value_bytes)

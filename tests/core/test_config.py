@@ -355,6 +355,21 @@ def test_module_path_config_is_checked_against_the_module(plugin_registry: Regis
     )
 
 
+def test_registered_class_by_module_path_gets_its_registered_schema(
+    plugin_registry: Registry,
+) -> None:
+    """A registered connector's class loaded by module path (it declares no schema itself) is
+    checked against the schema it is registered with, as when named."""
+    by_path = {
+        **echo(mode="async"),
+        "kv_connector_module_path": "kvx_test_plugin.connectors",
+    }
+    config = KVTransferConfig.from_dict(by_path, registry=plugin_registry)
+    assert config.kv_connector_extra_config["mode"] == "async"
+    found = problems_of({**by_path, **echo(mood="async")}, plugin_registry)
+    assert found["kv_connector_extra_config.mood"].startswith('unknown key (did you mean "mode"?)')
+
+
 # -- parsing ----------------------------------------------------------------------------------
 
 

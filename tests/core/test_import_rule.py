@@ -24,6 +24,7 @@ PUBLIC_MODULES = (
     "kvx",
     "kvx.topology",
     "kvx.wire",
+    "kvx.discovery",
     "kvx.engine",
     "kvx.layouts",
     "kvx.conformance",

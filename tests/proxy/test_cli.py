@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import kvx
 from kvx.cli import main
 
 pytestmark = pytest.mark.timeout(90)
@@ -96,6 +97,7 @@ WITHOUT_EXTRA = """
 import sys
 for name in ("starlette", "httpx", "uvicorn"):
     sys.modules[name] = None  # as if the proxy extra were not installed: importing it fails
+import kvx
 from kvx.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -120,7 +122,7 @@ def test_without_the_extra_flags_are_checked_and_starting_says_how_to_install():
     assert start.returncode == 1
     assert start.stderr == (
         "error: kvx proxy needs the 'proxy' extra (starlette, httpx, uvicorn not installed): "
-        "pip install 'kvx[proxy]'\n"
+        f"{kvx.install_hint('proxy', 'starlette')}\n"
     )
 
 

@@ -47,11 +47,9 @@ def mask_times(text: str) -> str:
     return re.sub(r"since \d\d:\d\d:\d\d", "since HH:MM:SS", text)
 
 
-def test_try_it_prints_what_the_page_says(free_port):
-    script, expected = blocks_after("## Try it", "bash")
-    script, expected = with_free_ports(script, expected, free_port=free_port)
-    kvx_dir = Path(sys.executable).parent
-    script = script.replace(".venv/bin/kvx", str(kvx_dir / "kvx"))
+def run_bash(script: str) -> str:
+    """stdout of a page's bash block run with this venv's programs; it must succeed."""
+    script = script.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
     # Its own session, so the proxy it starts in the background can be ended with it.
     bash = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", script],
@@ -67,7 +65,13 @@ def test_try_it_prints_what_the_page_says(free_port):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(bash.pid, signal.SIGKILL)
     assert bash.returncode == 0, err
-    assert mask_times(out) == mask_times(expected)
+    return out
+
+
+def test_try_it_prints_what_the_page_says(free_port):
+    script, expected = blocks_after("## Try it", "bash")
+    script, expected = with_free_ports(script, expected, free_port=free_port)
+    assert mask_times(run_bash(script)) == mask_times(expected)
 
 
 def test_python_api_example_prints_what_the_page_says(free_port):
@@ -100,3 +104,11 @@ def test_flag_error_example_prints_what_the_page_says():
     )
     assert done.returncode == 2
     assert done.stderr == expected
+
+
+def test_service_discovery_example_prints_what_the_page_says(free_port):
+    script, expected = blocks_after("## Service discovery", "bash")
+    script, expected = with_free_ports(script, expected, free_port=free_port)
+    discovery = str(free_port())
+    script, expected = script.replace("30001", discovery), expected.replace("30001", discovery)
+    assert run_bash(script) == expected

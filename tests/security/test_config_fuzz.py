@@ -86,6 +86,23 @@ def catalogue(tmp: Path) -> dict[str, dict[str, tuple[list[Any], list[Any]]]]:
             "shared_secret": ([None, "0123456789"], ["short"]),
             "max_handshake_bytes": ([None], [10]),
         },
+        "P2pNcclConnector": {
+            # few good values: every distinct good config is built once (~0.1 s each)
+            "send_type": ([None, "GET"], ["put", "PUSH", 1]),
+            "data_plane": ([None], ["gpu", ""]),
+            "default_decode_address": (
+                [None, "[::1]:5000"],
+                ["127.0.0.1", "host:0", "a_b:1", "x:99999", "[zz]:1", 5000],
+            ),
+            "mem_pool_size_gb": ([None], [-1, 1e400]),
+            "transfer_timeout_s": ([None], [0, -1]),
+            "shared_secret": ([None], ["short"]),
+            "max_tensor_bytes": ([None], [10, 2**64]),
+            "proxy": (  # proxy_ip, proxy_port and http_port go together
+                [None, ("127.0.0.1", 30001, 8000)],
+                [("127.0.0.1", None, 8000), ("127.0.0.1", 30001, None), (None, 30001, None)],
+            ),
+        },
         "ExamplePDConnector": {
             "directory": ([str(tmp / "handoff")], ["", f"{tmp}/\x00", f"{tmp}/{long_name}"]),
             "load_timeout_s": ([None, 5.0], [0, -2]),
@@ -105,6 +122,11 @@ def _set(extra: dict[str, Any], field: str, value: Any) -> None:
     if field == "disk":
         if value is not None:
             for key, item in zip(("disk_url", "disk_bytes_to_use"), value, strict=True):
+                if item is not None:
+                    extra[key] = item
+    elif field == "proxy":
+        if value is not None:
+            for key, item in zip(("proxy_ip", "proxy_port", "http_port"), value, strict=True):
                 if item is not None:
                     extra[key] = item
     elif value is not None:

@@ -23,6 +23,7 @@ from kvx.plugins.nixl.handshake import (
     open_notification,
     seal_notification,
 )
+from kvx.plugins.p2p import messages as p2p
 from kvx.wire import WireError
 
 MESSAGES = 10_000
@@ -55,6 +56,32 @@ def valid_messages() -> dict[str, tuple[Any, list[bytes]]]:
         ),
         "Command": (Command, [wire.encode(c) for c in _commands()]),
         "Reply": (Reply, [wire.encode(Reply(outputs=[], stats={"a": 1}))]),
+        **_p2p_messages(),
+    }
+
+
+def _p2p_messages() -> dict[str, tuple[Any, list[bytes]]]:
+    """P2pNcclConnector's control messages (its envelope carries HELLO, PUT and GET)."""
+    meta = p2p.TensorMeta("req", "layer.0", 0, 0, 2, 16, 16, 3, 40, "HND", "float32", 12288)
+    geometry = p2p.Geometry(2, 1, 4, 16, 16, "HND", "float32", False, 2)
+    envelopes = [
+        p2p.Envelope(b"n" * 16, time.time(), message)
+        for message in (
+            p2p.Hello("cpu"),
+            p2p.Hello("nccl", b"u" * 128),
+            p2p.Put(meta),
+            p2p.Get("req", "layer.0", 0, 2, 1),
+        )
+    ]
+    replies = [
+        p2p.Reply(True, geometry=geometry),
+        p2p.Reply(True, meta=meta),
+        p2p.Reply(False, "no"),
+    ]
+    return {
+        "P2pEnvelope": (p2p.Envelope, [wire.encode(e) for e in envelopes]),
+        "P2pReply": (p2p.Reply, [wire.encode(r) for r in replies]),
+        "P2pTensorMeta": (p2p.TensorMeta, [wire.encode(meta)]),
     }
 
 

@@ -17,6 +17,7 @@ from kvx import (
     Request,
     SchedulerOutput,
 )
+from kvx.plugins.storage.backends import segments
 from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,9 +110,13 @@ def test_local_prefix_hit_loads_only_the_rest(storage_url: str, make_rig: MakeRi
 
 
 def corrupt_file(tmp_path: Path, key: str) -> None:
+    """Flip a bit in the middle of the block's value (in its own file or its segment file)."""
     path = next(tmp_path.rglob(f"{key}.{VALUE}"))
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
+    with path.open("rb") as f:
+        name = path.relative_to(tmp_path).as_posix()
+        start, length = segments.locate(f.fileno(), len(data), name) or (0, len(data))
+    data[start + length // 2] ^= 0x40
     path.write_bytes(bytes(data))
 
 
@@ -342,3 +347,30 @@ def test_resumed_request_reloads_into_its_new_blocks(storage_url: str, make_rig:
     for _, caches, _ in rig.workers:  # both tables hold the prefix now
         view = rig.token_view(caches[LAYERS[0]])
         assert all(view[new[i]].equal(view[old[i]]) for i in range(3))
+
+
+@pytest.mark.parametrize(
+    ("p", "d"),
+    [
+        ({"block_size": 32}, {"block_size": 32}),
+        ({"block_size": 64}, {"block_size": 16}),
+        ({"block_size": 16}, {"block_size": 64}),
+        ({"block_size": 32, "layout": "HND"}, {"block_size": 32}),
+    ],
+)
+def test_token_major_engine_blocks_move_straight_in_stored_block_pieces(
+    p: dict[str, object], d: dict[str, object], tmp_path: Path, make_rig: MakeRig
+) -> None:
+    # An NHD engine block of 32 or 64 tokens is 2 or 4 stored 16-token blocks, each a
+    # contiguous piece of every region: read and written without buffers (direct); HND is not.
+    url = f"file://{tmp_path}"
+    tokens = prompt(150, seed=11)
+    producer = make_rig(url, **p)
+    producer.prefill("p", tokens)
+    consumer = make_rig(url, **d)
+    for rig, spec in ((producer, p), (consumer, d)):
+        assert rig.workers[0][0].worker.direct == (spec.get("layout", "NHD") == "NHD")
+    run = consumer.prefill("d", tokens, compute=False)
+    expected = min(144, (len(tokens) - 1) // consumer.block_size * consumer.block_size)
+    assert run.num_external == expected and run.errors == [set()]
+    consumer.check(tokens, run.block_ids, expected)

@@ -112,8 +112,12 @@ def _flip(value: bytes) -> bytes:
 
 
 def _damage_files(root: Path, damage: Callable[[bytes], bytes]) -> int:
-    """Damage every third stored value (sorted by name); return how many."""
-    files = sorted(p for p in root.rglob("*") if p.is_file())
+    """Damage every third stored file (sorted by name; a segment file holding several values
+    under several names counts once); return how many."""
+    inodes: dict[int, Path] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        inodes.setdefault(path.stat().st_ino, path)
+    files = list(inodes.values())
     for path in files[::3]:
         path.write_bytes(damage(path.read_bytes()))
     return len(files[::3])

@@ -16,7 +16,7 @@ from kvx.plugins.storage import (
     _fileio,  # not built: this file fails to import, as it should
     blockformat,
 )
-from kvx.plugins.storage.backends import fsspec_backend
+from kvx.plugins.storage.backends import fsspec_backend, segments
 from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 from kvx.plugins.storage.blockformat import BlockShape
@@ -243,3 +243,60 @@ def test_native_and_python_paths_load_each_others_values(
     loaded = consumer.prefill("d", tokens, compute=False)
     assert loaded.num_external == 48 and loaded.errors == [set()]
     consumer.check(tokens, loaded.block_ids, 48)
+
+
+def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
+    tmp_path: Path,
+) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    src, table = _cache(5, 3000)
+    keys = ["ns/x/a", "ns/y/b", "ns/x/c"]
+    seeds = [k.encode() + b"p" * 56 for k in keys]  # as the format: key, then the prefix
+    backend.put_blocks_hashed(keys, seeds, b"p" * 56, table, [4, 0, 2])
+    stats = [(tmp_path / key).stat() for key in keys]
+    assert len({st.st_ino for st in stats}) == 1 and stats[0].st_nlink == 3  # one inode
+    assert not list((tmp_path / "ns").rglob("*.tmp-*"))
+    value = 64 + 6000
+    assert stats[0].st_size == segments.header_len(3) + 3 * value
+    dst, dst_table = _cache(5, 3000)
+    dst[:] = bytes(len(dst))
+    heads = [bytearray(64) for _ in keys]
+    out = backend.get_blocks_hashed(
+        keys, [k.encode() for k in keys], (56, 64), heads, dst_table, [0, 1, 3]
+    )
+    for (size, digest), head in zip(out, heads, strict=True):
+        assert size == value and digest == int.from_bytes(head[56:], "little")
+    for got, want in ((0, 4), (1, 0), (3, 2)):
+        for half in (0, 5):
+            assert dst[(half + got) * 3000 :][:3000] == src[(half + want) * 3000 :][:3000]
+    # the Python read paths (values read into buffers, get_many) find the same values
+    plain = backend.get_many(keys, value)
+    rows = [memoryview(bytearray(value)) for _ in keys]
+    assert backend.get_into(keys, rows) == [value] * 3
+    for data, row, head, block in zip(plain, rows, heads, [4, 0, 2], strict=True):
+        body = src[block * 3000 :][:3000] + src[(5 + block) * 3000 :][:3000]
+        assert data == bytes(row) == bytes(head) + body
+    assert backend.get_into(["ns/x/a"], [memoryview(bytearray(value - 1))]) == [value]
+    # rewriting a key replaces it (a new segment); a segment without a key does not serve it
+    backend.put_blocks_hashed(["ns/x/a", "ns/x/d"], [b"", b""], b"q" * 56, table, [1, 1])
+    assert backend.get_many(["ns/x/a"], value)[0][:56] == b"q" * 56  # type: ignore[index]
+    assert backend.get_many(["ns/x/c"], value)[0][:56] == b"p" * 56  # type: ignore[index]
+    os.link(tmp_path / "ns/x/c", tmp_path / "ns/x/e")  # a name its segment does not index
+    out = backend.get_blocks_hashed(["ns/x/e"], [b""], (0, 0), [bytearray(64)], dst_table, [0])
+    assert out == [(None, None)]
+
+
+def test_damaged_segment_headers_are_not_trusted(tmp_path: Path) -> None:
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    _, table = _cache(2, 4096)
+    keys = ["ns/a", "ns/b"]
+    backend.put_blocks_hashed(keys, [b"", b""], b"p" * 56, table, [0, 1])
+    path = tmp_path / "ns/a"
+    data = bytearray(path.read_bytes())
+    data[16 + 8] ^= 1  # an index entry's offset: the header checksum no longer matches
+    path.write_bytes(bytes(data))
+    heads = [bytearray(64), bytearray(64)]
+    out = backend.get_blocks_hashed(keys, [b"", b""], (0, 0), heads, table, [0, 1])
+    assert out == [(len(data), None), (len(data), None)]  # read as a value of another size
+    # the Python path reads the file as one value: never one of the right size
+    assert [len(v or b"") for v in backend.get_many(keys, 64 + 8192)] == [64 + 8193] * 2

@@ -258,6 +258,7 @@ class Harness:
     imported with `--import-mode=importlib`, so they reach helpers through fixtures)."""
 
     block = BLOCK
+    engine_options = ENGINE_OPTIONS
     adapter_json = staticmethod(adapter_json)
     drain = staticmethod(drain)
     kv_caches = staticmethod(kv_caches)

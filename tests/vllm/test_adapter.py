@@ -89,7 +89,7 @@ def test_vllm_plugin_registers_kvx_names_in_vllms_factory(
         (
             {"kv_connector": "SharedStorageConnectr"},
             [
-                "'SharedStorageConnectr' is neither 'KvxConnector' nor a registered kvx connector",
+                'kv_connector "SharedStorageConnectr" is not a registered kvx connector',
                 'did you mean "SharedStorageConnector"?',
                 '"ExamplePDConnector"',
             ],

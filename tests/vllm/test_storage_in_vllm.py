@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvx.plugins.storage.backends import segments
 from kvx.plugins.storage.blockformat import HEADER
 from kvx.plugins.storage.metadata import StorageMetadata
 
@@ -135,8 +136,12 @@ def noisy_copy(stored: Stored, dest: Path, prompt: int) -> int:
     for key in stored.keys[prompt]:
         for path in dest.rglob(f"{key}.*"):  # the block's values: <key>.<stage>.<heads>
             data = bytearray(path.read_bytes())
-            payload = (len(data) - HEADER.size) // 4
-            data[HEADER.size :] = torch.randn(payload, generator=gen).numpy().tobytes()
+            with path.open("rb") as f:  # its own file, or its place in a segment file
+                name = path.relative_to(dest).as_posix()
+                start, size = segments.locate(f.fileno(), len(data), name) or (0, len(data))
+            payload = (size - HEADER.size) // 4
+            noise = torch.randn(payload, generator=gen).numpy().tobytes()
+            data[start + HEADER.size : start + size] = noise
             path.write_bytes(bytes(data))
             changed += 1
     return changed

@@ -7,6 +7,7 @@ kvx_connectors = kvx.provides(
         name="ExamplePDConnector",
         target="kvx_example_connector.connector:ExamplePDConnector",
         summary="example: prefill/decode hand-off through a shared directory",
+        aliases=("ExamplePDConnectorV1",),
         config_schema="kvx_example_connector.config:ExamplePDConfig",
     )
 )

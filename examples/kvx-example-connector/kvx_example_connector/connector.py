@@ -24,6 +24,7 @@ class ExamplePDConnector(RoleSplitConnector[ExamplePDScheduler, ExamplePDWorker]
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
         {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
     )
+    extra_config_schema = ExamplePDConfig  # checks the extra config when loaded by module path
     metadata_type = ExamplePDMetadata
     stats_type = ExamplePDStats
     worker_type: ClassVar[type[ExamplePDWorker]] = ExamplePDWorker

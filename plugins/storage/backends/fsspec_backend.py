@@ -19,6 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 import kvx
 from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
+from kvx.plugins.storage.backends.segments import locate
 from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
 
 _fileio: ModuleType | None
@@ -42,8 +43,8 @@ class FsspecBackend(StorageBackend):
     def __init__(self, url: str, options: BackendOptions) -> None:
         self.url = url
         try:
-            self.fs, root = fsspec.core.url_to_fs(url)
-        except (ImportError, ValueError) as exc:
+            self.fs, root = fsspec.core.url_to_fs(url, **(options.storage_options or {}))
+        except (ImportError, ValueError, TypeError) as exc:
             raise ValueError(f"storage_url {url!r}: fsspec cannot open it: {exc}") from None
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
@@ -117,13 +118,17 @@ class FsspecBackend(StorageBackend):
             raise
 
     def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
-        return [self._get(self._path(key), max_bytes) for key in keys]
+        return [self._get(key, max_bytes) for key in keys]
 
-    def _get(self, path: str, max_bytes: int) -> bytes | None:
+    def _get(self, key: str, max_bytes: int) -> bytes | None:
+        path = self._path(key)
         try:
             if self.local:
                 with open(path, "rb", buffering=0) as raw:
-                    return raw.read(max_bytes + 1)
+                    where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key)
+                    if where is None:
+                        return raw.read(max_bytes + 1)
+                    return os.pread(raw.fileno(), min(where[1], max_bytes + 1), where[0])
             with self.fs.open(path, "rb") as f:
                 data: bytes = f.read(max_bytes + 1)
                 return data
@@ -145,15 +150,13 @@ class FsspecBackend(StorageBackend):
         (otherwise they are untouched): per key the stored size (None where absent or
         unreadable; a longer value on a remote filesystem is read only to the buffers' total
         + 1 and reported as that). Local files: one `preadv` into the buffers."""
-        return [
-            self._get_vectored(self._path(key), parts)
-            for key, parts in zip(keys, buffers, strict=True)
-        ]
+        return [self._get_vectored(key, parts) for key, parts in zip(keys, buffers, strict=True)]
 
-    def _get_vectored(self, path: str, parts: Sequence[memoryview]) -> int | None:
+    def _get_vectored(self, key: str, parts: Sequence[memoryview]) -> int | None:
         total = sum(part.nbytes for part in parts)
+        path = self._path(key)
         if not self.local:
-            data = self._get(path, total)
+            data = self._get(key, total)
             if data is not None and len(data) == total:
                 copy_into(parts, data)
             return None if data is None else len(data)
@@ -165,12 +168,14 @@ class FsspecBackend(StorageBackend):
             logger.warning("kvx storage: cannot read %s: %s", path, exc)
             return None
         try:
-            size = os.fstat(fd).st_size
+            size, start = os.fstat(fd).st_size, 0
+            if size > total and (where := locate(fd, size, key)) is not None:
+                start, size = where  # one of the values of a segment file
             if size != total:
                 return size
             views, i, got = byte_views(parts), 0, 0
             while i < len(views):
-                n = os.preadv(fd, views[i : i + _IOV_MAX], got)
+                n = os.preadv(fd, views[i : i + _IOV_MAX], start + got)
                 if n == 0:
                     break  # shorter than fstat said: reported as that size
                 got += n
@@ -192,7 +197,7 @@ class FsspecBackend(StorageBackend):
         (`regions`: per region (buffer, start, size, step), block b's bytes being
         `buffer[start + b * step:][:size]`). Checksummed as written, all in native code
         without the GIL (needs `hashed_io`). Atomic per key, as `put_many`."""
-        native = self._native()
+        self._native()  # a clear error where it cannot serve
         paths = [self._path(key) for key in keys]
         todo = list(range(len(keys)))
         for attempt in range(2):
@@ -202,15 +207,13 @@ class FsspecBackend(StorageBackend):
                     self._dirs.difference_update(directories)
             for directory in directories:
                 self._makedirs(directory)
-            errors = native.write_blocks(
+            errors = self._write_hashed(
                 [paths[i] for i in todo],
-                [f"{paths[i]}.tmp-{self._tmp_tag}-{next(self._tmp_serial)}" for i in todo],
+                [keys[i] for i in todo],
                 [seeds[i] for i in todo],
                 prefix,
                 regions,
                 [blocks[i] for i in todo],
-                False,
-                self.file_mode,
             )
             failed = [(i, e) for i, e in zip(todo, errors, strict=True) if e]
             todo = [i for i, e in failed if e == errno.ENOENT]
@@ -219,6 +222,43 @@ class FsspecBackend(StorageBackend):
         if failed:
             i, error = failed[0]
             raise OSError(error, f"cannot store {paths[i]}: {os.strerror(error)}")
+
+    def _write_hashed(
+        self,
+        paths: list[str],
+        keys: list[str],
+        seeds: list[bytes],
+        prefix: bytes,
+        regions: RegionTable,
+        blocks: list[int],
+    ) -> list[int]:
+        """Per value 0 or the errno that stopped it. Several values go into segment files
+        (one new inode per SEGMENT_VALUES values, not per value: `segments.py`), one alone
+        into a file of its own."""
+        native = self._native()
+        if len(paths) == 1:
+            tmp = f"{paths[0]}.tmp-{self._tmp_tag}-{next(self._tmp_serial)}"
+            return list(
+                native.write_blocks(
+                    paths, [tmp], seeds, prefix, regions, blocks, False, self.file_mode
+                )
+            )
+        errors: list[int] = []
+        for at in range(0, len(paths), SEGMENT_VALUES):
+            part = slice(at, at + SEGMENT_VALUES)
+            tmp = f"{paths[at]}.tmp-{self._tmp_tag}-{next(self._tmp_serial)}"
+            errors += native.write_segment(
+                paths[part],
+                [key.encode() for key in keys[part]],
+                tmp,
+                seeds[part],
+                prefix,
+                regions,
+                blocks[part],
+                False,
+                self.file_mode,
+            )
+        return errors
 
     def get_blocks_hashed(
         self,
@@ -238,7 +278,11 @@ class FsspecBackend(StorageBackend):
         paths = [self._path(key) for key in keys]
         out: list[tuple[int | None, int | None]] = []
         for path, (size, digest, error) in zip(
-            paths, native.read_blocks(paths, seeds, *skip, heads, regions, blocks), strict=True
+            paths,
+            native.read_blocks(
+                paths, seeds, *skip, heads, regions, blocks, False, [k.encode() for k in keys]
+            ),
+            strict=True,
         ):
             if error and error != errno.ENOENT:
                 logger.warning("kvx storage: cannot read %s: %s", path, os.strerror(error))
@@ -281,3 +325,5 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
 
 
 _IOV_MAX = iov_max()
+SEGMENT_VALUES = 256
+"""Values per segment file at most (a write call's batch is split into segments of this many)."""

@@ -64,6 +64,7 @@ class RedisBackend(StorageBackend):
         try:
             self.client = redis.Redis.from_url(
                 url,
+                password=options.password,
                 socket_timeout=options.timeout_s,
                 socket_connect_timeout=options.timeout_s,
                 retry=Retry(NoBackoff(), 0),
@@ -79,7 +80,7 @@ class RedisBackend(StorageBackend):
             self.client.close()
             raise ConnectionError(
                 f"the Redis server at {_redacted(url)!r} refused the credentials: {exc}. "
-                "Fix the user name or password in storage_url"
+                "Fix the user name or password (storage_url or redis_password)"
             ) from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.client.close()

@@ -163,10 +163,12 @@ def vllm_server(
     netns: str | None = None,
     env: dict[str, str] | None = None,
     extra: Sequence[str] = (),
+    port: int | None = None,
 ) -> HttpServer:
     """`vllm serve` pinned to `core` (VLLM_CPU_OMP_THREADS_BIND: two servers on one host must not
-    share cores, or one waits for the other's threads and its KV reads time out)."""
-    port = free_port()
+    share cores, or one waits for the other's threads and its KV reads time out), on `port`
+    (default: a free one)."""
+    port = port or free_port()
     argv = [
         str(BIN / "vllm"),
         "serve",
@@ -191,6 +193,7 @@ def proxy_server(
     host: str = "127.0.0.1",
     netns: str | None = None,
     extra: Sequence[str] = (),
+    name: str = "proxy",
 ) -> HttpServer:
     port = free_port()
     argv = [str(BIN / "kvx"), "proxy", f"--host={host}", f"--port={port}", *extra]
@@ -198,7 +201,7 @@ def proxy_server(
         argv += ["--prefill", url]
     for url in decodes:
         argv += ["--decode", url]
-    return HttpServer("proxy", argv, f"http://{host}:{port}", log_dir, netns=netns)
+    return HttpServer(name, argv, f"http://{host}:{port}", log_dir, netns=netns)
 
 
 def redis_server(log_dir: Path, host: str = "127.0.0.1", netns: str | None = None) -> Server:

@@ -1,12 +1,11 @@
 """Helpers of the online serving tests: the 40-request workload, a fleet of servers torn down
-together, P/D deployments behind `kvx proxy`, and the checks (tokens against one engine's, kvx
-stats from a server's log)."""
+together, P/D deployments behind `kvx proxy`, and the rounds of requests whose tokens must equal
+one engine's (the proofs of D's loads are in serving_checks.py)."""
 
 from __future__ import annotations
 
 import os
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,26 +46,6 @@ def make_workload(seed: int = 7) -> list[Request]:
         Request(prompts[i], new_tokens[n % 5], stream=bool(n % 2), burst=n // 10)
         for n, i in enumerate(order)
     ]
-
-
-STATS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
-
-
-def logged_stats(server: cluster.Server) -> dict[str, float]:
-    """The kvx connector stats a vLLM server logged (`KV Transfer metrics: k=v, ...`, one line
-    per stats interval), summed over the whole log."""
-    total: dict[str, float] = {}
-    for line in server.log.read_text(errors="replace").splitlines():
-        match = STATS_LINE.search(line)
-        if not match:
-            continue
-        for item in match.group(1).split(", "):
-            key, _, value = item.partition("=")
-            try:
-                total[key] = total.get(key, 0) + float(value)
-            except ValueError:
-                continue
-    return total
 
 
 def mismatches(
@@ -172,13 +151,20 @@ def eventually(check: Callable[[], None], timeout_s: float = 15.0) -> None:
 
 
 def serve_rounds(
-    dep: Deployment, workload: list[Request], reference: list[list[int]]
+    dep: Deployment,
+    workload: list[Request],
+    reference: list[list[int]],
+    send: Callable[[], list[Result]] | None = None,
 ) -> list[list[Result]]:
-    """Send the workload through the proxy `ROUNDS` times; every request must return exactly
-    the reference tokens and every server must stay up. Returns each round's results."""
+    """Send the workload through the proxy `ROUNDS` times (`send`: how, when not from this
+    process); every request must return exactly the reference tokens and every server must
+    stay up. Returns each round's results."""
     rounds = []
     for n in range(ROUNDS):
-        results = client.run(dep.proxy.url, dep.model.name, workload, gap_s=GAP_S)
+        if send is None:
+            results = client.run(dep.proxy.url, dep.model.name, workload, gap_s=GAP_S)
+        else:
+            results = send()
         bad = mismatches(workload, results, reference)
         assert not bad, f"round {n}: {len(bad)}/{len(workload)} requests wrong:\n" + "\n".join(bad)
         dead = [s.name for s in [*dep.engines, dep.proxy] if not s.alive]

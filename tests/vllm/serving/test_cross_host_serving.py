@@ -4,6 +4,11 @@ runs in A, D and the proxy in B, the client in B too (the test process's namespa
 to those addresses). NIXL runs over UCX's TCP transport (`UCX_TLS=tcp`; otherwise UCX would use
 shared memory between namespaces of one machine), Redis in A serves D in B; the bytes received on
 B's veth end prove that D's KV crossed the link.
+
+These are also the online P/D tests of NIXL over TCP and of the redis store: the workload's
+tokens equal one engine's (`KVX_SERVING_ROUNDS` rounds), D's logged stats show a READ per prompt
+sharing no prefix (NIXL) or every loadable token (redis), and with redis each response's cached
+prompt tokens are exactly the whole blocks the store holds.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import serving_checks as checks
 import serving_cluster as cluster
 import serving_kit as kit
 from serving_client import Request, Result
@@ -152,17 +158,10 @@ def test_nixl_over_tcp_between_namespaces(
         nixl_json("kv_consumer", side_channel_host=link.ip_b),
     )
     rx0 = link.rx_bytes_b()
-    results = run_in(link.b, dep, workload)
-    bad = kit.mismatches(workload, results, reference)
-    assert not bad, f"{len(bad)}/40 requests wrong:\n" + "\n".join(bad)
+    kit.serve_rounds(dep, workload, reference, send=lambda: run_in(link.b, dep, workload))
     received = link.rx_bytes_b() - rx0
-
-    def check() -> None:
-        stats = kit.logged_stats(dep.decodes[0])
-        assert stats.get("Num failed transfers", 0) == 0, stats
-        assert stats.get("Num successful transfers", 0) > 0, stats
-
-    kit.eventually(check)
+    needing = checks.unshared(workload)
+    kit.eventually(lambda: checks.check_nixl_reads(checks.logged_stats(dep.decodes[0]), needing))
     read = sum(
         float(m.group(1)) * float(m.group(2))
         for m in re.finditer(
@@ -191,22 +190,11 @@ def test_redis_in_the_other_namespace(
         kit.kvx_json("SharedStorageConnector", "kv_consumer", **store),
     )
     rx0 = link.rx_bytes_b()
-    results = run_in(link.b, dep, workload)
-    bad = kit.mismatches(workload, results, reference)
-    assert not bad, f"{len(bad)}/40 requests wrong:\n" + "\n".join(bad)
+    rounds = kit.serve_rounds(dep, workload, reference, send=lambda: run_in(link.b, dep, workload))
     received = link.rx_bytes_b() - rx0
-    # every whole block of the prompts sharing no prefix (shared prefixes may come from D's own
-    # prefix cache after the first of their group)
-    firsts = [tuple(r.prompt[:128]) for r in workload]
-    unshared = [r for r, f in zip(workload, firsts) if firsts.count(f) == 1]
-    loadable = sum((len(r.prompt) - 1) // 128 * 128 for r in unshared)
-
-    def check() -> None:
-        stats = kit.logged_stats(dep.decodes[0])
-        assert stats.get("loaded_tokens", 0) >= loadable, stats
-        assert stats.get("load_errors", 0) == 0, stats
-
-    kit.eventually(check)
+    checks.check_store_cached_tokens(workload, rounds)
+    loadable = sum(checks.store_loadable(len(r.prompt)) for r in checks.unshared(workload))
+    kit.eventually(lambda: checks.check_store_loads(checks.logged_stats(dep.decodes[0]), workload))
     assert received >= loadable * KV_BYTES_PER_TOKEN, (
         f"B's veth received {received} bytes, less than the {loadable} tokens' KV D loaded"
     )

@@ -1,8 +1,10 @@
-"""2P2D with NIXL behind `kvx proxy`: the 40 requests complete with one engine's tokens and every
-server takes its share; a P killed between prefill and decode fails only the requests whose KV
-it held, per D's `kv_load_failure_policy` (`fail`: an error to that client; `recompute`: the
-right tokens anyway), and D keeps serving; a killed D leaves the rotation and later requests
-succeed. D0 runs with `fail`, D1 with `recompute`, so one fleet covers both policies."""
+"""2P2D with NIXL behind `kvx proxy` (the online NIXL P/D test; each D reads from both Ps): the
+40 requests complete with one engine's tokens, every server takes its share and the Ds READ
+every prompt that shares no prefix, none failing; a P killed between prefill and decode fails
+only the requests whose KV it held, per D's `kv_load_failure_policy` (`fail`: an error to that
+client; `recompute`: the right tokens anyway), and D keeps serving; a killed D leaves the
+rotation and later requests succeed. D0 runs with `fail`, D1 with `recompute`, so one fleet
+covers both policies."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import serving_checks as checks
 import serving_kit as kit
 from serving_client import Request, run
 
@@ -52,13 +55,13 @@ def test_2p2d_forty_requests_equal_one_engines_tokens(
     kit.serve_rounds(fleet2, workload, reference)
     served = {s.name: completions_served(s) for s in fleet2.engines}
     assert all(n >= 10 for n in served.values()), f"round robin left a server idle: {served}"
-    for d in fleet2.decodes:
-        kit.eventually(lambda d=d: check_reads(kit.logged_stats(d)))
 
+    def d_reads() -> None:  # both Ds READ; together a READ per prompt sharing no prefix
+        stats = [checks.logged_stats(d) for d in fleet2.decodes]
+        assert all(one.get("Num successful transfers", 0) > 0 for one in stats), stats
+        checks.check_nixl_reads(checks.add(*stats), checks.unshared(workload))
 
-def check_reads(stats: dict[str, float]) -> None:
-    assert stats.get("Num successful transfers", 0) > 0, stats
-    assert stats.get("Num failed transfers", 0) == 0, stats
+    kit.eventually(d_reads)
 
 
 def prefill(url: str, model: str, req: Request) -> dict[str, Any]:

@@ -1,0 +1,257 @@
+"""`file://` saves and loads against a plain file per layer, over a sweep of shapes.
+
+Each shape (layers x block size x bytes x request mix) builds its own KV caches (NHD, 8 KV
+heads, head size 128, bfloat16, blocks scattered over a cache twice the size) and runs, in
+interleaved rounds on the same bytes:
+
+- `kvx file://`: SharedStorageConnector on a temporary directory (worker side, as
+  `bench_storage.py` drives it), values batched into segment files (the default);
+- `kvx per-value files`: the same connector writing one file per value, as block-format-3
+  stores did before segment files (reads are the same);
+- `raw file`: one plain file per layer, written from / read into one contiguous tensor.
+
+By default everything runs on one thread (`torch.set_num_threads(1)`, `io_threads: 1`) and the
+ratios are taken on CPU time (this process, all threads): on a machine shared with other jobs
+those repeat, where wall times follow the load. Each figure is the median of `--repeat`
+rounds (range beside it); the load average is recorded before and after each shape.
+
+    python benchmarks/bench_storage_sweep.py --quick     # 8 and 32 layers, 16-token blocks, 8 MiB
+    python benchmarks/bench_storage_sweep.py             # 8/32/80 layers x 16/128 tokens x sizes
+    python benchmarks/bench_storage_sweep.py --plot sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_storage import StorageCase
+from storage_baselines import KV, Case, RawFiles, drop_files, make_kv
+
+TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    block_size: int
+    mib: int
+    mix: str  # "short": requests of 2 blocks; "long": one request
+
+    def kv(self) -> KV:
+        block_bytes = self.layers * self.block_size * TOKEN_BYTES
+        blocks = max(2, self.mib * MIB // block_bytes)
+        requests = blocks // 2 if self.mix == "short" else 1
+        tokens = (blocks // requests) * self.block_size
+        return make_kv(self.layers, requests, tokens, 8, 128, self.block_size)
+
+    @property
+    def label(self) -> str:
+        return f"{self.layers}L b{self.block_size} {self.mib}MiB {self.mix}"
+
+
+def shapes(quick: bool) -> Iterator[Shape]:
+    if quick:
+        yield from (Shape(8, 16, 8, "short"), Shape(32, 16, 8, "long"))
+        return
+    for layers in (8, 32, 80):
+        for block_size in (16, 128):
+            for mib in (8, 64, 256):
+                yield Shape(layers, block_size, mib, "short")
+        yield Shape(layers, 16, 64, "long")
+    yield Shape(8, 16, 1024, "short")
+
+
+def per_value_files(case: StorageCase) -> None:
+    """Make the producer's backend write one file per value (the layout before segments)."""
+    backend: Any = case.producer.worker.backend  # type: ignore[attr-defined]
+    native = backend._native()
+
+    def write(paths: list[str], keys: list[str], seeds: list[bytes], prefix: bytes,
+              regions: Any, blocks: list[int]) -> list[int]:  # fmt: skip
+        tmps = [f"{p}.tmp-{backend._tmp_tag}-{next(backend._tmp_serial)}" for p in paths]
+        return list(native.write_blocks(paths, tmps, seeds, prefix, regions, blocks))
+
+    backend._write_hashed = write
+
+
+def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) -> dict[str, Any]:
+    kv = shape.kv()
+    extra = {"io_threads": threads}
+    seg = StorageCase(kv, f"file://{root}/seg", partial(drop_files, root / "seg"), **extra)  # type: ignore[arg-type]
+    one = StorageCase(kv, f"file://{root}/one", partial(drop_files, root / "one"), **extra)  # type: ignore[arg-type]
+    per_value_files(one)
+    raw = RawFiles(kv, root / "raw")
+    cases = [
+        Case("raw file", raw.save, raw.load, None, "", fresh=raw.fresh),
+        Case("kvx file://", seg.save, seg.load, "raw file", "", seg.fresh, seg.plan_load),
+        Case("kvx per-value files", one.save, one.load, "raw file", "", one.fresh, one.plan_load),
+    ]
+    load_before = os.getloadavg()[0]
+    try:
+        results = measure_all(cases, repeat)
+        kv.clear_dst()
+        seg.fresh(), seg.save(), seg.plan_load(), seg.load()
+        kv.check(kv.dst, kv.all_dst, "kvx file://")
+    finally:
+        for case in (seg, one):
+            case.close()
+        shutil.rmtree(root / "raw", ignore_errors=True)
+    peer = example_connector(kv, repeat, threads) if peers else None
+    return {"shape": shape, "bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]),
+            "results": results, "peer": peer}  # fmt: skip
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float]] | None:
+    """vLLM's real ExampleConnector on the same shape, in .venv-vllm (None without it)."""
+    if not VLLM_PYTHON.exists():
+        return None
+    script = Path(__file__).resolve().parent / "peer_example_connector.py"
+    argv = [str(VLLM_PYTHON), str(script), "--layers", str(len(kv.layers))]
+    argv += ["--block-size", str(kv.block_size), "--requests", str(len(kv.src_blocks))]
+    argv += ["--tokens", str(kv.tokens), "--repeat", str(repeat), "--threads", str(threads)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode:
+        raise SystemExit(f"ExampleConnector run failed:\n{done.stderr[-2000:]}")
+    times: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return times
+
+
+def measure_all(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
+    """Per case and kind ("save", "load", "save cpu", "load cpu"), the times of every round
+    after a warm-up round."""
+    times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
+    for round in range(repeat + 1):
+        for case in cases:
+            case.fresh()
+            for kind, fn in (("save", case.save), ("load", case.load)):
+                start, cpu = time.perf_counter(), time.process_time()
+                fn()
+                wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+                if round:
+                    times[case.name].setdefault(kind, []).append(wall)
+                    times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
+                if kind == "save":
+                    case.plan_load()
+    return times
+
+
+def ratios(times: dict[str, dict[str, list[float]]], case: str, kind: str) -> list[float]:
+    """Per round, raw file time / case time (> 1: the case is faster)."""
+    return [r / c for r, c in zip(times["raw file"][kind], times[case][kind], strict=True)]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| shape | MiB | load avg | raw save / load CPU ms | kvx save / load CPU ms | "
+        "kvx vs raw save (CPU) | kvx vs raw load (CPU) | per-value files vs raw save (CPU) | "
+        "kvx vs raw save / load (wall) | kvx vs vLLM ExampleConnector save / load (CPU) |",
+        "|---|---:|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        t = row["results"]
+
+        def cell(case: str, kind: str, t: dict[str, dict[str, list[float]]] = t) -> str:
+            r = ratios(t, case, kind)
+            return f"**{median(r):.2f}** ({min(r):.2f}-{max(r):.2f})"
+
+        ms = {c: "/".join(f"{median(t[c][k]) * 1e3:.1f}" for k in ("save cpu", "load cpu"))
+              for c in t}  # fmt: skip
+        wall = "/".join(f"{median(ratios(t, 'kvx file://', k)):.2f}" for k in ("save", "load"))
+        lines.append(
+            f"| {row['shape'].label} | {row['bytes'] / MIB:.0f} | "
+            f"{row['load'][0]:.1f}-{row['load'][1]:.1f} | {ms['raw file']} | {ms['kvx file://']} | "
+            f"{cell('kvx file://', 'save cpu')} | {cell('kvx file://', 'load cpu')} | "
+            f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} |"
+        )
+    return "\n".join(lines)
+
+
+def peer_cell(row: dict[str, Any]) -> str:
+    """ExampleConnector's median CPU time / kvx's, save / load ("-" without .venv-vllm)."""
+    peer, t = row["peer"], row["results"]["kvx file://"]
+    if peer is None:
+        return "-"
+    save = median(peer["save"]) / median(t["save cpu"])
+    load = median(peer["load"]) / median(t["load cpu"])
+    return f"**{save:.2f} / {load:.2f}**"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row["shape"].label for row in rows]
+    series = [
+        ("kvx save", "kvx file://", "save cpu"),
+        ("kvx load", "kvx file://", "load cpu"),
+        ("per-value files save", "kvx per-value files", "save cpu"),
+    ]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4.5))
+    width = 0.8 / len(series)
+    for k, (name, case, kind) in enumerate(series):
+        values = [median(ratios(row["results"], case, kind)) for row in rows]
+        ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
+    ax.axhline(0.8, color="red", linestyle="--", linewidth=1, label="target 0.8x")
+    ax.set_xticks([i + width for i in range(len(rows))], labels, rotation=60, ha="right")
+    ax.set_ylabel("x raw file (CPU time, 1 thread; higher is faster)")
+    ax.set_title("file:// vs one plain file per layer, medians")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two small shapes, for CI")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds per shape (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch and IO threads")
+    parser.add_argument("--dir", default=None, help="where the files go (default: the tmp dir)")
+    parser.add_argument("--only", default=None, help="shapes whose label contains this")
+    parser.add_argument("--max-mib", type=int, default=None, help="skip larger shapes")
+    parser.add_argument("--no-peers", action="store_true", help="skip vLLM's ExampleConnector")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for shape in shapes(args.quick):
+        if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
+            continue
+        with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
+            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), not args.no_peers))
+        print(report(rows[-1:]).splitlines()[-1], flush=True)
+    print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
+    print(report(rows))
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Bounded KV buffers: D's receive buffer (spilling into a host pool) and P's send store.
+
+Every entry ends: taken by a load, discarded with its request, evicted (send store, FIFO over
+its byte budget) or expired after `ttl_s` unclaimed. Nothing grows without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvx.plugins.p2p.messages import TensorMeta
+
+logger = logging.getLogger(__name__)
+RecvKey = tuple[str, str, int]
+"""(P's request id, layer, first global KV head)."""
+REFUSALS_KEPT = 4096
+
+
+@dataclass
+class Entry:
+    meta: TensorMeta
+    tensor: torch.Tensor
+    nbytes: int
+    spilled: bool
+    expires: float
+    keep: Any = None
+    """What must outlive `tensor` (the received frame it views)."""
+
+
+class RecvBuffer:
+    """Received KV until D loads it: up to `device_bytes` where it arrived, then up to
+    `pool_bytes` in host memory (a CUDA tensor is moved there); beyond both, `admit` refuses
+    and the request is remembered as refused so D fails it at once instead of waiting."""
+
+    def __init__(self, device_bytes: int, pool_bytes: int, ttl_s: float) -> None:
+        self.device_bytes, self.pool_bytes, self.ttl_s = device_bytes, pool_bytes, ttl_s
+        self._entries: dict[RecvKey, Entry] = {}
+        self._used_device = self._used_pool = 0
+        self._refused: OrderedDict[str, float] = OrderedDict()
+        self._cond = threading.Condition()
+        self.spilled_count = 0
+
+    def admit(self, meta: TensorMeta) -> str | None:
+        """None if a tensor of `meta.nbytes` fits (its bytes are reserved), else why not."""
+        with self._cond:
+            self._expire(time.monotonic())
+            n = meta.nbytes
+            if self._used_device + n <= self.device_bytes:
+                self._used_device += n
+                return None
+            if self._used_pool + n <= self.pool_bytes:
+                self._used_pool += n
+                return "spill"
+            self._refused[meta.request_id] = time.monotonic() + self.ttl_s
+            while len(self._refused) > REFUSALS_KEPT:
+                self._refused.popitem(last=False)
+            return (
+                f"receive buffer full: {self._used_device} of kv_buffer_size {self.device_bytes} "
+                f"and {self._used_pool} of mem_pool_size_gb {self.pool_bytes} bytes in use, "
+                f"{n} more asked"
+            )
+
+    def put(
+        self, key: RecvKey, meta: TensorMeta, tensor: torch.Tensor, spill: bool, keep: Any = None
+    ) -> None:
+        if spill and tensor.device.type != "cpu":
+            tensor, keep = tensor.to("cpu"), None
+        if spill:
+            self.spilled_count += 1
+        with self._cond:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._release(old)
+            self._entries[key] = Entry(
+                meta, tensor, meta.nbytes, spill, time.monotonic() + self.ttl_s, keep
+            )
+            self._cond.notify_all()
+
+    def unreserve(self, nbytes: int, spill: bool) -> None:
+        """Give back an `admit`ted reservation whose tensor never arrived."""
+        with self._cond:
+            if spill:
+                self._used_pool -= nbytes
+            else:
+                self._used_device -= nbytes
+
+    def wait_for(self, keys: list[RecvKey], request_id: str, deadline: float) -> str | None:
+        """Block until every key is here (None), the request was refused or time is up
+        (why not)."""
+        with self._cond:
+            while True:
+                missing = [k for k in keys if k not in self._entries]
+                if not missing:
+                    return None
+                if request_id in self._refused:
+                    return "the receive buffer refused its KV (out of memory)"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return (
+                        f"{len(missing)} of {len(keys)} KV slices never arrived, e.g. {missing[0]}"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def take(self, key: RecvKey, device: torch.device) -> tuple[TensorMeta, torch.Tensor]:
+        with self._cond:
+            entry = self._entries.pop(key)
+            self._release(entry)
+        tensor = entry.tensor.to(device) if entry.tensor.device != device else entry.tensor
+        return entry.meta, tensor
+
+    def discard(self, request_id: str) -> int:
+        """Drop everything held for `request_id`; how many entries."""
+        with self._cond:
+            self._refused.pop(request_id, None)
+            keys = [k for k in self._entries if k[0] == request_id]
+            for key in keys:
+                self._release(self._entries.pop(key))
+            return len(keys)
+
+    def _release(self, entry: Entry) -> None:
+        if entry.spilled:
+            self._used_pool -= entry.nbytes
+        else:
+            self._used_device -= entry.nbytes
+
+    def _expire(self, now: float) -> None:
+        for key, entry in list(self._entries.items()):
+            if entry.expires <= now:
+                logger.warning("dropping unclaimed KV %s after %.0fs", key, self.ttl_s)
+                self._release(self._entries.pop(key))
+        while self._refused and next(iter(self._refused.values())) <= now:
+            self._refused.popitem(last=False)
+
+    def expire(self) -> None:
+        with self._cond:
+            self._expire(time.monotonic())
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_device + self._used_pool
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
+class Stored:
+    meta: TensorMeta
+    tensor: torch.Tensor
+    expires: float
+    served: int = 0
+
+
+class SendStore:
+    """P's KV for D to pull (GET): FIFO-evicted over `max_bytes`, expired after `ttl_s`,
+    dropped once as many readers as D announced have read it. A tensor larger than the whole
+    budget is not kept (vLLM's threshold rule)."""
+
+    def __init__(self, max_bytes: int, ttl_s: float) -> None:
+        self.max_bytes, self.ttl_s = max_bytes, ttl_s
+        self._items: OrderedDict[tuple[str, str], Stored] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self.evicted = 0
+
+    def put(self, meta: TensorMeta, tensor: torch.Tensor) -> bool:
+        n = meta.nbytes
+        if n > self.max_bytes:
+            logger.warning(
+                "%s#%s: %d bytes exceed kv_buffer_size %d; not kept for D to pull",
+                meta.request_id,
+                meta.layer,
+                n,
+                self.max_bytes,
+            )
+            return False
+        with self._lock:
+            self._drop((meta.request_id, meta.layer))
+            while self._used + n > self.max_bytes and self._items:
+                key, old = self._items.popitem(last=False)
+                self._used -= old.meta.nbytes
+                self.evicted += 1
+                logger.warning("send store full: evicted %s#%s before D pulled it", *key)
+            self._items[(meta.request_id, meta.layer)] = Stored(
+                meta, tensor, time.monotonic() + self.ttl_s
+            )
+            self._used += n
+        return True
+
+    def lookup(self, request_id: str, layer: str) -> Stored | None:
+        with self._lock:
+            self._expire(time.monotonic())
+            return self._items.get((request_id, layer))
+
+    def served(self, request_id: str, layer: str, readers: int) -> None:
+        """One D worker read the entry; drop it once `readers` have."""
+        with self._lock:
+            item = self._items.get((request_id, layer))
+            if item is None:
+                return
+            item.served += 1
+            if item.served >= readers:
+                self._drop((request_id, layer))
+
+    def discard(self, request_id: str) -> None:
+        with self._lock:
+            for key in [k for k in self._items if k[0] == request_id]:
+                self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            self._used -= item.meta.nbytes
+
+    def _expire(self, now: float) -> None:
+        while self._items:
+            key, item = next(iter(self._items.items()))
+            if item.expires > now:
+                break
+            self._drop(key)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._items)

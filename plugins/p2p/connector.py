@@ -1,0 +1,82 @@
+"""P2pNcclConnector: prefill/decode hand-off between workers, vLLM's legacy P2P NCCL design.
+
+The facade builds the role's half: `scheduler.py` decides what P saves and D loads each step,
+`worker.py` moves the bytes through a per-worker `P2pEngine` (ZMQ control plane; NCCL data plane
+on CUDA, ZMQ frames on CPU). Matches vLLM's `P2pNcclConnector` (reference 5.6) and goes beyond
+it: any TP pair, block size or layout on either side, asynchronous GET loads, sealed messages.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvx import (
+    Capability,
+    KVConnectorHandshakeMetadata,
+    KVTransferConfig,
+    RoleSplitConnector,
+)
+from kvx.plugins.p2p.config import P2pConfig
+from kvx.plugins.p2p.metadata import P2pMetadata
+from kvx.plugins.p2p.scheduler import P2pScheduler
+from kvx.plugins.p2p.stats import P2pKVConnectorStats
+from kvx.plugins.p2p.worker import P2pWorker
+
+
+class P2pListenPort(KVConnectorHandshakeMetadata):
+    """The port a worker listens on, for the scheduler side to advertise (`kv_port` 0)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+
+class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
+    """P pushes its prompt's KV to D (PUT, PUT_ASYNC) or keeps it for D to pull (GET); P never
+    holds blocks after a request finishes (it sends copies)."""
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(
+        {
+            Capability.REMOTE_PREFILL,
+            Capability.ASYNC_LOAD,
+            Capability.HETERO_TP,
+            Capability.BLOCK_SIZE_MISMATCH,
+            Capability.LAYOUT_CONVERSION,
+        }
+    )
+    metadata_type = P2pMetadata
+    stats_type = P2pKVConnectorStats
+
+    def build_scheduler(self) -> P2pScheduler:
+        options = self.kv_transfer_config.extra_config_as(P2pConfig)
+        return P2pScheduler(options, self.kv_transfer_config, self.engine_context)
+
+    def build_worker(self) -> P2pWorker:
+        options = self.kv_transfer_config.extra_config_as(P2pConfig)
+        return P2pWorker(options, self.kv_transfer_config, self.engine_context)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return P2pListenPort(self.worker.listening_port)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.scheduler.worker_ports = {
+            rank: meta.port for rank, meta in metadata.items() if isinstance(meta, P2pListenPort)
+        }
+
+    @classmethod
+    def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
+        """Loads are asynchronous only with GET: in PUT modes the KV is pushed before D sees
+        the request and D loads it within the step (vLLM's behaviour)."""
+        claims = set(cls.capabilities)
+        if config.extra_config_as(P2pConfig).send_type != "GET":
+            claims.discard(Capability.ASYNC_LOAD)
+        return frozenset(claims)
+
+
+P2pNcclConnectorV1 = P2pNcclConnector

@@ -1,0 +1,445 @@
+"""One worker's P2P engine: a ZMQ ROUTER listener (thread) and DEALER connections to peers.
+
+Every exchange is "sealed request [+ data frames] -> sealed reply [+ data frames]" with a
+timeout; the data plane (`planes.py`) decides whether bytes ride as frames (CPU) or over NCCL
+after the reply. The listener survives anything a peer sends: bytes that do not authenticate
+or decode are dropped with a logged refusal; a request it cannot serve gets a refusal reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from kvx.layouts import get_layout
+from kvx.plugins.p2p.addresses import format_address
+from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
+from kvx.plugins.p2p.messages import (
+    MAX_CONTROL_BYTES,
+    Geometry,
+    Get,
+    Hello,
+    Put,
+    Reply,
+    TensorMeta,
+    open_reply,
+    open_request,
+    seal_reply,
+    seal_request,
+)
+from kvx.plugins.p2p.planes import DataPlane
+from kvx.plugins.p2p.tensors import expected_nbytes, from_wire, gather, has_heads, physical
+from kvx.wire import ReplayGuard, WireError
+
+logger = logging.getLogger(__name__)
+POLL_MS = 100
+MAX_PAIRS = 4096
+"""DEALERs one listener pairs with before it refuses new ones."""
+WARN_EVERY_S = 10.0
+
+
+class TransferError(RuntimeError):
+    """An exchange with a peer failed: no reply in time, a refusal or a bad reply."""
+
+
+@dataclass
+class Peer:
+    address: str
+    socket: zmq.Socket
+    identity: bytes
+    lock: threading.Lock
+    geometry: Geometry | None = None
+    closed: bool = False
+
+
+class P2pEngine:
+    """`listen`: (host, port) to bind, or None for a worker that only connects out.
+    `recv` takes PUTs (D in PUT modes), `store` serves GETs (P in GET mode)."""
+
+    def __init__(
+        self,
+        name: str,
+        listen: tuple[str, int] | None,
+        plane: DataPlane,
+        geometry: Geometry,
+        *,
+        secret: str | None,
+        timeout_s: float,
+        max_tensor_bytes: int,
+        recv: RecvBuffer | None = None,
+        store: SendStore | None = None,
+        count: Callable[[str, int], None] = lambda key, n: None,
+    ) -> None:
+        self.name, self.plane, self.geometry = name, plane, geometry
+        self.secret, self.timeout_s, self.max_tensor_bytes = secret, timeout_s, max_tensor_bytes
+        self.recv, self.store, self.count = recv, store, count
+        self._context = zmq.Context()
+        self._peers: dict[str, Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._paired: set[bytes] = set()
+        self._replays = ReplayGuard()
+        self._stop = threading.Event()
+        self._last_warning = 0.0
+        self._router: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self.address: str | None = None
+        if listen is not None:
+            self._bind(*listen)
+
+    # -- listener -------------------------------------------------------------------------
+
+    def _bind(self, host: str, port: int) -> None:
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, max(self.max_tensor_bytes, MAX_CONTROL_BYTES) + 64)
+        address = format_address(host, port)
+        try:
+            if port == 0:
+                port = router.bind_to_random_port(
+                    f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+                )
+                address = format_address(host, port)
+            else:
+                router.bind(f"tcp://{address}")
+        except zmq.ZMQError as exc:
+            router.close(0)
+            self._context.term()
+            raise OSError(
+                f"P2P worker {self.name}: cannot listen on {address} ({exc}); kv_port + rank "
+                "must be free on kv_ip"
+            ) from None
+        self._router, self.address = router, address
+        self._thread = threading.Thread(target=self._serve, name=f"kvx-p2p-{port}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        assert self._router is not None
+        router = self._router
+        while not self._stop.is_set():
+            try:
+                if not router.poll(POLL_MS):
+                    continue
+                frames = router.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                self._handle(router, frames)
+            except Exception as exc:  # an untrusted peer: refuse, keep serving
+                self._refused(f"handling a message failed: {type(exc).__name__}: {exc}")
+
+    def _refused(self, why: str) -> None:
+        self.count("refused_messages", 1)
+        now = time.monotonic()
+        if now - self._last_warning > WARN_EVERY_S:
+            self._last_warning = now
+            logger.warning("P2P listener %s refused a message: %s", self.address, why)
+
+    def _handle(self, router: zmq.Socket, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self._refused(f"{len(frames)} frames, at least 2 expected")
+            return
+        identity = frames[0].bytes
+        try:
+            envelope = open_request(self.secret, frames[1].buffer)
+        except WireError as exc:
+            self._refused(str(exc))
+            return
+        nonce, data = envelope.nonce, frames[2:]
+        answered = False
+
+        def answer(reply: Reply, extra: list[Any] | None = None) -> None:
+            nonlocal answered
+            answered = True
+            router.send_multipart([identity, seal_reply(self.secret, nonce, reply), *(extra or [])])
+
+        try:
+            self._dispatch(identity, envelope, data, answer)
+        except Exception as exc:  # an untrusted peer: refuse, keep serving
+            why = f"{type(exc).__name__}: {exc}"
+            self._refused(why)
+            if not answered:
+                answer(Reply(False, why[:1000]))
+
+    def _dispatch(
+        self, identity: bytes, envelope: Any, data: list[Any], answer: Callable[..., None]
+    ) -> None:
+
+        if self.secret is not None:
+            stale = self._replays.check(envelope.nonce, envelope.timestamp)
+            if stale is not None:
+                self._refused(stale)
+                answer(Reply(False, stale))
+                return
+        message = envelope.message
+        if isinstance(message, Hello):
+            self._on_hello(identity, message, answer)
+        elif identity not in self._paired:
+            self._refused("a transfer before HELLO")
+            answer(Reply(False, "send HELLO first"))
+        elif isinstance(message, Put):
+            self._on_put(identity, message.meta, data, answer)
+        else:
+            self._on_get(identity, message, answer)
+
+    def _on_hello(self, identity: bytes, hello: Hello, answer: Callable[..., None]) -> None:
+        if hello.plane != self.plane.name:
+            why = f"this worker's data plane is {self.plane.name!r}, the peer's {hello.plane!r}"
+            self._refused(why)
+            answer(Reply(False, why))
+            return
+        if identity not in self._paired and len(self._paired) >= MAX_PAIRS:
+            answer(Reply(False, f"too many peers ({MAX_PAIRS})"))
+            return
+        answer(Reply(True, geometry=self.geometry))
+        self.plane.join(identity, hello.unique_id, 1)
+        self._paired.add(identity)
+
+    def _on_put(
+        self, identity: bytes, meta: TensorMeta, data: list[Any], answer: Callable[..., None]
+    ) -> None:
+        why = self._meta_problem(meta) or self.plane.check(meta, data)
+        if why is None and self.recv is None:
+            why = "this worker takes no PUTs (it is not a consumer with send_type PUT*)"
+        if why is None:
+            assert self.recv is not None
+            admitted = self.recv.admit(meta)
+            if admitted not in (None, "spill"):
+                self.count("refused_puts", 1)
+                answer(Reply(False, admitted))
+                return
+            answer(Reply(True))
+            spill = admitted == "spill"
+            try:
+                raw, keep = self.plane.collect(identity, meta, data)
+                self.recv.put(
+                    (meta.request_id, meta.layer, meta.first_head),
+                    meta,
+                    from_wire(raw, meta),
+                    spill,
+                    keep,
+                )
+            except Exception:
+                self.recv.unreserve(meta.nbytes, spill)
+                raise
+            self.count("received_bytes", meta.nbytes)
+            return
+        self._refused(why)
+        answer(Reply(False, why))
+
+    def _on_get(self, identity: bytes, get: Get, answer: Callable[..., None]) -> None:
+        item = self.store.lookup(get.request_id, get.layer) if self.store else None
+        if item is None:
+            answer(
+                Reply(
+                    False,
+                    f"{get.request_id}#{get.layer}: not held here (never stored, "
+                    "evicted or expired)",
+                )
+            )
+            return
+        held = range(item.meta.first_head, item.meta.first_head + item.meta.num_heads)
+        asked = range(get.first_head, get.first_head + get.num_heads)
+        layout = get_layout(item.meta.layout)
+        if has_heads(layout) and not (asked.start >= held.start and asked.stop <= held.stop):
+            answer(Reply(False, f"heads {asked} asked, {held} held"))
+            return
+        tensor = item.tensor
+        if has_heads(layout) and asked != held:
+            local = range(asked.start - held.start, asked.stop - held.start)
+            tensor = gather(
+                tensor, layout, list(range(item.meta.num_blocks)), local, item.meta.head_size
+            )
+        wire = physical(tensor, layout)
+        meta = msgspec.structs.replace(
+            item.meta,
+            first_head=asked.start if has_heads(layout) else item.meta.first_head,
+            num_heads=len(asked) if has_heads(layout) else item.meta.num_heads,
+            nbytes=wire.numel(),
+        )
+        if self.store is not None:
+            self.store.served(get.request_id, get.layer, get.readers)
+        answer(Reply(True, meta=meta), self.plane.frames(wire))
+        self.plane.deliver(identity, wire)
+        self.count("served_bytes", wire.numel())
+
+    def _meta_problem(self, meta: TensorMeta) -> str | None:
+        if meta.nbytes > self.max_tensor_bytes:
+            return f"{meta.nbytes} bytes exceed max_tensor_bytes {self.max_tensor_bytes}"
+        try:
+            expected = expected_nbytes(meta)
+        except (LookupError, ValueError, TypeError, AttributeError) as exc:
+            return f"unusable tensor meta: {exc}"
+        if expected != meta.nbytes:
+            return f"meta announces {meta.nbytes} bytes, its shape makes {expected}"
+        return None
+
+    # -- connecting out -------------------------------------------------------------------
+
+    def _peer(self, address: str) -> Peer:
+        with self._peers_lock:
+            peer = self._peers.get(address)
+            if peer is None:
+                socket = self._context.socket(zmq.DEALER)
+                socket.setsockopt(zmq.LINGER, 0)
+                identity = os.urandom(16)
+                socket.setsockopt(zmq.IDENTITY, identity)
+                socket.connect(f"tcp://{address}")
+                peer = Peer(address, socket, identity, threading.Lock())
+                self._peers[address] = peer
+            return peer
+
+    @contextmanager
+    def _locked(self, address: str, deadline: float) -> Iterator[Peer]:
+        """The live, paired peer at `address`, its lock held (one exchange at a time)."""
+        while True:
+            peer = self._peer(address)
+            with peer.lock:
+                if peer.closed:  # dropped by another thread meanwhile: take the new one
+                    continue
+                self._pair(peer, deadline)
+                yield peer
+                return
+
+    def _drop(self, peer: Peer) -> None:
+        """A peer that failed an exchange: its socket may hold a late reply, so start over."""
+        peer.closed = True
+        with self._peers_lock:
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+        peer.socket.close(0)
+        self.plane.leave(peer.identity)
+
+    def _exchange(
+        self, peer: Peer, message: Hello | Put | Get, frames: list[Any], timeout_s: float
+    ) -> tuple[Reply, list[Any]]:
+        """One request and its reply (with any data frames behind it)."""
+        envelope, nonce = seal_request(self.secret, message)
+        try:
+            peer.socket.send_multipart([envelope, *frames], copy=False)
+        except zmq.ZMQError as exc:
+            self._drop(peer)
+            raise TransferError(str(exc)) from None
+        return self._reply(peer, nonce, timeout_s)
+
+    def _pair(self, peer: Peer, deadline: float) -> None:
+        """HELLO, once per connection; the caller holds `peer.lock`."""
+        if peer.geometry is None:
+            address = peer.address
+            pair_id = self.plane.new_pair_id()
+            reply, _ = self._exchange(peer, Hello(self.plane.name, pair_id), [], _left(deadline))
+            if not reply.ok or reply.geometry is None:
+                self._drop(peer)
+                raise TransferError(f"{address} refused HELLO: {reply.error or 'no geometry'}")
+            self.plane.join(peer.identity, pair_id, 0)
+            peer.geometry = reply.geometry
+
+    def geometry_of(self, address: str) -> Geometry:
+        """The KV geometry of the worker at `address` (HELLO on first contact)."""
+        with self._locked(address, time.monotonic() + self.timeout_s) as peer:
+            assert peer.geometry is not None
+            return peer.geometry
+
+    def put(self, address: str, meta: TensorMeta, wire: torch.Tensor) -> None:
+        """Push one tensor (its memory-order bytes); `TransferError` if it did not land."""
+        failed = self.put_many(address, [(meta, wire)])
+        if failed:
+            raise TransferError(failed[0][1])
+
+    def put_many(
+        self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]
+    ) -> list[tuple[TensorMeta, str]]:
+        """Push several tensors to one peer, pipelined: every announcement (with its frames on
+        the CPU plane) goes out first, then the replies are read in order and each admitted
+        tensor is delivered (NCCL: in that same order). Returns the ones that did not land,
+        with why; a dead peer fails them all within the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            with self._locked(address, deadline) as peer:
+                sent = []
+                for meta, wire in items:
+                    envelope, nonce = seal_request(self.secret, Put(meta))
+                    peer.socket.send_multipart([envelope, *self.plane.frames(wire)], copy=False)
+                    sent.append((meta, wire, nonce))
+                failed: list[tuple[TensorMeta, str]] = []
+                for index, (meta, wire, nonce) in enumerate(sent):
+                    try:
+                        reply, _ = self._reply(peer, nonce, _left(deadline))
+                    except TransferError as exc:
+                        return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
+                    if reply.ok:
+                        self.plane.deliver(peer.identity, wire)
+                    else:
+                        failed.append(
+                            (
+                                meta,
+                                f"{address} refused {meta.request_id}#{meta.layer}: {reply.error}",
+                            )
+                        )
+                return failed
+        except (TransferError, zmq.ZMQError) as exc:
+            return [(meta, str(exc)) for meta, _ in items]
+
+    def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> tuple[Reply, list[Any]]:
+        try:
+            if not peer.socket.poll(max(1, int(timeout_s * 1000))):
+                raise TransferError(
+                    f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
+                )
+            parts = peer.socket.recv_multipart(copy=False)
+            return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
+        except (TransferError, WireError, zmq.ZMQError) as exc:
+            self._drop(peer)
+            raise TransferError(str(exc)) from None
+
+    def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, torch.Tensor, Any]:
+        """Pull one tensor: (meta, its layout view, what must outlive it)."""
+        with self._locked(address, deadline) as peer:
+            reply, frames = self._exchange(peer, get, [], _left(deadline))
+            if not reply.ok or reply.meta is None:
+                raise TransferError(f"{address}: {reply.error or 'no tensor meta'}")
+            meta = reply.meta
+            why = self._meta_problem(meta) or self.plane.check(meta, frames)
+            if why is None and (meta.request_id, meta.layer) != (get.request_id, get.layer):
+                why = f"asked {get.request_id}#{get.layer}, got {meta.request_id}#{meta.layer}"
+            if why is not None:
+                self._drop(peer)
+                raise TransferError(f"{address}: bad GET reply: {why}")
+            raw, keep = self.plane.collect(peer.identity, meta, frames)
+            return meta, from_wire(raw, meta), keep
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._router is not None:
+            self._router.close(0)
+            self._router = None
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            with peer.lock:
+                peer.socket.close(0)
+        self.plane.close()
+        self._context.term()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferError("out of time before the exchange started")
+    return left

@@ -1,0 +1,148 @@
+"""The P2P control messages: typed msgpack (never pickle), every field bounded, sealed with
+the shared secret when one is set (kvx.wire). A request travels in an `Envelope` (nonce and
+timestamp for the replay guard); a reply is sealed over the nonce of the request it answers.
+
+Multipart frames on the wire: `[sealed envelope, *data frames]` from the DEALER, and
+`[sealed reply, *data frames]` back. Data frames exist only on the CPU plane and only where the
+header announced them, with exactly the announced size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Annotated
+
+import msgspec
+
+from kvx.wire import WireError, decode_sealed, encode, seal
+
+REQUEST_DOMAIN = b"kvx-p2p-request-v1"
+REPLY_DOMAIN = b"kvx-p2p-reply-v1"
+MAX_CONTROL_BYTES = 64 << 10
+"""Largest control frame either side decodes."""
+NONCE_BYTES = 16
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8_e4m3fn")
+
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+
+
+class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine's KV shape, as a worker tells its peers in the HELLO reply."""
+
+    tp_size: Positive
+    pp_size: Positive
+    num_kv_heads: Positive
+    head_size: Positive
+    block_size: Positive
+    layout: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    dtype: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    is_mla: bool
+    num_layers: Positive
+
+
+class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One (request, layer) slice of KV: `num_blocks` blocks in `layout` with `block_size`
+    tokens, `num_heads` heads starting at global head `first_head`, of which the first
+    `num_tokens` tokens count. `src_rank` is the sender's TP rank."""
+
+    request_id: Name
+    layer: Name
+    src_rank: Small
+    first_head: Small
+    num_heads: Small
+    head_size: Positive
+    block_size: Positive
+    num_blocks: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+    layout: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    dtype: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.num_tokens > self.num_blocks * self.block_size:
+            raise ValueError(
+                f"{self.num_tokens} tokens do not fit {self.num_blocks} blocks of {self.block_size}"
+            )
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """First contact from a DEALER: which data plane it speaks, and (NCCL) the unique id of the
+    two-rank communicator, in which the sender is rank 0 and the receiver rank 1."""
+
+    plane: Annotated[str, msgspec.Meta(max_length=16)]
+    unique_id: Annotated[bytes, msgspec.Meta(max_length=128)] = b""
+
+
+class Put(msgspec.Struct, tag="put", forbid_unknown_fields=True):
+    """P pushes one tensor (its bytes follow as one frame, or over NCCL after the reply)."""
+
+    meta: TensorMeta
+
+
+class Get(msgspec.Struct, tag="get", forbid_unknown_fields=True):
+    """D pulls heads `first_head..+num_heads` (global ids) of a (request, layer) P stored;
+    `readers`: how many D workers read this P worker's copy (P drops it after that many)."""
+
+    request_id: Name
+    layer: Name
+    first_head: Small
+    num_heads: Small
+    readers: Positive
+
+
+class Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+    timestamp: float
+    message: Hello | Put | Get
+
+
+class Reply(msgspec.Struct, forbid_unknown_fields=True):
+    """`ok` or why not (`error`); a HELLO reply carries the receiver's geometry, a GET reply
+    the meta of the tensor that follows."""
+
+    ok: bool
+    error: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    geometry: Geometry | None = None
+    meta: TensorMeta | None = None
+
+
+def seal_request(secret: str | None, message: Hello | Put | Get) -> tuple[bytes, bytes]:
+    """(sealed envelope, its nonce)."""
+    nonce = os.urandom(NONCE_BYTES)
+    body = encode(Envelope(nonce, time.time(), message))
+    return seal(secret, REQUEST_DOMAIN, body), nonce
+
+
+def open_request(secret: str | None, frame: bytes | memoryview) -> Envelope:
+    """Authenticate then decode a request; `WireError` on anything else."""
+    return decode_sealed(frame, Envelope, secret, REQUEST_DOMAIN, max_bytes=MAX_CONTROL_BYTES)
+
+
+def seal_reply(secret: str | None, nonce: bytes, reply: Reply) -> bytes:
+    return seal(secret, REPLY_DOMAIN, encode(reply), nonce)
+
+
+def open_reply(secret: str | None, nonce: bytes, frame: bytes | memoryview) -> Reply:
+    return decode_sealed(frame, Reply, secret, REPLY_DOMAIN, nonce, max_bytes=MAX_CONTROL_BYTES)
+
+
+__all__ = [
+    "MAX_CONTROL_BYTES",
+    "Envelope",
+    "Geometry",
+    "Get",
+    "Hello",
+    "Put",
+    "Reply",
+    "TensorMeta",
+    "WireError",
+    "open_reply",
+    "open_request",
+    "seal_reply",
+    "seal_request",
+]

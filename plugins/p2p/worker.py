@@ -1,0 +1,390 @@
+"""P2pNcclConnector's worker side: one `P2pEngine` per worker.
+
+P copies each saved (request, layer) out of its cache in `save_kv_layer` and pushes the slices
+to D's workers (PUT: at once, PUT_ASYNC: from a background sender drained by `wait_for_save`)
+or keeps them in its send store (GET). D loads pushed KV from its receive buffer within
+`start_load_kv` (a synchronous load, as in vLLM) or pulls it from P in the background (GET,
+asynchronous). Every failure ends in load errors for the request's blocks, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+import kvx
+from kvx.layouts import get_layout
+from kvx.plugins.p2p.addresses import format_address
+from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
+from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
+from kvx.plugins.p2p.engine import P2pEngine, TransferError
+from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
+from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
+from kvx.plugins.p2p.planes import choose_plane
+from kvx.plugins.p2p.routes import (
+    compatibility_problem,
+    kv_geometry,
+    readers,
+    reads,
+    sends,
+    stage_of,
+    worker_port,
+)
+from kvx.plugins.p2p.sender import AsyncSender
+from kvx.plugins.p2p.stats import P2pKVConnectorStats
+from kvx.plugins.p2p.tensors import gather, has_heads, physical, scatter
+from kvx.topology import KVGeometry, TopologyError
+
+logger = logging.getLogger(__name__)
+Fetched = list[tuple[str, Any, TensorMeta, torch.Tensor, Any]]
+
+
+class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
+    def __init__(self, options: P2pConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
+        self.options, self.config, self.ctx = options, config, ctx
+        cache, p = ctx.cache, ctx.parallel
+        self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
+        self.geometry = Geometry(
+            p.tp_size,
+            p.pp_size,
+            cache.num_kv_heads,
+            cache.head_size,
+            cache.block_size,
+            self.layout.name,
+            cache.dtype,
+            cache.use_mla,
+            cache.num_layers,
+        )
+        self.kv = kv_geometry(self.geometry)
+        self.heads = self.kv.heads_of(p.tp_rank)
+        self.layer_index = {name: i for i, name in enumerate(cache.layer_names)}
+        self.port = worker_port(config.kv_port, p.pp_rank, p.tp_size, p.tp_rank)
+        if config.kv_port == 0:
+            self.port = 0  # every worker on an ephemeral port, advertised to D (GET only)
+            if options.send_type != "GET" and config.is_kv_consumer:
+                logger.warning(
+                    "kv_port 0 with send_type %s: P pushes to kv_port + rank of D, which it "
+                    "cannot know; set a kv_port on D",
+                    options.send_type,
+                )
+        self.stats = P2pKVConnectorStats()
+        self.engine: P2pEngine | None = None
+        self.recv: RecvBuffer | None = None
+        self.store: SendStore | None = None
+        self._sender: AsyncSender | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._caches: dict[str, torch.Tensor] = {}
+        self._fetching: dict[str, tuple[LoadSpec, Future[Fetched]]] = {}
+        self._recved: set[str] = set()
+        self._errors: set[int] = set()
+        self._failed_saves: set[str] = set()
+        self._outgoing: dict[str, list[tuple[TensorMeta, torch.Tensor]]] = {}
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.engine is not None:
+            raise RuntimeError("register_kv_caches was called twice")
+        self._caches = dict(kv_caches)
+        device = next(iter(kv_caches.values())).device
+        options, config = self.options, self.config
+        takes_puts = config.is_kv_consumer and options.send_type != "GET"
+        serves_gets = config.is_kv_producer and options.send_type == "GET"
+        budget = int(config.kv_buffer_size)
+        if takes_puts:
+            self.recv = RecvBuffer(
+                budget, int(options.mem_pool_size_gb * (1 << 30)), options.buffer_ttl_s
+            )
+        if config.is_kv_producer:
+            self.store = SendStore(budget, options.buffer_ttl_s)
+        listen = (config.kv_ip, self.port) if takes_puts or serves_gets else None
+        self.engine = P2pEngine(
+            f"{config.engine_id}-pp{self.ctx.parallel.pp_rank}-tp{self.ctx.parallel.tp_rank}",
+            listen,
+            choose_plane(options.data_plane, device, options.nccl_num_channels),
+            self.geometry,
+            secret=kvx.resolve_secret(options.shared_secret, SECRET_KEY, min_length=8),
+            timeout_s=options.transfer_timeout_s,
+            max_tensor_bytes=options.max_tensor_bytes,
+            recv=self.recv,
+            store=self.store if serves_gets else None,
+            count=self.stats.count,
+        )
+        if config.is_kv_producer and options.send_type == "PUT_ASYNC":
+            self._sender = AsyncSender(self._put, f"kvx-p2p-send-{self.port}")
+
+    @property
+    def listening_port(self) -> int:
+        """The port this worker listens on (0: it does not listen)."""
+        address = self.engine.address if self.engine is not None else None
+        return int(address.rsplit(":", 1)[1]) if address else 0
+
+    # -- P: saving ------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, metadata: P2pMetadata) -> None:
+        for spec in metadata.saves:
+            if spec.request_id in self._failed_saves:
+                continue
+            try:
+                self._save(spec, layer_name, kv_layer)
+            except (TransferError, ValueError, kvx.ConfigError) as exc:
+                logger.error("request %s: its KV was not sent: %s", spec.request_id, exc)
+                self.stats.count("failed_transfers")
+                self._failed_saves.add(spec.request_id)
+        self._flush()
+
+    def _meta(
+        self, spec: SaveSpec, layer: str, first_head: int, num_heads: int, nbytes: int
+    ) -> TensorMeta:
+        return TensorMeta(
+            spec.request_id,
+            layer,
+            self.ctx.parallel.tp_rank,
+            first_head,
+            num_heads,
+            self.geometry.head_size,
+            self.geometry.block_size,
+            len(spec.block_ids),
+            spec.num_tokens,
+            self.layout.name,
+            self.geometry.dtype,
+            nbytes,
+        )
+
+    def _save(self, spec: SaveSpec, layer: str, kv_layer: torch.Tensor) -> None:
+        assert self.engine is not None, "register_kv_caches must run before saves"
+        heads = has_heads(self.layout)
+        if spec.mode == "GET":
+            assert self.store is not None
+            local = range(len(self.heads)) if heads else None
+            t = gather(kv_layer, self.layout, spec.block_ids, local, self.geometry.head_size)
+            nbytes = t.numel() * t.element_size()
+            self.store.put(self._meta(spec, layer, self.heads.start, len(local or [0]), nbytes), t)
+            return
+        base = format_address(spec.decode_host, spec.decode_port)
+        decode = self.engine.geometry_of(base)
+        problem = compatibility_problem(self.geometry, decode)
+        if problem is not None:
+            raise ValueError(f"cannot send to {base}: {problem}")
+        stage = stage_of(self.layer_index[layer], self.geometry.num_layers, decode.pp_size)
+        for d, read in sends(kv_geometry(decode), self.kv, self.ctx.parallel.tp_rank):
+            local = range(read.remote_head_offset, read.remote_head_offset + read.num_heads)
+            t = gather(
+                kv_layer,
+                self.layout,
+                spec.block_ids,
+                local if heads else None,
+                self.geometry.head_size,
+            )
+            wire = physical(t, self.layout)
+            meta = self._meta(
+                spec,
+                layer,
+                read.remote_heads.start if heads else 0,
+                read.num_heads if heads else 1,
+                wire.numel(),
+            )
+            port = worker_port(spec.decode_port, stage, decode.tp_size, d)
+            self._outgoing.setdefault(format_address(spec.decode_host, port), []).append(
+                (meta, wire)
+            )
+
+    def _flush(self) -> None:
+        """Send what this layer's saves queued, one pipelined batch per D worker."""
+        batches, self._outgoing = self._outgoing, {}
+        for address, items in batches.items():
+            if self._sender is not None:
+                self._sender.submit(address, items)
+            else:
+                self._put(address, items)
+
+    def _put(self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]) -> None:
+        assert self.engine is not None
+        start = time.perf_counter()
+        failed = self.engine.put_many(address, items)
+        for meta, why in failed:
+            logger.error("request %s: PUT of %s failed: %s", meta.request_id, meta.layer, why)
+        self.stats.count("failed_transfers", len(failed))
+        landed = len(items) - len(failed)
+        if landed:
+            self.stats.record(time.perf_counter() - start)
+            self.stats.count("puts", landed)
+            bad = {id(m) for m, _ in failed}
+            self.stats.count("put_bytes", sum(m.nbytes for m, _ in items if id(m) not in bad))
+
+    def wait_for_save(self) -> None:
+        self._failed_saves.clear()
+        if self._sender is not None and not self._sender.drain(self.options.transfer_timeout_s):
+            logger.error(
+                "PUT_ASYNC: sends still queued after %.0fs", self.options.transfer_timeout_s
+            )
+
+    # -- D: loading -----------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: P2pMetadata) -> None:
+        for request_id in metadata.discards:
+            if self.recv is not None:
+                self.recv.discard(request_id)
+            if self.store is not None:
+                self.store.discard(request_id)
+        for spec in metadata.loads:
+            if spec.mode == "GET":
+                self._start_fetch(spec)
+            else:
+                self._load_pushed(spec)
+
+    def _prefill_geometry(self, spec: LoadSpec) -> KVGeometry:
+        g = self.kv
+        return KVGeometry(
+            spec.remote_tp_size,
+            g.num_kv_heads,
+            g.block_size,
+            g.layout,
+            g.is_mla,
+            spec.remote_pp_size,
+        )
+
+    def _load_pushed(self, spec: LoadSpec) -> None:
+        if self.recv is None:
+            self._fail(spec, "this worker takes no PUTs (configure send_type PUT or PUT_ASYNC)")
+            return
+        try:
+            plan = reads(self.kv, self._prefill_geometry(spec), self.ctx.parallel.tp_rank)
+        except (TopologyError, ValueError) as exc:
+            self._fail(spec, str(exc))
+            return
+        keys = [
+            (spec.remote_request_id, layer, r.remote_heads.start if has_heads(self.layout) else 0)
+            for layer in self._caches
+            for r in plan
+        ]
+        deadline = time.monotonic() + self.options.transfer_timeout_s
+        why = self.recv.wait_for(keys, spec.remote_request_id, deadline)
+        if why is None:
+            device = next(iter(self._caches.values())).device
+            try:
+                got = [
+                    (key[1], r, *self.recv.take(key, device), None)
+                    for key, r in zip(keys, plan * len(self._caches))
+                ]
+                self._write(spec, got)
+                return
+            except (KeyError, ValueError, RuntimeError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        self.recv.discard(spec.remote_request_id)
+        self._fail(spec, why)
+
+    def _start_fetch(self, spec: LoadSpec) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-p2p-get")
+        self._fetching[spec.request_id] = (spec, self._pool.submit(self._fetch, spec))
+
+    def _fetch(self, spec: LoadSpec) -> Fetched:
+        """Background: GET every slice this worker needs from P's workers."""
+        assert self.engine is not None
+        prefill = self._prefill_geometry(spec)
+        plan = reads(self.kv, prefill, self.ctx.parallel.tp_rank)
+        counts = readers(prefill, self.kv)
+        deadline = time.monotonic() + self.options.transfer_timeout_s
+        heads = has_heads(self.layout)
+        got: Fetched = []
+        for layer in self._caches:
+            stage = stage_of(self.layer_index[layer], self.geometry.num_layers, prefill.pp_size)
+            for r in plan:
+                index = stage * prefill.tp_size + r.remote_tp_rank
+                if spec.remote_ports:
+                    port = spec.remote_ports[index]
+                else:
+                    port = worker_port(spec.prefill_port, stage, prefill.tp_size, r.remote_tp_rank)
+                get = Get(
+                    spec.remote_request_id,
+                    layer,
+                    r.remote_heads.start if heads else 0,
+                    r.num_heads if heads else 1,
+                    max(1, counts.get(r.remote_tp_rank, 1)),
+                )
+                start = time.perf_counter()
+                meta, t, keep = self.engine.get(
+                    format_address(spec.prefill_host, port), get, deadline
+                )
+                self.stats.record(time.perf_counter() - start)
+                self.stats.count("gets")
+                self.stats.count("get_bytes", meta.nbytes)
+                got.append((layer, r, meta, t, keep))
+        return got
+
+    def _write(self, spec: LoadSpec, got: Fetched) -> None:
+        """Check each slice against what was asked and write it into the blocks."""
+        heads = has_heads(self.layout)
+        for layer, read, meta, tensor, _ in got:
+            if (meta.num_heads, meta.head_size, meta.dtype) != (
+                read.num_heads if heads else 1,
+                self.geometry.head_size,
+                self.geometry.dtype,
+            ):
+                raise ValueError(
+                    f"{layer}: the peer sent {meta.num_heads} heads of "
+                    f"{meta.head_size} {meta.dtype}, which is not what was asked"
+                )
+            dst = range(read.local_head_offset, read.local_head_offset + read.num_heads)
+            scatter(
+                tensor,
+                meta,
+                self._caches[layer],
+                self.layout,
+                spec.block_ids,
+                spec.start_token,
+                spec.num_tokens,
+                dst if heads else None,
+            )
+
+    def _fail(self, spec: LoadSpec, why: str) -> None:
+        logger.error(
+            "request %s: loading its KV failed: %s; its blocks are load errors",
+            spec.request_id,
+            why,
+        )
+        self.stats.count("failed_loads")
+        self._errors.update(spec.block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        for request_id, (spec, future) in list(self._fetching.items()):
+            if not future.done():
+                continue
+            del self._fetching[request_id]
+            try:
+                self._write(spec, future.result())
+            except Exception as exc:  # a dead or hostile peer: fail the request, go on
+                self._fail(spec, f"{type(exc).__name__}: {exc}")
+            self._recved.add(request_id)
+        if self.recv is not None:
+            self.recv.expire()
+        recved, self._recved = self._recved, set()
+        return set(), recved
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_stats(self) -> kvx.KVConnectorStats | None:
+        if self.recv is not None and self.recv.spilled_count:
+            self.stats.count("spilled", self.recv.spilled_count)
+            self.recv.spilled_count = 0
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._fetching.clear()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self._caches.clear()

@@ -1,0 +1,172 @@
+"""The per-worker engine over real ZMQ sockets: bytes arrive intact, hostile bytes get a
+logged refusal and the listener keeps serving, a shared secret keeps strangers out, a full
+receive buffer refuses a PUT, and a dead peer is a bounded error."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+
+from kvx.layouts import get_layout
+from kvx.plugins.p2p import messages
+from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
+from kvx.plugins.p2p.engine import P2pEngine, TransferError
+from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
+from kvx.plugins.p2p.planes import CpuPlane
+from kvx.plugins.p2p.tensors import gather, physical
+from kvx.wire import encode, seal
+
+from ._ports import free_port_range
+
+GEOMETRY = Geometry(1, 1, 2, 4, 4, "NHD", "float32", False, 1)
+SECRET = "p2p test secret"
+
+
+def _tensor(seed: int) -> tuple[TensorMeta, torch.Tensor]:
+    layout = get_layout("NHD")
+    t = layout.allocate(3, 4, 2, 4, dtype=torch.float32)
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + seed)
+    wire = physical(t, layout)
+    meta = TensorMeta(f"req{seed}", "l0", 0, 0, 2, 4, 4, 3, 10, "NHD", "float32", wire.numel())
+    return meta, t
+
+
+def _engine(port: int | None, secret: str | None = None, **kw: object) -> P2pEngine:
+    listen = ("127.0.0.1", port) if port is not None else None
+    return P2pEngine(
+        f"test-{port}",
+        listen,
+        CpuPlane(),
+        GEOMETRY,
+        secret=secret,
+        timeout_s=2.0,
+        max_tensor_bytes=1 << 20,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def receiver() -> Iterator[P2pEngine]:
+    engine = _engine(free_port_range(1), recv=RecvBuffer(1 << 20, 0, 60))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_put_lands_byte_for_byte(receiver: P2pEngine) -> None:
+    sender = _engine(None)
+    try:
+        meta, t = _tensor(1)
+        assert sender.geometry_of(receiver.address or "") == GEOMETRY
+        sender.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
+        assert receiver.recv is not None
+        assert receiver.recv.wait_for([("req1", "l0", 0)], "req1", time.monotonic() + 5) is None
+        got_meta, got = receiver.recv.take(("req1", "l0", 0), torch.device("cpu"))
+        assert got_meta == meta and torch.equal(got, t)
+    finally:
+        sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_hostile_bytes_are_refused_and_the_listener_survives(receiver: P2pEngine) -> None:
+    counts: dict[str, int] = {}
+    receiver.count = lambda key, n: counts.__setitem__(key, counts.get(key, 0) + n)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{receiver.address}")
+    meta, t = _tensor(2)
+    big = TensorMeta("x", "l0", 0, 0, 2, 4, 4, 3, 10, "NHD", "float32", 1 << 30)
+    lying = TensorMeta("x", "l0", 0, 0, 2, 4, 4, 3, 10, "NHD", "float32", meta.nbytes + 4)
+    hostile = [
+        [b"\x95\xa1\x8a\x00\x00\xc4\x00"],  # garbage msgpack
+        [b""],
+        [encode({"cmd": "PUT", "tensor_id": "a#b", "shape": [1], "dtype": "x"})],  # vLLM's dict
+        [seal("wrong secret", messages.REQUEST_DOMAIN, b"\x00" * 40)],
+        [messages.seal_request(None, messages.Put(meta))[0], b"x"],  # PUT before HELLO
+        [messages.seal_request(None, messages.Hello("nccl", b"u" * 128))[0]],  # other plane
+        [messages.seal_request(None, messages.Hello("cpu"))[0]],
+        [messages.seal_request(None, messages.Put(big))[0], b"x"],  # over max_tensor_bytes
+        [messages.seal_request(None, messages.Put(lying))[0], b"x" * lying.nbytes],
+        [messages.seal_request(None, messages.Put(meta))[0], b"short"],  # frame != announced
+        [messages.seal_request(None, messages.Put(meta))[0]],  # no data frame
+    ]
+    try:
+        for frames in hostile:
+            raw.send_multipart(frames)
+            if raw.poll(300):
+                raw.recv_multipart()
+        # still serving: a proper sender gets its tensor through
+        sender = _engine(None)
+        try:
+            sender.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
+        finally:
+            sender.close()
+    finally:
+        raw.close(0)
+        context.term()
+    assert receiver.recv is not None
+    assert receiver.recv.wait_for([("req2", "l0", 0)], "req2", time.monotonic() + 5) is None
+    assert counts.get("refused_messages", 0) >= 8, counts
+
+
+@pytest.mark.timeout(60)
+def test_shared_secret_keeps_strangers_out() -> None:
+    port = free_port_range(1)
+    receiver = _engine(port, SECRET, recv=RecvBuffer(1 << 20, 0, 60))
+    stranger, friend = _engine(None), _engine(None, SECRET)
+    try:
+        meta, t = _tensor(3)
+        with pytest.raises(TransferError, match="no reply"):  # never answered, never decoded
+            stranger.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
+        friend.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
+        assert receiver.recv is not None
+        assert receiver.recv.wait_for([("req3", "l0", 0)], "req3", time.monotonic() + 5) is None
+    finally:
+        for engine in (stranger, friend, receiver):
+            engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_full_receive_buffer_refuses_the_put() -> None:
+    receiver = _engine(free_port_range(1), recv=RecvBuffer(64, 0, 60))
+    sender = _engine(None)
+    try:
+        meta, t = _tensor(4)
+        with pytest.raises(TransferError, match="receive buffer full"):
+            sender.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
+        assert receiver.recv is not None and receiver.recv.used_bytes == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.timeout(60)
+def test_get_serves_a_head_slice_and_a_dead_peer_is_bounded() -> None:
+    store = SendStore(1 << 20, 60)
+    server = _engine(free_port_range(1), store=store)
+    client = _engine(None)
+    try:
+        meta, t = _tensor(5)
+        store.put(meta, t)
+        got_meta, got, _ = client.get(
+            server.address or "", Get("req5", "l0", 1, 1, 1), time.monotonic() + 5
+        )
+        expected = gather(t, get_layout("NHD"), [0, 1, 2], range(1, 2), 4)
+        assert (got_meta.first_head, got_meta.num_heads) == (1, 1)
+        assert torch.equal(got, expected)
+        assert len(store) == 0  # its one reader read it
+        with pytest.raises(TransferError, match="not held here"):
+            client.get(server.address or "", Get("req5", "l0", 0, 2, 1), time.monotonic() + 5)
+        address = server.address or ""
+        server.close()
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="no reply"):
+            client.get(address, Get("req5", "l0", 0, 2, 1), time.monotonic() + 1)
+        assert time.monotonic() - start < 5
+    finally:
+        client.close()
