@@ -39,14 +39,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_storage import (
-    KV,
-    Case,
-    RawFiles,
-    StorageCase,
-    drop_files,
-    make_kv,
-)
+from bench_storage import StorageCase
+from storage_baselines import KV, Case, RawFiles, drop_files, make_kv
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
 MIB = 1 << 20

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import kvx
 
-
-@kvx.hookimpl
-def kvx_cli_commands() -> list[kvx.CommandSpec]:
-    return [
-        kvx.CommandSpec(
-            "conformance",
-            "kvx.conformance.cli:run",
-            summary="run the conformance suite against a connector",
-        )
-    ]
+kvx_cli_commands = kvx.provides(
+    kvx.CommandSpec(
+        "conformance",
+        "kvx.conformance.cli:run",
+        summary="run the conformance suite against a connector",
+    )
+)

@@ -23,6 +23,19 @@ from kvx.conformance.runner import (
 )
 
 COLOUR = {PASSED: "green", FAILED: "red"}
+TIMEOUTS = (  # flag, default seconds, meaning
+    ("--fault-timeout", 60.0, "how long fault scenarios wait for the connector to give up"),
+    (
+        "--stall-timeout",
+        10.0,
+        "fail a P/D run that makes no progress this long, saying what is stuck",
+    ),
+    (
+        "--scenario-timeout",
+        None,
+        "overall limit of every scenario (default: each scenario's own)",
+    ),
+)
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -39,26 +52,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario", action="append", metavar="NAME", help="run only this scenario (repeatable)"
     )
-    parser.add_argument(
-        "--fault-timeout",
-        type=positive_seconds,
-        default=60.0,
-        metavar="SECONDS",
-        help="how long fault scenarios wait for the connector to give up",
-    )
-    parser.add_argument(
-        "--stall-timeout",
-        type=positive_seconds,
-        default=10.0,
-        metavar="SECONDS",
-        help="fail a P/D run that makes no progress this long, saying what is stuck",
-    )
-    parser.add_argument(
-        "--scenario-timeout",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help="overall limit of every scenario (default: each scenario's own)",
-    )
+    for flag, default, meaning in TIMEOUTS:
+        parser.add_argument(
+            flag, type=positive_seconds, default=default, metavar="SECONDS", help=meaning
+        )
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
     parser.add_argument(
         "--allow-no-transfer",

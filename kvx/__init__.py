@@ -7,8 +7,6 @@ ones included) use nothing else (docs/architecture.md, enforced by tests/core/te
 
 from __future__ import annotations
 
-import pluggy
-
 from kvx._version import __version__
 from kvx.config import KVTransferConfig, load_cli_arg
 from kvx.contract import (
@@ -36,9 +34,18 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.hookimpls import hookimpl, provides
 from kvx.loading import install_hint
 from kvx.registry import Registry, create_connector, get_layout, get_registry
-from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.rolesplit import (
+    ConnectorScheduler,
+    ConnectorWorker,
+    PlanningScheduler,
+    RequestTracker,
+    RoleSplitConnector,
+    ScheduledRequest,
+    TrackedRequest,
+)
 from kvx.schema import path_problem, url_problem
 from kvx.secrets import Secret, SecretSource, resolve_secret
 from kvx.specs import (
@@ -72,9 +79,6 @@ from kvx.types import (
     yield_req_data,
 )
 from kvx.userdirs import make_private_dirs, user_cache_dir
-
-hookimpl = pluggy.HookimplMarker("kvx")
-"""Marks a plugin's implementation of a `kvx_*` hook (see `kvx.hookspecs`)."""
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -114,11 +118,14 @@ __all__ = [
     "MissingDependencyError",
     "NewRequestData",
     "ParallelInfo",
+    "PlanningScheduler",
     "Registry",
     "RegistryError",
     "Request",
     "RequestStatus",
+    "RequestTracker",
     "RoleSplitConnector",
+    "ScheduledRequest",
     "SchedulerOutput",
     "Secret",
     "SecretSource",
@@ -127,6 +134,7 @@ __all__ = [
     "StorageBackendSpec",
     "StorageRegionTable",
     "SupportsHMA",
+    "TrackedRequest",
     "TransformSpec",
     "__version__",
     "copy_into",
@@ -139,6 +147,7 @@ __all__ = [
     "make_private_dirs",
     "open_storage_backend",
     "path_problem",
+    "provides",
     "resolve_secret",
     "supports_hma",
     "url_problem",

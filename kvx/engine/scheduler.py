@@ -24,6 +24,7 @@ from typing import Any
 from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
 from kvx.engine.block_pool import BlockPool, block_hashes
 from kvx.engine.finished_ids import unheld_finished_ids
+from kvx.engine.load_errors import failed_loads
 from kvx.types import (
     CachedRequestData,
     KVCacheBlocks,
@@ -61,7 +62,7 @@ class RequestOutput:
 
 
 @dataclass
-class _State:
+class RequestState:
     """Scheduler bookkeeping of one request."""
 
     request: Request
@@ -90,7 +91,7 @@ class Scheduler:
         )
         self.steps = 0
         self.violations: list[str] = []  # contract violations not yet taken
-        self.states: dict[str, _State] = {}
+        self.states: dict[str, RequestState] = {}
         self.waiting: list[str] = []
         self.running: list[str] = []
         self._finished_since_last_step: set[str] = set()
@@ -129,7 +130,7 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         request.block_hashes = block_hashes(request.all_token_ids, self.block_size)
-        self.states[request.request_id] = _State(request)
+        self.states[request.request_id] = RequestState(request)
         self.waiting.append(request.request_id)
         if self.connector is not None:
             self.connector.on_new_request(request)
@@ -138,17 +139,7 @@ class Scheduler:
         state = self.states.get(request_id)
         if state is not None and not state.request.is_finished():
             self._finish(state, RequestStatus.FINISHED_ABORTED)
-            req = state.request
-            self._aborted.append(
-                RequestOutput(
-                    request_id,
-                    [],
-                    list(req.output_token_ids),
-                    True,
-                    req.status,
-                    state.kv_transfer_params_out,
-                )
-            )
+            self._aborted.append(self._output(state, [], finished=True))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -313,12 +304,12 @@ class Scheduler:
                 math.ceil((n_local + n_ext) / self.block_size) - n_local // self.block_size
             )
 
-    def _after_alloc(self, state: _State, num_hits: int, n_ext: int) -> None:
+    def _after_alloc(self, state: RequestState, num_hits: int, n_ext: int) -> None:
         if self.connector is not None:
             blocks = KVCacheBlocks((list(state.blocks),), (num_hits,))
             self.connector.update_state_after_alloc(state.request, blocks, n_ext)
 
-    def _allocate(self, state: _State, hits: list[int], num_tokens: int) -> bool:
+    def _allocate(self, state: RequestState, hits: list[int], num_tokens: int) -> bool:
         """Reference `hits` and allocate fresh blocks up to `num_tokens`; False if too few."""
         need = math.ceil(num_tokens / self.block_size) - len(hits)
         if need > self.pool.num_free_blocks - sum(self.pool.ref_cnt[b] == 0 for b in hits):
@@ -327,7 +318,7 @@ class Scheduler:
         state.blocks = list(hits) + self.pool.allocate(max(0, need))
         return True
 
-    def _grow(self, state: _State, num_tokens: int) -> list[int] | None:
+    def _grow(self, state: RequestState, num_tokens: int) -> list[int] | None:
         """Allocate the blocks `num_tokens` need beyond what the request has; None if short."""
         need = math.ceil(num_tokens / self.block_size) - len(state.blocks)
         if need <= 0:
@@ -345,12 +336,12 @@ class Scheduler:
             req.num_computed_tokens += num
             self._cache_full_blocks(self.states[req_id], req.num_computed_tokens)
 
-    def _cache_full_blocks(self, state: _State, num_tokens: int) -> None:
+    def _cache_full_blocks(self, state: RequestState, num_tokens: int) -> None:
         hashes = state.request.block_hashes
         for j in range(min(num_tokens // self.block_size, len(hashes), len(state.blocks))):
             self.pool.cache(state.blocks[j], hashes[j])
 
-    def _preempt(self, state: _State) -> None:
+    def _preempt(self, state: RequestState) -> None:
         req = state.request
         self.running.remove(req.request_id)
         self.pool.free(state.blocks)
@@ -360,7 +351,7 @@ class Scheduler:
         self.waiting.insert(0, req.request_id)
         self.stats["preemptions"] += 1
 
-    def _promote(self, state: _State) -> bool:
+    def _promote(self, state: RequestState) -> bool:
         """Move a request whose remote KV arrived back to normal scheduling."""
         req = state.request
         if req.request_id not in self._recved:
@@ -408,16 +399,7 @@ class Scheduler:
             finished = len(req.output_token_ids) >= req.max_tokens
             if finished:
                 self._finish(state, RequestStatus.FINISHED_LENGTH_CAPPED)
-            outputs.append(
-                RequestOutput(
-                    req_id,
-                    [token],
-                    list(req.output_token_ids),
-                    finished,
-                    req.status,
-                    state.kv_transfer_params_out,
-                )
-            )
+            outputs.append(self._output(state, [token], finished))
         if kv_output is not None:
             for req_id in kv_output.finished_recving or ():
                 held = self._held_for_recv.pop(req_id, None)
@@ -444,50 +426,35 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         outputs: list[RequestOutput],
     ) -> set[str]:
-        """Apply `kv_load_failure_policy` to requests whose loaded blocks failed.
-
-        Matches vLLM's handling: only blocks that may hold externally computed tokens are
-        checked; the request is truncated at its first bad block (recompute) or finished with
-        an error and its bad and later blocks evicted from the prefix cache (fail).
-        """
-        invalid = kv_output.invalid_block_ids
+        """Apply `kv_load_failure_policy` to requests whose loaded blocks failed (as vLLM): the
+        request is truncated at its first bad block (recompute) or finished with an error and
+        its bad and later blocks evicted from the prefix cache (fail). The ids hit."""
         discard: set[str] = set()
-        for req_id, state in list(self.states.items()):
-            req = state.request
-            if req.is_finished():
-                continue
-            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                loaded = req.num_computed_tokens
-            elif state.sync_loaded_tokens and req_id in scheduler_output.num_scheduled_tokens:
-                loaded = req.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
-            else:
-                continue
-            span = state.blocks[: math.ceil(loaded / self.block_size)]
-            bad = next((i for i, b in enumerate(span) if b in invalid), None)
-            if req_id in kv_output.failed_recving:
-                bad = 0
-            if bad is None:
-                continue
+        for state, bad in failed_loads(self.states, kv_output, scheduler_output, self.block_size):
             self.stats["load_errors"] += 1
             self.pool.evict(state.blocks[bad:])
-            discard.add(req_id)
+            discard.add(state.request.request_id)
             if self.config.kv_load_failure_policy == "fail":
                 self._finish(state, RequestStatus.FINISHED_ERROR)
-                outputs.append(
-                    RequestOutput(
-                        req_id,
-                        [],
-                        list(req.output_token_ids),
-                        True,
-                        req.status,
-                        state.kv_transfer_params_out,
-                    )
-                )
+                outputs.append(self._output(state, [], finished=True))
             else:
-                req.num_computed_tokens = bad * self.block_size
+                state.request.num_computed_tokens = bad * self.block_size
         return discard
 
-    def _finish(self, state: _State, status: RequestStatus) -> None:
+    def _output(
+        self, state: RequestState, new_token_ids: list[int], finished: bool
+    ) -> RequestOutput:
+        req = state.request
+        return RequestOutput(
+            req.request_id,
+            new_token_ids,
+            list(req.output_token_ids),
+            finished,
+            req.status,
+            state.kv_transfer_params_out,
+        )
+
+    def _finish(self, state: RequestState, status: RequestStatus) -> None:
         req = state.request
         was_loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         req.status = status

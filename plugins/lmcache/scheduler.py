@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvx
-from kvx import BlockStored, ConnectorScheduler, KVCacheEvent, KVConnectorOutput
+from kvx import (
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorOutput,
+    PlanningScheduler,
+    RequestTracker,
+    ScheduledRequest,
+)
 from kvx.plugins.lmcache.config import LMCacheConfig
 from kvx.plugins.lmcache.lookup import LookupClient, socket_path
 from kvx.plugins.lmcache.metadata import (
@@ -28,11 +35,12 @@ from kvx.plugins.lmcache.metadata import (
 @dataclass
 class _Request:
     prompt: list[int]
-    block_ids: list[int]
     stored: int  # prompt tokens known to be in LMCache (chunk-aligned, or the whole prompt)
 
 
-class LMCacheScheduler(ConnectorScheduler):
+class LMCacheScheduler(PlanningScheduler[_Request, LMCacheMetadata]):
+    metadata_type = LMCacheMetadata
+
     def __init__(
         self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool, load: bool
     ) -> None:
@@ -46,9 +54,10 @@ class LMCacheScheduler(ConnectorScheduler):
         self.store = store
         self.load = load  # a pure producer (kv_producer) never loads
         self.medium = options.medium()
-        self._reqs: dict[str, _Request] = {}
+        self.requests = RequestTracker(
+            "kvx lmcache", lambda new: _Request(list(new.prompt_token_ids), 0)
+        )
         self._hits: dict[str, int] = {}  # this step: request -> prompt tokens LMCache holds
-        self._loads: dict[str, int] = {}  # this step: request -> external tokens to load
         self._acks: dict[int, int] = {}  # chunk hash -> workers that stored it so far
         self._chunks: dict[int, StoredChunk] = {}
         self._events: list[KVCacheEvent] = []
@@ -69,37 +78,8 @@ class LMCacheScheduler(ConnectorScheduler):
         end = min(hit, cap) // self.block_size * self.block_size
         return max(0, end - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        if num_external_tokens > 0:
-            self._loads[request.request_id] = num_external_tokens
-        else:
-            self._loads.pop(request.request_id, None)
-
-    def build_connector_meta(self, out: kvx.SchedulerOutput) -> LMCacheMetadata:
-        meta = LMCacheMetadata()
-        for req_id in out.preempted_req_ids:
-            if req_id in self._reqs:
-                self._reqs[req_id].block_ids = []
-        for new in out.scheduled_new_reqs:
-            state = _Request(list(new.prompt_token_ids), list(new.block_ids[0]), 0)
-            self._reqs[new.req_id] = state
-            self._plan(meta, new.req_id, state, new.num_computed_tokens, out)
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            known = self._reqs.get(req_id)
-            if known is None:
-                continue
-            added = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                known.block_ids = list(added[0]) if added else []
-            elif added:
-                known.block_ids.extend(added[0])
-            self._plan(meta, req_id, known, cached.num_computed_tokens[i], out)
-        self._loads.clear()
+    def step_planned(self) -> None:
         self._hits.clear()
-        return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """A chunk becomes a `BlockStored` event once every worker stored its share."""
@@ -128,9 +108,8 @@ class LMCacheScheduler(ConnectorScheduler):
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Stores finish inside the step that computed the tokens: blocks are never held."""
-        self._reqs.pop(request.request_id, None)
+        self.requests.forget(request.request_id)
         self._hits.pop(request.request_id, None)
-        self._loads.pop(request.request_id, None)
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -142,32 +121,29 @@ class LMCacheScheduler(ConnectorScheduler):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _plan(
-        self,
-        meta: LMCacheMetadata,
-        req_id: str,
-        state: _Request,
-        computed: int,
-        out: kvx.SchedulerOutput,
-    ) -> None:
+    def plan(self, meta: LMCacheMetadata, step: ScheduledRequest[_Request]) -> None:
         """Add the request's load (the tokens just counted as computed) and the chunks its
         scheduled prompt tokens complete this step."""
+        state, computed = step.state, step.num_computed_tokens
         prompt = state.prompt
-        hit = self._hits.get(req_id, 0)
+        hit = self._hits.get(step.req_id, 0)
         if hit:  # LMCache holds the prompt's chunks up to `hit`: never store them again
             held = hit if hit == len(prompt) else hit // self.chunk * self.chunk
             state.stored = max(state.stored, held)
-        n_ext = self._loads.pop(req_id, 0)
+        n_ext = step.num_external_tokens
         if n_ext:
             fetch = max(hit, computed)
             meta.loads.append(
-                LoadSpec(req_id, prompt[:fetch], list(state.block_ids), computed - n_ext, computed)
+                LoadSpec(
+                    step.req_id, prompt[:fetch], list(step.block_ids), computed - n_ext, computed
+                )
             )
-        scheduled = out.num_scheduled_tokens.get(req_id, 0)
-        if not self.store or not scheduled:
+        if not self.store or not step.num_scheduled_tokens:
             return
-        done = min(computed + scheduled, len(prompt))
+        done = min(computed + step.num_scheduled_tokens, len(prompt))
         end = done if self.save_unfull and done == len(prompt) else done // self.chunk * self.chunk
         if end > state.stored:
-            meta.stores.append(StoreSpec(req_id, prompt[:end], list(state.block_ids), state.stored))
+            meta.stores.append(
+                StoreSpec(step.req_id, prompt[:end], list(step.block_ids), state.stored)
+            )
             state.stored = end

@@ -31,36 +31,26 @@ class ReadJob:
     ndescs: int = 0
 
 
+@dataclass
 class ReadPoster:
     """This worker's registered KV (regions, `heads` per block, device and memory type) and
     the local descriptor lists prepared on it; posts READs for `ReadJob`s."""
 
-    def __init__(
-        self,
-        agent: Any,
-        caches: dict[str, torch.Tensor],
-        regions: list[Region],
-        heads: int,
-        block_size: int,
-        head_size: int,
-        device: int,
-        mem_type: str,
-    ) -> None:
-        self.agent = agent
-        self._caches = caches
-        self._regions = regions
-        self.heads = heads
-        self.block_size = block_size
-        self.head_size = head_size
-        self._device = device
-        self._mem_type = mem_type
-        self._local_dlists: dict[tuple[int, int], Any] = {}
+    agent: Any
+    caches: dict[str, torch.Tensor]
+    regions: list[Region]
+    heads: int
+    block_size: int
+    head_size: int
+    device: int
+    mem_type: str
+    _local_dlists: dict[tuple[int, int], Any] = field(default_factory=dict, init=False)
 
     def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
         key = (head_offset, num_heads)
         if key not in self._local_dlists:
-            descs = block_descs(self._regions, head_offset, num_heads, self.heads, self._device)
-            self._local_dlists[key] = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
+            descs = block_descs(self.regions, head_offset, num_heads, self.heads, self.device)
+            self._local_dlists[key] = self.agent.prep_xfer_dlist(LOCAL, descs, self.mem_type)
         return self._local_dlists[key]
 
     def _make_remote_dlist(
@@ -102,7 +92,7 @@ class ReadPoster:
             raise ValueError(
                 f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
             )
-        my_index = {(r.layer, r.kv): i for i, r in enumerate(self._regions)}
+        my_index = {(r.layer, r.kv): i for i, r in enumerate(self.regions)}
         for read in remote.plan.reads:
             full = read.num_heads == self.heads
             lo, nh = (0, 0) if full else (read.local_head_offset, read.num_heads)
@@ -118,7 +108,7 @@ class ReadPoster:
                     li = my_index.get((region.layer, region.kv))
                     if li is None:
                         continue
-                    mine = self._regions[li]
+                    mine = self.regions[li]
                     local_ids += [li * mine.num_blocks + b for b in job.local_block_ids]
                     rids += [ri * region.num_blocks + b for b in remote_ids]
                     nbytes += len(remote_ids) * mine.block_len * read.num_heads // self.heads
@@ -128,28 +118,28 @@ class ReadPoster:
 
     def post_staged(self, job: ReadJob) -> None:
         """READ whole remote blocks into registered staging buffers (see `staging.py`)."""
-        cache = next(iter(self._caches.values()))
+        cache = next(iter(self.caches.values()))
         staging = plan_staging(
             job.remote,
             job.spec.remote_block_ids,
             job.spec.remote_num_tokens,
             job.start_token,
-            list(self._caches),
+            list(self.caches),
             self.head_size,
             cache.dtype,
             cache.device,
         )
         staging.registration = self.agent.register_memory(
             [
-                (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
+                (t.data_ptr(), t.numel() * t.element_size(), self.device, "")
                 for t in staging.tensors.values()
             ],
-            self._mem_type,
+            self.mem_type,
         )
         job.staging = staging
         for read in staging.reads:
-            descs = block_descs(read.regions, device=self._device)
-            dlist = self.agent.prep_xfer_dlist(LOCAL, descs, self._mem_type)
+            descs = block_descs(read.regions, device=self.device)
+            dlist = self.agent.prep_xfer_dlist(LOCAL, descs, self.mem_type)
             staging.dlists.append(dlist)
             remote_dlist = job.remote.remote_dlist(read.key, 0, 0, self._make_remote_dlist)
             nbytes = sum(r.block_len * r.num_blocks for r in read.regions)

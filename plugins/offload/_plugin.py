@@ -1,16 +1,12 @@
 """Registers OffloadingConnector (names only; nothing is imported until it is used)."""
 
 import kvx
-from kvx import ConnectorSpec
 
-
-@kvx.hookimpl
-def kvx_connectors() -> list[ConnectorSpec]:
-    return [
-        ConnectorSpec(
-            name="OffloadingConnector",
-            target="kvx.plugins.offload:OffloadingConnector",
-            summary="offloads KV chunks to a CPU tier (LRU or ARC) and loads them back async",
-            config_schema="kvx.plugins.offload.config:OffloadingConfig",
-        )
-    ]
+kvx_connectors = kvx.provides(
+    kvx.ConnectorSpec(
+        name="OffloadingConnector",
+        target="kvx.plugins.offload:OffloadingConnector",
+        summary="offloads KV chunks to a CPU tier (LRU or ARC) and loads them back async",
+        config_schema="kvx.plugins.offload.config:OffloadingConfig",
+    )
+)

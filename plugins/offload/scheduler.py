@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import kvx
-from kvx import ConnectorScheduler, KVConnectorOutput, yield_req_data
+from kvx import ConnectorScheduler, KVConnectorOutput, RequestTracker
 from kvx.plugins.offload.config import OffloadingConfig
 from kvx.plugins.offload.manager import OffloadingManager
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
@@ -99,8 +99,8 @@ class OffloadScheduler(ConnectorScheduler):
             self.tokens_per_chunk,
             disk_chunks,
         )
-        self.requests: dict[str, kvx.Request] = {}
-        self.blocks: dict[str, list[int]] = {}
+        # Requests followed from their allocation (their state: the request itself).
+        self.requests = RequestTracker[kvx.Request]("kvx offload")
         self.offered_chunks: dict[str, int] = {}
         self.inflight: dict[str, set[str]] = {}  # request -> chunk keys being stored
         self.loading: dict[str, list[str]] = {}
@@ -131,8 +131,7 @@ class OffloadScheduler(ConnectorScheduler):
         self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        self.requests[req_id] = request
-        self.blocks[req_id] = list(blocks.get_block_ids()[0])
+        table = self.requests.track(req_id, blocks.get_block_ids()[0], request).block_ids
         if num_external_tokens == 0:
             return
         hashed = (blocks.num_hashed_blocks or (0,))[0]
@@ -142,7 +141,6 @@ class OffloadScheduler(ConnectorScheduler):
         chunks = sorted({b // self.per_chunk for b in range(first_block, last_block)})
         where = dict(zip(chunks, self.manager.prepare_load([keys[c] for c in chunks]), strict=True))
         self.loading[req_id] = [keys[c] for c in chunks]
-        table = self.blocks[req_id]
         span = range(first_block, last_block)
         slots = [where[b // self.per_chunk] for b in span]
         self._loads.append(
@@ -158,37 +156,24 @@ class OffloadScheduler(ConnectorScheduler):
         self.offered_chunks[req_id] = max(self.offered_chunks.get(req_id, 0), chunks[-1] + 1)
 
     def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> OffloadMetadata:
-        starts = {
-            new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
-        }
-        cached = scheduler_output.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         stores = []
-        for req_id, new_blocks, full_table in yield_req_data(scheduler_output):
-            if new_blocks is not None:
-                if full_table or req_id not in self.blocks:
-                    self.blocks[req_id] = list(new_blocks[0])
-                else:
-                    self.blocks[req_id].extend(new_blocks[0])
-            if full_table and req_id in cached.resumed_req_ids:
-                self.offered_chunks[req_id] = 0
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            done = starts[req_id] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            store = self._stores_for(request, done)
+        for step in self.requests.scheduled(scheduler_output):
+            if step.resumed:
+                self.offered_chunks[step.req_id] = 0
+            done = step.num_computed_tokens + step.num_scheduled_tokens
+            store = self._stores_for(step.state, step.block_ids, done)
             if store is not None:
                 stores.append(store)
         meta = OffloadMetadata(self._loads, stores, self._held, self._spills, self._disk_drops)
         self._loads, self._held, self._spills, self._disk_drops = [], [], [], []
         return meta
 
-    def _stores_for(self, request: kvx.Request, computed: int) -> StoreSpec | None:
+    def _stores_for(
+        self, request: kvx.Request, table: list[int], computed: int
+    ) -> StoreSpec | None:
         req_id = request.request_id
         keys = self.chunk_keys(request)
-        complete = min(
-            computed // self.tokens_per_chunk, len(keys), len(self.blocks[req_id]) // self.per_chunk
-        )
+        complete = min(computed // self.tokens_per_chunk, len(keys), len(table) // self.per_chunk)
         start = self.offered_chunks.get(req_id, 0)
         if complete <= start:
             return None
@@ -198,7 +183,6 @@ class OffloadScheduler(ConnectorScheduler):
             return None
         self._spills += plan.spills
         self._disk_drops += plan.disk_drops
-        table = self.blocks[req_id]
         gpu_blocks = []
         for key in plan.keys:
             c = keys.index(key, start)
@@ -230,8 +214,7 @@ class OffloadScheduler(ConnectorScheduler):
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self.requests.pop(req_id, None)
-        self.blocks.pop(req_id, None)
+        self.requests.forget(req_id)
         self.offered_chunks.pop(req_id, None)
         if self.inflight.pop(req_id, set()):
             self._held.append(req_id)

@@ -2,38 +2,31 @@
 imported until a connector or backend is built)."""
 
 import kvx
-from kvx import ConnectorSpec, StorageBackendSpec
 
+kvx_connectors = kvx.provides(
+    kvx.ConnectorSpec(
+        name="SharedStorageConnector",
+        aliases=("ExampleConnector",),
+        target="kvx.plugins.storage.connector:SharedStorageConnector",
+        summary="stores full KV blocks by prefix hash in files, object stores or Redis",
+        config_schema="kvx.plugins.storage.config:SharedStorageConfig",
+    )
+)
 
-@kvx.hookimpl
-def kvx_connectors() -> list[ConnectorSpec]:
-    return [
-        ConnectorSpec(
-            name="SharedStorageConnector",
-            aliases=("ExampleConnector",),
-            target="kvx.plugins.storage.connector:SharedStorageConnector",
-            summary="stores full KV blocks by prefix hash in files, object stores or Redis",
-            config_schema="kvx.plugins.storage.config:SharedStorageConfig",
-        )
-    ]
-
-
-@kvx.hookimpl
-def kvx_storage_backends() -> list[StorageBackendSpec]:
-    return [
-        StorageBackendSpec(
-            name="fsspec",
-            target="kvx.plugins.storage.backends.fsspec_backend:FsspecBackend",
-            schemes=("file", "local", "memory"),
-            other_schemes="kvx.plugins.storage.backends.schemes:fsspec_knows",
-            summary="files through fsspec: local disk, memory, object stores",
-        ),
-        StorageBackendSpec(
-            name="redis",
-            target="kvx.plugins.storage.backends.redis_backend:RedisBackend",
-            schemes=("redis", "rediss"),
-            summary="one value per block, layer and head shard; pipelined; optional TTL",
-            requires=("redis",),
-            extra="redis",
-        ),
-    ]
+kvx_storage_backends = kvx.provides(
+    kvx.StorageBackendSpec(
+        name="fsspec",
+        target="kvx.plugins.storage.backends.fsspec_backend:FsspecBackend",
+        schemes=("file", "local", "memory"),
+        other_schemes="kvx.plugins.storage.backends.schemes:fsspec_knows",
+        summary="files through fsspec: local disk, memory, object stores",
+    ),
+    kvx.StorageBackendSpec(
+        name="redis",
+        target="kvx.plugins.storage.backends.redis_backend:RedisBackend",
+        schemes=("redis", "rediss"),
+        summary="one value per block, layer and head shard; pipelined; optional TTL",
+        requires=("redis",),
+        extra="redis",
+    ),
+)

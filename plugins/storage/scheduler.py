@@ -8,11 +8,11 @@ stored once, and a partial prefix hit loads what exists.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import kvx
-from kvx import ConnectorScheduler, StorageBackend
+from kvx import PlanningScheduler, RequestTracker, ScheduledRequest, StorageBackend
 from kvx.plugins.storage.keys import Geometry, Stage, block_keys, shard_counts, shard_ranges
 from kvx.plugins.storage.metadata import LoadSpec, StorageMetadata, StorageWorkerMeta, StoreSpec
 
@@ -26,12 +26,13 @@ _Partition = tuple[int, int]  # a writer's (PP size, head shard count)
 class _Request:
     prompt_len: int
     keys: list[str]
-    block_ids: list[int] = field(default_factory=list)
 
 
-class StorageScheduler(ConnectorScheduler):
+class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
     """Existence checks are fresh on every call; what is learned is kept only until the step's
     `build_connector_meta`, since other engines add blocks (and TTLs drop them) at any time."""
+
+    metadata_type = StorageMetadata
 
     def __init__(
         self,
@@ -53,9 +54,8 @@ class StorageScheduler(ConnectorScheduler):
         ]
         self._stages: dict[int, list[Stage]] = {}  # writer PP size -> its stages
         self._keys: dict[str, list[str]] = {}  # request id -> keys of its prompt's full blocks
-        self._reqs: dict[str, _Request] = {}  # scheduled requests
+        self.requests = RequestTracker("kvx storage", self._start)  # scheduled requests
         self._found: dict[str, dict[int, _Partition]] = {}  # this step: block -> partition
-        self._loads: dict[str, int] = {}  # this step: request id -> external tokens
         self._events: list[kvx.KVCacheEvent] = []  # failed saves the workers reported
 
     # -- contract --------------------------------------------------------------------------
@@ -79,50 +79,15 @@ class StorageScheduler(ConnectorScheduler):
         end = min((first + len(found)) * bs, cap) // ebs * ebs
         return max(0, end - num_computed_tokens), False
 
-    def update_state_after_alloc(
-        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        if num_external_tokens > 0:
-            self._loads[request.request_id] = num_external_tokens
-        else:
-            self._loads.pop(request.request_id, None)
-
-    def build_connector_meta(self, out: kvx.SchedulerOutput) -> StorageMetadata:
-        meta = StorageMetadata()
-        for req_id in out.preempted_req_ids:
-            if req_id in self._reqs:
-                self._reqs[req_id].block_ids = []
-        for new in out.scheduled_new_reqs:
-            keys = self._keys.get(new.req_id)
-            if keys is None:  # on_new_request / get_num_new_matched_tokens were not called
-                keys = block_keys(new.prompt_token_ids, self.geo.block_size, self.geo.seed())
-                self._keys[new.req_id] = keys
-            state = _Request(len(new.prompt_token_ids), keys, list(new.block_ids[0]))
-            self._reqs[new.req_id] = state
-            self._plan(meta, new.req_id, state, new.num_computed_tokens, out)
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            known = self._reqs.get(req_id)
-            if known is None:
-                continue
-            added = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                known.block_ids = list(added[0]) if added else []
-            elif added:
-                known.block_ids.extend(added[0])
-            self._plan(meta, req_id, known, cached.num_computed_tokens[i], out)
-        if self._loads:
-            logger.warning("kvx storage: loads of unscheduled requests dropped: %s", self._loads)
-        self._loads.clear()
+    def step_planned(self) -> None:
         self._found.clear()
-        return meta
 
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Saves are durable by the step's `wait_for_save`: blocks are never held."""
-        tables: tuple[dict[str, Any], ...] = (self._keys, self._reqs, self._found, self._loads)
-        for table in tables:
+        self.requests.forget(request.request_id)
+        for table in (self._keys, self._found):
             table.pop(request.request_id, None)
         return False, None
 
@@ -145,6 +110,13 @@ class StorageScheduler(ConnectorScheduler):
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _start(self, new: kvx.NewRequestData) -> _Request:
+        keys = self._keys.get(new.req_id)
+        if keys is None:  # on_new_request / get_num_new_matched_tokens were not called
+            keys = block_keys(new.prompt_token_ids, self.geo.block_size, self.geo.seed())
+            self._keys[new.req_id] = keys
+        return _Request(len(new.prompt_token_ids), keys)
+
     def _request_keys(self, request: kvx.Request) -> list[str]:
         keys = self._keys.get(request.request_id)
         if keys is None:
@@ -153,18 +125,12 @@ class StorageScheduler(ConnectorScheduler):
             self._keys[request.request_id] = keys
         return keys
 
-    def _plan(
-        self,
-        meta: StorageMetadata,
-        req_id: str,
-        state: _Request,
-        computed: int,
-        out: kvx.SchedulerOutput,
-    ) -> None:
+    def plan(self, meta: StorageMetadata, step: ScheduledRequest[_Request]) -> None:
         """Add the request's load (tokens just counted as computed) and the stored blocks its
         scheduled tokens complete this step (prompt tokens only)."""
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
-        n_ext = self._loads.pop(req_id, 0)
+        req_id, state, computed = step.req_id, step.state, step.num_computed_tokens
+        n_ext = step.num_external_tokens
         if n_ext:
             start = computed - n_ext
             first, last = start // bs, -(-computed // bs)
@@ -175,7 +141,7 @@ class StorageScheduler(ConnectorScheduler):
             meta.loads.append(
                 LoadSpec(
                     req_id=req_id,
-                    block_ids=state.block_ids[start // ebs : -(-computed // ebs)],
+                    block_ids=step.block_ids[start // ebs : -(-computed // ebs)],
                     start=start,
                     num_tokens=n_ext,
                     first_block=first,
@@ -184,7 +150,7 @@ class StorageScheduler(ConnectorScheduler):
                     shards=[shards for _, shards in parts],
                 )
             )
-        scheduled = out.num_scheduled_tokens.get(req_id, 0)
+        scheduled = step.num_scheduled_tokens
         if not self.store or not scheduled:
             return
         first = computed // bs
@@ -194,7 +160,7 @@ class StorageScheduler(ConnectorScheduler):
             meta.stores.append(
                 StoreSpec(
                     req_id=req_id,
-                    block_ids=state.block_ids[eb0 : -(-last * bs // ebs)],
+                    block_ids=step.block_ids[eb0 : -(-last * bs // ebs)],
                     block_ids_start=eb0 * ebs,
                     first_block=first,
                     keys=state.keys[first:last],

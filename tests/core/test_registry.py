@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -376,3 +377,29 @@ def test_get_layout_is_the_public_lookup(plugin_registry: Registry) -> None:
         kvx.get_layout("NHDD")
     with pytest.raises(RegistryError, match="'TEST_LAYOUT' resolves to str, which is not a layout"):
         kvx.get_layout("TEST_LAYOUT")
+
+
+def test_provides_builds_the_hook_a_plugin_module_names(plugin_registry: Registry) -> None:
+    """`kvx_connectors = kvx.provides(...)` registers like the hand-written hook, and is checked
+    alike: a misspelt name, or records of another kind, refuse the plugin."""
+    plugin = types.ModuleType("tabled")
+    plugin.kvx_connectors = kvx.provides(  # type: ignore[attr-defined]
+        ConnectorSpec(name="Tabled", target="kvx_test_plugin.connectors:EchoConnector"),
+        ConnectorSpec(name="Missing", target="x:Y", requires=("kvx_never_installed",), extra="e"),
+    )
+    plugin_registry.register_plugin(plugin, name="tabled")
+    assert plugin_registry.connector("Tabled").plugin == "tabled"
+    assert plugin_registry.load_connector_class("Tabled").__name__ == "EchoConnector"
+    with pytest.raises(MissingDependencyError, match=r"needs 'kvx_never_installed'.*\[e\]"):
+        plugin_registry.load_connector_class("Missing")  # lazy: only now is it looked for
+
+    misspelt = types.ModuleType("misspelt")
+    misspelt.kvx_conectors = kvx.provides(*_spec())  # type: ignore[attr-defined]
+    assert "kvx_conectors is marked @kvx.hookimpl but is not a kvx hook" in _refused(
+        plugin_registry, misspelt, "misspelt"
+    )
+    wrong_kind = types.ModuleType("wrong_kind")
+    wrong_kind.kvx_connectors = kvx.provides(  # type: ignore[attr-defined]
+        kvx.LayoutSpec(name="L", target="x:Y")
+    )
+    assert "expected ConnectorSpec" in _refused(plugin_registry, wrong_kind, "wrong_kind")

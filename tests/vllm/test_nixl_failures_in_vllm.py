@@ -1,7 +1,7 @@
 """NIXL prefill/decode failures inside real vLLM-CPU engines: an idle producer, a producer that
 dies, and `kv_load_failure_policy` (the root causes of D engines dying in online serving).
 
-The producer (`nixl_idle_producer.py`, a child process) prefills three prompts, takes the step
+The producer (`nixl_producer.py --idle`, a child process) prefills three prompts, takes the step
 that starts its leases and then never steps again. The consumer runs here:
 
 - `fail`: prompt 0 loads from the idle producer (tokens equal one engine's, loaded K and V equal
@@ -15,58 +15,20 @@ that starts its leases and then never steps again. The consumer runs here:
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from nixl_pd import Producer, check_loaded_bytes, start_producer
 
-PRODUCER = Path(__file__).with_name("nixl_idle_producer.py")
 pytestmark = pytest.mark.timeout(240)
-
-
-@dataclass
-class Producer:
-    work: Path
-    proc: subprocess.Popen[bytes]
-    params: list[dict[str, Any]]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def producer(harness: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Producer]:
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError as exc:
-        pytest.fail(f"NIXL is not installed in this venv ({exc}): make venv-vllm installs it")
     work = tmp_path_factory.mktemp("nixl-idle")
-    (work / "prompts.json").write_text(json.dumps(harness.prompts))
-    with (work / "producer.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(PRODUCER), str(harness.model), str(work)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    handle = Producer(work, proc, [])
+    handle = start_producer(harness, work, idle=True, timeout_s=150)
     try:
-        deadline = time.monotonic() + 150
-        while not (work / "params.json").exists():
-            if proc.poll() is not None:
-                tail = (work / "producer.log").read_text(errors="replace")[-3000:]
-                raise AssertionError(f"the producer exited with {proc.returncode}:\n{tail}")
-            assert time.monotonic() < deadline, "the producer did not prefill within 150s"
-            time.sleep(0.1)
-        handle.params = [h["params"] for h in json.loads((work / "params.json").read_text())]
         yield handle
     finally:
         handle.kill()
@@ -84,29 +46,6 @@ def consumer_json(policy: str) -> dict[str, Any]:
             "handshake_timeout_s": 5,
         },
     }
-
-
-def check_loaded_bytes(harness: Any, producer: Producer, caches: dict, reads: list) -> None:
-    """Every token D did not recompute (all but the last prompt token) holds exactly the
-    producer's K and V, in every layer and head."""
-    for read in reads:
-        i = next(
-            j
-            for j, p in enumerate(producer.params)
-            if p["remote_request_id"] == read.remote_request_id
-        )
-        loaded = read.remote_num_tokens - 1
-        for name, cache in caches.items():
-            raw = (producer.work / f"p{i}.{name}.f32").read_bytes()
-            sent = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-            sent = sent.view(-1, *cache.shape[1:])[-len(read.local_block_ids) :]
-            got = harness.split_kv(cache[read.local_block_ids])
-            want = harness.split_kv(sent)
-            for b in range(len(read.local_block_ids)):
-                n = min(harness.block, loaded - b * harness.block)
-                for part, mine, theirs in zip("KV", got, want, strict=True):
-                    ok = torch.equal(mine[b, :, :n], theirs[b, :, :n])
-                    assert ok, f"prompt {i}, {name}: {part} of block {b} differs"
 
 
 def test_fail_policy_idle_producer_then_dead_producer(

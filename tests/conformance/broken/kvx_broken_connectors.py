@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import kvx
-from kvx import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvx import (
+    ConnectorScheduler,
+    ConnectorWorker,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    RoleSplitConnector,
+)
 from kvx.plugins.storage.connector import SharedStorageConnector
 from kvx_example_connector.connector import ExamplePDConnector
 from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, SaveSpec
@@ -43,17 +49,7 @@ class SwapsBlocksWorker(ExamplePDWorker):
         local = list(load.local_block_ids)
         if len(local) > 1:
             local[0], local[1] = local[1], local[0]
-        super()._load(
-            path,
-            LoadSpec(
-                load.req_id,
-                local,
-                load.remote_engine_id,
-                load.remote_request_id,
-                load.remote_block_ids,
-            ),
-            dim,
-        )
+        super()._load(path, replace(load, local_block_ids=local), dim)
 
 
 class FinishesEarlyWorker(ExamplePDWorker):
@@ -93,30 +89,6 @@ class LeaksThreadWorker(ExamplePDWorker):
         stop = threading.Event()
         LEAKED_THREAD_STOPS.append(stop)
         threading.Thread(target=stop.wait, name="leaked-by-connector", daemon=True).start()
-
-
-class DropsBlock(ExamplePDConnector):
-    worker_type = DropsBlockWorker
-
-
-class SwapsBlocks(ExamplePDConnector):
-    worker_type = SwapsBlocksWorker
-
-
-class FinishesEarly(ExamplePDConnector):
-    worker_type = FinishesEarlyWorker
-
-
-class NeverFrees(ExamplePDConnector):
-    worker_type = NeverFreesWorker
-
-
-class WritesOtherHeads(ExamplePDConnector):
-    worker_type = WritesOtherHeadsWorker
-
-
-class LeaksThread(ExamplePDConnector):
-    worker_type = LeaksThreadWorker
 
 
 class SavesAsConsumer(ExamplePDConnector):
@@ -174,17 +146,7 @@ class AssumesContiguousWorker(ExamplePDWorker):
     def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
         first = load.local_block_ids[0]
         local = list(range(first, first + len(load.local_block_ids)))
-        super()._load(
-            path,
-            LoadSpec(
-                load.req_id,
-                local,
-                load.remote_engine_id,
-                load.remote_request_id,
-                load.remote_block_ids,
-            ),
-            dim,
-        )
+        super()._load(path, replace(load, local_block_ids=local), dim)
 
 
 class SavesLateWorker(ExamplePDWorker):
@@ -242,9 +204,7 @@ class ClearsMetadata(ExamplePDConnector):
         meta.loads.clear()
 
 
-class DoesNothing(KVConnectorBase_V1):
-    """The skeleton of docs/writing-a-connector.md: claims nothing, moves nothing."""
-
+class DoesNothingScheduler(ConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: kvx.Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -257,17 +217,38 @@ class DoesNothing(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
-    def start_load_kv(self, forward_context: kvx.ForwardContext, **kwargs: Any) -> None: ...
-    def wait_for_layer_load(self, layer_name: str) -> None: ...
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None: ...
-    def wait_for_save(self) -> None: ...
+
+class DoesNothingWorker(ConnectorWorker[KVConnectorMetadata]):
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None: ...
 
 
-class AssumesContiguous(ExamplePDConnector):
-    worker_type = AssumesContiguousWorker
+class DoesNothing(RoleSplitConnector[DoesNothingScheduler, DoesNothingWorker]):
+    """The skeleton of docs/writing-a-connector.md: claims nothing, moves nothing."""
+
+    def build_scheduler(self) -> DoesNothingScheduler:
+        return DoesNothingScheduler()
+
+    def build_worker(self) -> DoesNothingWorker:
+        return DoesNothingWorker()
 
 
-class SavesLate(ExamplePDConnector):
-    worker_type = SavesLateWorker
+def _with_worker(worker: type[ExamplePDWorker]) -> type[ExamplePDConnector]:
+    """The example connector with `worker` as its worker half, named like the worker without
+    `Worker` (`DropsBlockWorker` -> `DropsBlock`)."""
+    name = worker.__name__.removesuffix("Worker")
+    attrs = {"worker_type": worker, "__module__": __name__, "__doc__": worker.__doc__}
+    return type(name, (ExamplePDConnector,), attrs)
+
+
+BROKEN_WORKERS = (
+    DropsBlockWorker,
+    SwapsBlocksWorker,
+    FinishesEarlyWorker,
+    NeverFreesWorker,
+    WritesOtherHeadsWorker,
+    LeaksThreadWorker,
+    AssumesContiguousWorker,
+    SavesLateWorker,
+)
+# Each connector is a module attribute, as configs name it (kv_connector_module_path).
+globals().update({c.__name__: c for c in map(_with_worker, BROKEN_WORKERS)})
