@@ -429,8 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _described(exc: RegistryError | ConfigError) -> str:
     """The error's text; problems that are all with flags (`--tp`, `--layout`) are a bad
-    command line, not an invalid KV transfer config."""
-    if isinstance(exc, ConfigError) and all(p.path.startswith("--") for p in exc.problems):
+    command line, not an invalid KV transfer config (errors of their own kind, such as the
+    proxy's settings, say so themselves)."""
+    if type(exc) is ConfigError and all(p.path.startswith("--") for p in exc.problems):
         return "; ".join(f"argument {p}" for p in exc.problems)
     return str(exc)
 
