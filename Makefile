@@ -93,7 +93,10 @@ pytest: venv system-deps
 
 pytest-vllm: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
-	$(VLLM_PY) -m pytest tests/vllm
+	$(VLLM_PY) -m pytest tests/vllm --ignore=tests/vllm/test_lmcache_in_vllm.py
+	@# LMCache's engine, once it ran in a process, breaks later vLLM engines there (numba's
+	@# '_lib_fn_wrapper' errors): its vLLM test gets a process of its own.
+	$(VLLM_PY) -m pytest tests/vllm/test_lmcache_in_vllm.py
 
 pytest-lmcache: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
