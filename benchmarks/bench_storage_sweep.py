@@ -8,7 +8,10 @@ interleaved rounds on the same bytes:
   `bench_storage.py` drives it), values batched into segment files (the default);
 - `kvx per-value files`: the same connector writing one file per value, as block-format-3
   stores did before segment files (reads are the same);
-- `raw file`: one plain file per layer, written from / read into one contiguous tensor.
+- `raw file`: one plain file per layer, written from / read into one contiguous tensor;
+- `kvx offload CPU`: the OffloadingConnector's CPU tier storing every block into CPU slots
+  and loading them back, against `copy_ (memcpy)`: one `Tensor.copy_` of the same bytes per
+  layer (both take milliseconds: 5 timed calls per round).
 
 By default everything runs on one thread (`torch.set_num_threads(1)`, `io_threads: 1`) and the
 ratios are taken on CPU time (this process, all threads): on a machine shared with other jobs
@@ -17,6 +20,7 @@ rounds (range beside it); the load average is recorded before and after each sha
 
     python benchmarks/bench_storage_sweep.py --quick     # 8 and 32 layers, 16-token blocks, 8 MiB
     python benchmarks/bench_storage_sweep.py             # 8/32/80 layers x 16/128 tokens x sizes
+    nice python benchmarks/bench_storage_sweep.py --huge --only 1024MiB   # 1 GiB, alone
     python benchmarks/bench_storage_sweep.py --plot sweep.png
 """
 
@@ -39,8 +43,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_storage import StorageCase
-from storage_baselines import KV, Case, RawFiles, drop_files, make_kv
+from bench_storage import OffloadCase, StorageCase
+from storage_baselines import KV, Case, Memcpy, RawFiles, drop_files, make_kv
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
 MIB = 1 << 20
@@ -65,7 +69,11 @@ class Shape:
         return f"{self.layers}L b{self.block_size} {self.mib}MiB {self.mix}"
 
 
-def shapes(quick: bool) -> Iterator[Shape]:
+HUGE = Shape(8, 16, 1024, "short")
+"""1 GiB of KV (about 5 GiB of memory with its caches, copies and files): only with --huge."""
+
+
+def shapes(quick: bool, huge: bool = False) -> Iterator[Shape]:
     if quick:
         yield from (Shape(8, 16, 8, "short"), Shape(32, 16, 8, "long"))
         return
@@ -74,7 +82,8 @@ def shapes(quick: bool) -> Iterator[Shape]:
             for mib in (8, 64, 256):
                 yield Shape(layers, block_size, mib, "short")
         yield Shape(layers, 16, 64, "long")
-    yield Shape(8, 16, 1024, "short")
+    if huge:
+        yield HUGE
 
 
 def per_value_files(case: StorageCase) -> None:
@@ -90,7 +99,9 @@ def per_value_files(case: StorageCase) -> None:
     backend._write_hashed = write
 
 
-def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) -> dict[str, Any]:
+def run_shape(
+    shape: Shape, repeat: int, threads: int, root: Path, peers: bool, offload: bool = True
+) -> dict[str, Any]:
     kv = shape.kv()
     extra = {"io_threads": threads}
     seg = StorageCase(kv, f"file://{root}/seg", partial(drop_files, root / "seg"), **extra)  # type: ignore[arg-type]
@@ -102,14 +113,21 @@ def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) 
         Case("kvx file://", seg.save, seg.load, "raw file", "", seg.fresh, seg.plan_load),
         Case("kvx per-value files", one.save, one.load, "raw file", "", one.fresh, one.plan_load),
     ]
+    tier = OffloadCase(kv) if offload else None
+    if tier is not None:
+        memcpy = Memcpy(kv)
+        cases.append(Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "", inner=5))
+        cases.append(Case("kvx offload CPU", tier.save, tier.load, "copy_ (memcpy)", "", inner=5))
     load_before = os.getloadavg()[0]
     try:
         results = measure_all(cases, repeat)
         kv.clear_dst()
         seg.fresh(), seg.save(), seg.plan_load(), seg.load()
         kv.check(kv.dst, kv.all_dst, "kvx file://")
+        if tier is not None:
+            tier.check()  # every block loaded back from the CPU tier, compared
     finally:
-        for case in (seg, one):
+        for case in (seg, one, *([tier] if tier else [])):
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
     peer = example_connector(kv, repeat, threads) if peers else None
@@ -137,15 +155,17 @@ def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float
 
 def measure_all(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
     """Per case and kind ("save", "load", "save cpu", "load cpu"), the times of every round
-    after a warm-up round."""
+    after a warm-up round (per call: a case of `inner` calls a round reports their mean)."""
     times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     for round in range(repeat + 1):
         for case in cases:
             case.fresh()
             for kind, fn in (("save", case.save), ("load", case.load)):
                 start, cpu = time.perf_counter(), time.process_time()
-                fn()
+                for _ in range(case.inner):
+                    fn()
                 wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+                wall, cpu = wall / case.inner, cpu / case.inner
                 if round:
                     times[case.name].setdefault(kind, []).append(wall)
                     times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
@@ -154,9 +174,11 @@ def measure_all(cases: list[Case], repeat: int) -> dict[str, dict[str, list[floa
     return times
 
 
-def ratios(times: dict[str, dict[str, list[float]]], case: str, kind: str) -> list[float]:
-    """Per round, raw file time / case time (> 1: the case is faster)."""
-    return [r / c for r, c in zip(times["raw file"][kind], times[case][kind], strict=True)]
+def ratios(
+    times: dict[str, dict[str, list[float]]], case: str, kind: str, base: str = "raw file"
+) -> list[float]:
+    """Per round, `base` time / case time (> 1: the case is faster)."""
+    return [r / c for r, c in zip(times[base][kind], times[case][kind], strict=True)]
 
 
 def median(values: list[float]) -> float:
@@ -169,15 +191,24 @@ def report(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| shape | MiB | load avg | raw save / load CPU ms | kvx save / load CPU ms | "
         "kvx vs raw save (CPU) | kvx vs raw load (CPU) | per-value files vs raw save (CPU) | "
-        "kvx vs raw save / load (wall) | kvx vs vLLM ExampleConnector save / load (CPU) |",
-        "|---|---:|---|---|---|---|---|---|---|---|",
+        "kvx vs raw save / load (wall) | kvx vs vLLM ExampleConnector save / load (CPU) | "
+        "offload vs memcpy save (CPU) | offload vs memcpy load (CPU) |",
+        "|---|---:|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         t = row["results"]
 
-        def cell(case: str, kind: str, t: dict[str, dict[str, list[float]]] = t) -> str:
-            r = ratios(t, case, kind)
+        def cell(
+            case: str, kind: str, t: dict[str, dict[str, list[float]]] = t, base: str = "raw file"
+        ) -> str:
+            if case not in t:
+                return "-"
+            r = ratios(t, case, kind, base)
             return f"**{median(r):.2f}** ({min(r):.2f}-{max(r):.2f})"
+
+        tier = [
+            cell("kvx offload CPU", f"{k} cpu", base="copy_ (memcpy)") for k in ("save", "load")
+        ]
 
         ms = {c: "/".join(f"{median(t[c][k]) * 1e3:.1f}" for k in ("save cpu", "load cpu"))
               for c in t}  # fmt: skip
@@ -186,7 +217,8 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"| {row['shape'].label} | {row['bytes'] / MIB:.0f} | "
             f"{row['load'][0]:.1f}-{row['load'][1]:.1f} | {ms['raw file']} | {ms['kvx file://']} | "
             f"{cell('kvx file://', 'save cpu')} | {cell('kvx file://', 'load cpu')} | "
-            f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} |"
+            f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} | "
+            f"{tier[0]} | {tier[1]} |"
         )
     return "\n".join(lines)
 
@@ -236,15 +268,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--only", default=None, help="shapes whose label contains this")
     parser.add_argument("--max-mib", type=int, default=None, help="skip larger shapes")
     parser.add_argument("--no-peers", action="store_true", help="skip vLLM's ExampleConnector")
+    parser.add_argument("--no-offload", action="store_true", help="skip the CPU tier and memcpy")
+    parser.add_argument(
+        "--huge", action="store_true", help="add the 1 GiB shape (run it alone, nice'd)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    for shape in shapes(args.quick):
+    for shape in shapes(args.quick, args.huge):
         if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
             continue
         with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
-            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), not args.no_peers))
+            peers, offload = not args.no_peers, not args.no_offload
+            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), peers, offload))
         print(report(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
     print(report(rows))
