@@ -115,7 +115,7 @@ def run_shape(
     ]
     tier = OffloadCase(kv) if offload else None
     if tier is not None:
-        memcpy = Memcpy(kv)
+        memcpy = Memcpy(kv, raw.data, raw.back)  # the raw file's tensors: no more memory
         cases.append(Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "", inner=5))
         cases.append(Case("kvx offload CPU", tier.save, tier.load, "copy_ (memcpy)", "", inner=5))
     load_before = os.getloadavg()[0]
@@ -234,26 +234,48 @@ def peer_cell(row: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Bar charts of the medians: `path` for file:// against the raw file and, when the CPU
+    tier ran, `<path stem>-offload.png` for it against memcpy."""
+    file_series = [
+        ("kvx save", "kvx file://", "save cpu", "raw file"),
+        ("kvx load", "kvx file://", "load cpu", "raw file"),
+        ("per-value files save", "kvx per-value files", "save cpu", "raw file"),
+    ]
+    _bars(rows, file_series, "x raw file", "file:// vs one plain file per layer", path)
+    if all("kvx offload CPU" in row["results"] for row in rows):
+        tier_series = [
+            ("offload save", "kvx offload CPU", "save cpu", "copy_ (memcpy)"),
+            ("offload load", "kvx offload CPU", "load cpu", "copy_ (memcpy)"),
+        ]
+        stem = path.removesuffix(".png")
+        _bars(
+            rows,
+            tier_series,
+            "x memcpy",
+            "OffloadingConnector CPU tier vs memcpy",
+            f"{stem}-offload.png",
+        )
+
+
+def _bars(
+    rows: list[dict[str, Any]], series: list[tuple[str, str, str, str]], unit: str, title: str,
+    path: str,
+) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [row["shape"].label for row in rows]
-    series = [
-        ("kvx save", "kvx file://", "save cpu"),
-        ("kvx load", "kvx file://", "load cpu"),
-        ("per-value files save", "kvx per-value files", "save cpu"),
-    ]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4.5))
     width = 0.8 / len(series)
-    for k, (name, case, kind) in enumerate(series):
-        values = [median(ratios(row["results"], case, kind)) for row in rows]
+    for k, (name, case, kind, base) in enumerate(series):
+        values = [median(ratios(row["results"], case, kind, base)) for row in rows]
         ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
     ax.axhline(0.8, color="red", linestyle="--", linewidth=1, label="target 0.8x")
     ax.set_xticks([i + width for i in range(len(rows))], labels, rotation=60, ha="right")
-    ax.set_ylabel("x raw file (CPU time, 1 thread; higher is faster)")
-    ax.set_title("file:// vs one plain file per layer, medians")
+    ax.set_ylabel(f"{unit} (CPU time, 1 thread; higher is faster)")
+    ax.set_title(f"{title}, medians")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -135,8 +135,7 @@ static PyObject *hash_buffers(PyObject *self, PyObject *args) {
 /* Block values: a value is a header, then one region of the KV cache per table entry for one
  * engine block, so the regions of every value of a batch follow from a small table and the
  * block ids; a whole batch of files is then opened, moved, hashed and closed without the GIL
- * and without a Python object per region. */
-
+ * and without a Python object per region (held here, for reads and writes alike). */
 
 static void release_table(table_t *table) {
     for (Py_ssize_t i = 0; i < table->n; i++) PyBuffer_Release(&table->regions[i].view);
@@ -208,7 +207,6 @@ static Py_ssize_t *block_ids(PyObject *blocks, Py_ssize_t n, const table_t *tabl
     return ids;
 }
 
-
 void kvx_release_batch(batch_t *batch) {
     for (Py_ssize_t i = 0; i < batch->n; i++) {
         Py_XDECREF(batch->paths[i]);
@@ -274,7 +272,6 @@ static int same_length(PyObject **seqs, const int *where, PyObject **out, int co
     }
     return 0;
 }
-
 
 void kvx_release_call(call_t *call) {
     PyMem_Free(call->ids);
