@@ -10,12 +10,13 @@ the layer's blocks into per-block value buffers and loads scatter them back, bot
 `kvx.layouts.convert_blocks`, which converts between the engine's layout / block size / TP
 shard and the stored form.
 
-Saves: after the stage's last `save_kv_layer` the IO threads checksum and write the step's
-values, a group of blocks per backend round trip, while the forward pass goes on;
-`wait_for_save` returns when they are durable, so no write reads an engine block after the
-step. Loads are synchronous (all in `start_load_kv`): the IO threads read groups of values and
-check them a few groups ahead, while this thread scatters the groups that need converting;
-which values a load reads and where they land is planned without IO (`load_plan.py`).
+Saves (planned without IO: `save_plan.py`): after the stage's last `save_kv_layer` the IO
+threads checksum and write the step's values, a group of blocks per backend round trip, while
+the forward pass goes on; `wait_for_save` returns when they are durable, so no write reads an
+engine block after the step. Loads are synchronous (all in `start_load_kv`): the IO threads
+read groups of values and check them a few groups ahead (a lone group is read on this thread),
+while this thread scatters the groups that need converting; which values a load reads and
+where they land is planned without IO (`load_plan.py`).
 """
 
 from __future__ import annotations
