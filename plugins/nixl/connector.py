@@ -39,16 +39,11 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
             Capability.LAYOUT_CONVERSION,
         }
     )
+    extra_config_schema = NixlConfig
+    scheduler_type = NixlScheduler
+    worker_type = NixlWorker
     metadata_type = NixlMetadata
     stats_type = NixlKVConnectorStats
-
-    def build_scheduler(self) -> NixlScheduler:
-        options = self.kv_transfer_config.extra_config_as(NixlConfig)
-        return NixlScheduler(options, self.kv_transfer_config, self.engine_context)
-
-    def build_worker(self) -> NixlWorker:
-        options = self.kv_transfer_config.extra_config_as(NixlConfig)
-        return NixlWorker(options, self.kv_transfer_config, self.engine_context)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -43,16 +43,11 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
             Capability.LAYOUT_CONVERSION,
         }
     )
+    extra_config_schema = P2pConfig
+    scheduler_type = P2pScheduler
+    worker_type = P2pWorker
     metadata_type = P2pMetadata
     stats_type = P2pKVConnectorStats
-
-    def build_scheduler(self) -> P2pScheduler:
-        options = self.kv_transfer_config.extra_config_as(P2pConfig)
-        return P2pScheduler(options, self.kv_transfer_config, self.engine_context)
-
-    def build_worker(self) -> P2pWorker:
-        options = self.kv_transfer_config.extra_config_as(P2pConfig)
-        return P2pWorker(options, self.kv_transfer_config, self.engine_context)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return P2pListenPort(self.worker.listening_port)

@@ -28,6 +28,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
         {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION, Capability.HETERO_TP}
         | {Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
     )
+    extra_config_schema = SharedStorageConfig
     metadata_type = StorageMetadata
     stats_type = StorageStats
 
@@ -64,7 +65,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
             raise
 
     def _open(self) -> tuple[SharedStorageConfig, Geometry, StorageBackend]:
-        options = self.kv_transfer_config.extra_config_as(SharedStorageConfig)
+        options: SharedStorageConfig = self.options
         geometry = Geometry.of(self.engine_context, options.namespace, options.storage_block_size)
         backend = open_storage_backend(options.url, options.backend_options())
         return options, geometry, backend
