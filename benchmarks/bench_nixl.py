@@ -16,17 +16,16 @@ until done. Bytes are checked after both. Rounds interleave; best of `--repeat`.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import time
 import uuid
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from transfer_bench import QUICK_LABEL, Shape, bench_options, titled
 
 from kvx import (
     EngineContext,
@@ -48,30 +47,6 @@ from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.topology import KVGeometry, plan_reads
 
 TARGETS = {True: 0.9, False: 0.8}  # equal TP, heterogeneous TP
-QUICK_LABEL = "quick (not a result)"  # --quick sizes are too small to judge targets by
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head_size: int
-    block_size: int
-    requests: int
-    tokens: int
-
-    @property
-    def blocks_per_request(self) -> int:
-        return -(-self.tokens // self.block_size)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.requests * self.blocks_per_request + 8
-
-    @property
-    def nbytes(self) -> int:
-        per_block = 2 * self.heads * self.block_size * self.head_size * 2
-        return self.layers * self.requests * self.blocks_per_request * per_block
 
 
 def context(engine_id: str, shape: Shape, tp: int, rank: int) -> EngineContext:
@@ -342,10 +317,7 @@ def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 MiB, for CI")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser = bench_options(__doc__, "8 MiB", "best")
     parser.add_argument("--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated")
     parser.add_argument(
         "--no-idle-progress",
@@ -360,7 +332,7 @@ def main() -> None:
         shape = Shape(2, 8, 64, 16, 4, 256)
     gib = shape.nbytes / (1 << 30)
     title = f"NixlConnector vs raw NIXL READ, {shape.nbytes >> 20} MiB per round"
-    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
+    table = Table(title=titled(title, args.quick))
     for col in ("P:D TP", "connector ms", "GiB/s", "raw NIXL ms", "GiB/s", "ratio", "target"):
         table.add_column(col, justify="right")
     rows = []

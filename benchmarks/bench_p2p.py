@@ -17,13 +17,11 @@ each side's CPU seconds beside the wall time.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import socket
 import statistics
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,6 +30,7 @@ import torch.distributed as dist
 import zmq
 from rich.console import Console
 from rich.table import Table
+from transfer_bench import QUICK_LABEL, Shape, bench_options, titled
 
 from kvx import (
     EngineContext,
@@ -46,29 +45,6 @@ from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 
 TARGET = 0.9
 SEND_TYPE = ["PUT_ASYNC"]  # --send-type (a list: set before the prefill process starts)
-QUICK_LABEL = "quick (not a result)"
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head_size: int
-    block_size: int
-    requests: int
-    tokens: int
-
-    @property
-    def blocks_per_request(self) -> int:
-        return -(-self.tokens // self.block_size)
-
-    @property
-    def slice_bytes(self) -> int:
-        return 2 * self.blocks_per_request * self.block_size * self.heads * self.head_size * 2
-
-    @property
-    def nbytes(self) -> int:
-        return self.slice_bytes * self.layers * self.requests
 
 
 def free_ports(count: int) -> list[int]:
@@ -277,10 +253,7 @@ def worker_values(shape: Shape) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 MiB, for CI")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (median is kept)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser = bench_options(__doc__, "4 MiB", "median")
     parser.add_argument("--send-type", choices=("PUT", "PUT_ASYNC"), default="PUT_ASYNC")
     args = parser.parse_args()
     SEND_TYPE[0] = args.send_type
@@ -292,7 +265,7 @@ def main() -> None:
         f"P2pNcclConnector (CPU plane, {args.send_type}) vs raw transports, "
         f"{shape.nbytes >> 20} MiB"
     )
-    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
+    table = Table(title=titled(title, args.quick))
     for col in ("method", "wall ms", "GiB/s", "D cpu s", "P cpu s", "raw zmq / method"):
         table.add_column(col, justify="right")
     medians = {
