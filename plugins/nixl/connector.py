@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import kvx
 from kvx import (
+    ANY_GEOMETRY,
     Capability,
     KVConnectorHandshakeMetadata,
     KVConnectorStats,
@@ -30,15 +31,10 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     P, which then frees them. Nothing is saved: D pulls P's blocks, and P holds them until D's
     notifications or the lease; loads are asynchronous."""
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {
-            Capability.REMOTE_PREFILL,
-            Capability.ASYNC_LOAD,
-            Capability.HETERO_TP,
-            Capability.BLOCK_SIZE_MISMATCH,
-            Capability.LAYOUT_CONVERSION,
-        }
-    )
+    capabilities: ClassVar[frozenset[Capability]] = ANY_GEOMETRY | {
+        Capability.REMOTE_PREFILL,
+        Capability.ASYNC_LOAD,
+    }
     extra_config_schema = NixlConfig
     scheduler_type = NixlScheduler
     worker_type = NixlWorker

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvx import (
+    ANY_GEOMETRY,
     Capability,
     KVConnectorHandshakeMetadata,
     KVTransferConfig,
@@ -34,15 +35,10 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
     """P pushes its prompt's KV to D (PUT, PUT_ASYNC) or keeps it for D to pull (GET); P never
     holds blocks after a request finishes (it sends copies)."""
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {
-            Capability.REMOTE_PREFILL,
-            Capability.ASYNC_LOAD,
-            Capability.HETERO_TP,
-            Capability.BLOCK_SIZE_MISMATCH,
-            Capability.LAYOUT_CONVERSION,
-        }
-    )
+    capabilities: ClassVar[frozenset[Capability]] = ANY_GEOMETRY | {
+        Capability.REMOTE_PREFILL,
+        Capability.ASYNC_LOAD,
+    }
     extra_config_schema = P2pConfig
     scheduler_type = P2pScheduler
     worker_type = P2pWorker

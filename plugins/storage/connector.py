@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvx import (
+    ANY_GEOMETRY,
     Capability,
     RoleSplitConnector,
     StorageBackend,
@@ -24,10 +25,10 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     stored prefix of a new prompt, synchronously (vLLM's ExampleConnector, made per block,
     checksummed, engine-neutral and asynchronous on the save side)."""
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION, Capability.HETERO_TP}
-        | {Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
-    )
+    capabilities: ClassVar[frozenset[Capability]] = ANY_GEOMETRY | {
+        Capability.STORE_REUSE,
+        Capability.DETECTS_CORRUPTION,
+    }
     extra_config_schema = SharedStorageConfig
     metadata_type = StorageMetadata
     stats_type = StorageStats
