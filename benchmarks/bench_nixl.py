@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
-from transfer_bench import QUICK_LABEL, Shape, bench_options, titled
+from transfer_bench import QUICK_LABEL, Shape, bench_options, receive, titled
 
 from kvx import (
     EngineContext,
@@ -47,6 +47,7 @@ from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.topology import KVGeometry, plan_reads
 
 TARGETS = {True: 0.9, False: 0.8}  # equal TP, heterogeneous TP
+PREFILL_SILENCE_S = 120.0  # the longest P may go without a message
 
 
 def context(engine_id: str, shape: Shape, tp: int, rank: int) -> EngineContext:
@@ -276,17 +277,6 @@ class Decode:
         self.raw.clear()
 
 
-def receive(conn: Connection, proc: Any, timeout_s: float = 120.0) -> Any:
-    """The prefill process's next message; fails (never hangs) if it died or went silent."""
-    deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive():
-            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
-    return conn.recv()
-
-
 def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -294,13 +284,13 @@ def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, fl
     proc = ctx.Process(target=prefill, args=args, daemon=True)
     proc.start()
     try:
-        raw_md = receive(parent, proc)
+        raw_md = receive(parent, proc, PREFILL_SILENCE_S)
         decode = Decode(shape, p_tp, d_tp, raw_md, f"D-{uuid.uuid4().hex[:6]}")
         try:
             best_conn, best_raw = float("inf"), float("inf")
             for round_ in range(repeat + 1):  # round 0: handshake and warm-up
                 parent.send([f"r{round_}-{i}" for i in range(shape.requests)])
-                t = decode.connector_round(receive(parent, proc))
+                t = decode.connector_round(receive(parent, proc, PREFILL_SILENCE_S))
                 decode.check_and_clear()
                 r = decode.raw_round()
                 decode.check_and_clear()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import zmq
 from rich.console import Console
 from rich.table import Table
-from transfer_bench import QUICK_LABEL, Shape, bench_options, titled
+from transfer_bench import QUICK_LABEL, Shape, bench_options, receive, titled
 
 from kvx import (
     EngineContext,
@@ -149,17 +149,6 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
     dealer.close(0)
     context.term()
     dist.destroy_process_group()
-
-
-def receive(conn: Connection, proc: Any, timeout_s: float = 300.0) -> Any:
-    """The prefill process's next message; fails (never hangs) if it died or went silent."""
-    deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive():
-            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
-    return conn.recv()
 
 
 def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]]:

@@ -1,10 +1,14 @@
 """What the P -> D transfer benchmarks (bench_nixl.py, bench_p2p.py) share: the KV shape of a
-run, the options every one of them takes and the label of a --quick run."""
+run, the options every one of them takes, the label of a --quick run and waiting for the
+prefill process."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 QUICK_LABEL = "quick (not a result)"  # --quick sizes are too small to judge targets by
 
@@ -53,3 +57,14 @@ def bench_options(doc: str, quick_size: str, kept: str) -> argparse.ArgumentPars
 def titled(title: str, quick: bool) -> str:
     """`title`, labelled as no result for a --quick run."""
     return f"{QUICK_LABEL}: {title}" if quick else title
+
+
+def receive(conn: Connection, proc: Any, timeout_s: float = 300.0) -> Any:
+    """The prefill process's next message; fails (never hangs) if it died or went silent."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
+    return conn.recv()
