@@ -7,8 +7,6 @@ channel, `worker.py` registers memory and moves bytes. Matches vLLM's `NixlConne
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import kvx
 from kvx import (
     ANY_GEOMETRY,
@@ -31,10 +29,7 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     P, which then frees them. Nothing is saved: D pulls P's blocks, and P holds them until D's
     notifications or the lease; loads are asynchronous."""
 
-    capabilities: ClassVar[frozenset[Capability]] = ANY_GEOMETRY | {
-        Capability.REMOTE_PREFILL,
-        Capability.ASYNC_LOAD,
-    }
+    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
     extra_config_schema = NixlConfig
     scheduler_type = NixlScheduler
     worker_type = NixlWorker

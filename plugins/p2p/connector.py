@@ -8,8 +8,6 @@ it: any TP pair, block size or layout on either side, asynchronous GET loads, se
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvx import (
     ANY_GEOMETRY,
     Capability,
@@ -35,10 +33,7 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
     """P pushes its prompt's KV to D (PUT, PUT_ASYNC) or keeps it for D to pull (GET); P never
     holds blocks after a request finishes (it sends copies)."""
 
-    capabilities: ClassVar[frozenset[Capability]] = ANY_GEOMETRY | {
-        Capability.REMOTE_PREFILL,
-        Capability.ASYNC_LOAD,
-    }
+    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
     extra_config_schema = P2pConfig
     scheduler_type = P2pScheduler
     worker_type = P2pWorker

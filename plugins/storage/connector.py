@@ -3,8 +3,6 @@ worker half, each on its own backend opened from the configured URL."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvx import (
     ANY_GEOMETRY,
     Capability,
@@ -25,10 +23,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     stored prefix of a new prompt, synchronously (vLLM's ExampleConnector, made per block,
     checksummed, engine-neutral and asynchronous on the save side)."""
 
-    capabilities: ClassVar[frozenset[Capability]] = ANY_GEOMETRY | {
-        Capability.STORE_REUSE,
-        Capability.DETECTS_CORRUPTION,
-    }
+    capabilities = ANY_GEOMETRY | {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION}
     extra_config_schema = SharedStorageConfig
     metadata_type = StorageMetadata
     stats_type = StorageStats
