@@ -38,7 +38,7 @@ from kvx.plugins.p2p.messages import (
     seal_request,
 )
 from kvx.plugins.p2p.planes import DataPlane
-from kvx.plugins.p2p.tensors import expected_nbytes, from_wire, gather, has_heads, physical
+from kvx.plugins.p2p.tensors import Segments, expected_nbytes, gather, has_heads, physical
 from kvx.wire import ReplayGuard, WireError
 
 logger = logging.getLogger(__name__)
@@ -224,11 +224,7 @@ class P2pEngine:
             try:
                 raw, keep = self.plane.collect(identity, meta, data)
                 self.recv.put(
-                    (meta.request_id, meta.layer, meta.first_head),
-                    meta,
-                    from_wire(raw, meta),
-                    spill,
-                    keep,
+                    (meta.request_id, meta.layer, meta.first_head), meta, raw, spill, keep
                 )
             except Exception:
                 self.recv.unreserve(meta.nbytes, spill)
@@ -270,8 +266,8 @@ class P2pEngine:
         )
         if self.store is not None:
             self.store.served(get.request_id, get.layer, get.readers)
-        answer(Reply(True, meta=meta), self.plane.frames(wire))
-        self.plane.deliver(identity, wire)
+        answer(Reply(True, meta=meta), self.plane.frames([wire]))
+        self.plane.deliver(identity, [wire])
         self.count("served_bytes", wire.numel())
 
     def _meta_problem(self, meta: TensorMeta) -> str | None:
@@ -359,17 +355,19 @@ class P2pEngine:
 
     def put(self, address: str, meta: TensorMeta, wire: torch.Tensor) -> None:
         """Push one tensor (its memory-order bytes); `TransferError` if it did not land."""
-        failed = self.put_many(address, [(meta, wire)])
+        failed = self.put_many(address, [(meta, [wire])])
         if failed:
             raise TransferError(failed[0][1])
 
     def put_many(
-        self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]
+        self, address: str, items: list[tuple[TensorMeta, Segments]]
     ) -> list[tuple[TensorMeta, str]]:
-        """Push several tensors to one peer, pipelined: every announcement (with its frames on
-        the CPU plane) goes out first, then the replies are read in order and each admitted
-        tensor is delivered (NCCL: in that same order). Returns the ones that did not land,
-        with why; a dead peer fails them all within the timeout."""
+        """Push several tensors (each as segments of its memory-order bytes) to one peer,
+        pipelined: every announcement (with its frames on the CPU plane) goes out first, then
+        the replies are read in order and each admitted tensor is delivered (NCCL: in that same
+        order). Returns the ones that did not land, with why; a dead peer fails them all within
+        the timeout. Once it returns, the peer holds (or refused) every byte: segments that
+        view a KV cache may change again."""
         deadline = time.monotonic() + self.timeout_s
         try:
             with self._locked(address, deadline) as peer:
@@ -409,8 +407,8 @@ class P2pEngine:
             self._drop(peer)
             raise TransferError(str(exc)) from None
 
-    def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, torch.Tensor, Any]:
-        """Pull one tensor: (meta, its layout view, what must outlive it)."""
+    def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, Segments, Any]:
+        """Pull one tensor: (meta, its segments, what must outlive them)."""
         with self._locked(address, deadline) as peer:
             reply, frames = self._exchange(peer, get, [], _left(deadline))
             if not reply.ok or reply.meta is None:
@@ -423,7 +421,7 @@ class P2pEngine:
                 self._drop(peer)
                 raise TransferError(f"{address}: bad GET reply: {why}")
             raw, keep = self.plane.collect(peer.identity, meta, frames)
-            return meta, from_wire(raw, meta), keep
+            return meta, raw, keep
 
     # -- shutdown -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import torch
 
 from kvx.plugins.p2p.messages import TensorMeta
 from kvx.plugins.p2p.planes import DataPlane, PlaneError
+from kvx.plugins.p2p.tensors import Segments
 
 UNIQUE_ID_BYTES = 128
 NCCL_UINT8 = 1
@@ -95,13 +96,14 @@ class NcclPlane(DataPlane):
             raise PlaneError("no NCCL communicator for this peer (it never sent HELLO)")
         return entry
 
-    def frames(self, data: torch.Tensor) -> list[Any]:
+    def frames(self, data: Segments) -> list[Any]:
         return []
 
     def check(self, meta: TensorMeta, frames: list[Any]) -> str | None:
         return f"NCCL plane: {len(frames)} unexpected data frames" if frames else None
 
-    def deliver(self, pair: bytes, data: torch.Tensor) -> None:
+    def deliver(self, pair: bytes, segments: Segments) -> None:
+        data = segments[0] if len(segments) == 1 else torch.cat(segments)
         comm, rank = self._comm(pair)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -116,7 +118,7 @@ class NcclPlane(DataPlane):
         self._check(result, "ncclSend")
         self._stream.synchronize()
 
-    def collect(self, pair: bytes, meta: TensorMeta, frames: list[Any]) -> tuple[torch.Tensor, Any]:
+    def collect(self, pair: bytes, meta: TensorMeta, frames: list[Any]) -> tuple[Segments, Any]:
         if frames:
             raise PlaneError(f"NCCL plane: {len(frames)} unexpected data frames")
         comm, rank = self._comm(pair)
@@ -132,7 +134,7 @@ class NcclPlane(DataPlane):
             )
         self._check(result, "ncclRecv")
         self._stream.synchronize()
-        return out, None
+        return [out], None
 
     def close(self) -> None:
         for pair in list(self._comms):

@@ -13,7 +13,7 @@ from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.engine import P2pEngine
 from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
 from kvx.plugins.p2p.planes import choose_plane
-from kvx.plugins.p2p.tensors import physical
+from kvx.plugins.p2p.tensors import assemble, physical
 
 from ._ports import free_port_range
 
@@ -53,8 +53,8 @@ def test_put_over_nccl() -> None:
         sender.put(receiver.address or "", meta, physical(t, get_layout("HND")))
         assert receiver.recv is not None
         assert receiver.recv.wait_for([("r", "l0", 0)], "r", time.monotonic() + 30) is None
-        _, got = receiver.recv.take(("r", "l0", 0), torch.device("cuda:1"))
-        assert torch.equal(got.cpu(), t.cpu())
+        got_meta, got = receiver.recv.take(("r", "l0", 0), torch.device("cuda:1"))
+        assert torch.equal(assemble(got, got_meta).cpu(), t.cpu())
     finally:
         sender.close()
         receiver.close()
@@ -67,8 +67,10 @@ def test_get_over_nccl() -> None:
     try:
         meta, t = _slice("cuda:0")
         store.put(meta, t)
-        _, got, _ = client.get(server.address or "", Get("r", "l0", 0, 2, 1), time.monotonic() + 30)
-        assert torch.equal(got.cpu(), t.cpu())
+        got_meta, got, _ = client.get(
+            server.address or "", Get("r", "l0", 0, 2, 1), time.monotonic() + 30
+        )
+        assert torch.equal(assemble(got, got_meta).cpu(), t.cpu())
     finally:
         client.close()
         server.close()
