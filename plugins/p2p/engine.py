@@ -37,7 +37,7 @@ from kvx.plugins.p2p.messages import (
     seal_reply,
     seal_request,
 )
-from kvx.plugins.p2p.planes import DataPlane
+from kvx.plugins.p2p.planes import DataPlane, PlaneError
 from kvx.plugins.p2p.tensors import Segments, expected_nbytes, gather, has_heads, physical
 from kvx.wire import ReplayGuard, WireError
 
@@ -219,10 +219,17 @@ class P2pEngine:
                 self.count("refused_puts", 1)
                 answer(Reply(False, admitted))
                 return
-            answer(Reply(True))
             spill = admitted == "spill"
             try:
-                raw, keep = self.plane.collect(identity, meta, data)
+                prepared = self.plane.prepare(identity, meta)
+            except PlaneError as exc:
+                self.recv.unreserve(meta.nbytes, spill)
+                self.count("refused_puts", 1)
+                answer(Reply(False, str(exc)))
+                return
+            answer(Reply(True))
+            try:
+                raw, keep = self.plane.collect(identity, meta, data, prepared)
                 self.recv.put(
                     (meta.request_id, meta.layer, meta.first_head), meta, raw, spill, keep
                 )
@@ -338,7 +345,11 @@ class P2pEngine:
             if not reply.ok or reply.geometry is None:
                 self._drop(peer)
                 raise TransferError(f"{address} refused HELLO: {reply.error or 'no geometry'}")
-            self.plane.join(peer.identity, pair_id, 0)
+            try:
+                self.plane.join(peer.identity, pair_id, 0)
+            except PlaneError as exc:
+                self._drop(peer)
+                raise TransferError(f"{address}: {exc}") from None
             peer.geometry = reply.geometry
 
     def geometry_of(self, address: str) -> Geometry:
@@ -383,7 +394,11 @@ class P2pEngine:
                     except TransferError as exc:
                         return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     if reply.ok:
-                        self.plane.deliver(peer.identity, wire)
+                        try:
+                            self.plane.deliver(peer.identity, wire)
+                        except PlaneError as exc:  # the pair is gone: start over next time
+                            self._drop(peer)
+                            return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     else:
                         failed.append(
                             (
@@ -420,7 +435,11 @@ class P2pEngine:
             if why is not None:
                 self._drop(peer)
                 raise TransferError(f"{address}: bad GET reply: {why}")
-            raw, keep = self.plane.collect(peer.identity, meta, frames)
+            try:
+                raw, keep = self.plane.collect(peer.identity, meta, frames)
+            except PlaneError as exc:
+                self._drop(peer)
+                raise TransferError(f"{address}: {exc}") from None
             return meta, raw, keep
 
     # -- shutdown -------------------------------------------------------------------------

@@ -9,9 +9,9 @@ differs is only where the bytes go:
   `copy=False`), on the same TCP connection, so ordering is the connection's order. A slice may
   be several frames (`tensors.block_segments`: views of P's blocks, one per run of blocks), so
   P sends without copying; D keeps the received frames and copies them once into its blocks.
-- `NcclPlane` (`nccl.py`): a two-rank NCCL communicator per (DEALER, ROUTER) pair; after the
-  receiver's reply the sender posts `ncclSend` and the receiver `ncclRecv`, in the order the
-  control messages fix.
+- `NcclPlane` (`nccl.py`): a two-rank NCCL communicator per (DEALER, ROUTER) pair; the receiver
+  allocates the device buffer before it replies, then the sender posts `ncclSend` and the
+  receiver `ncclRecv`, in the order the control messages fix, each bounded by the timeout.
 
 Why ZMQ frames on CPU and not torch.distributed gloo send/recv: `benchmarks/bench_p2p.py`
 moves the same 128 MiB both ways in one run; on this (shared, loaded) 2-core machine raw
@@ -63,12 +63,19 @@ class DataPlane(ABC):
     def check(self, meta: TensorMeta, frames: list[Any]) -> str | None:
         """Receiver, before it admits `meta`: None if `frames` are what this plane expects."""
 
+    def prepare(self, pair: bytes, meta: TensorMeta) -> Any:
+        """Receiver, before it admits a PUT of `meta`: whatever `collect` will fill (PlaneError
+        if it cannot take it)."""
+        return None
+
     @abstractmethod
     def deliver(self, pair: bytes, data: Segments) -> None:
         """Sender, after the receiver admitted `data`: move its bytes."""
 
     @abstractmethod
-    def collect(self, pair: bytes, meta: TensorMeta, frames: list[Any]) -> tuple[Segments, Any]:
+    def collect(
+        self, pair: bytes, meta: TensorMeta, frames: list[Any], prepared: Any = None
+    ) -> tuple[Segments, Any]:
         """Receiver, after it admitted `meta`: the uint8 segments and what must outlive them."""
 
     def close(self) -> None:
@@ -95,14 +102,18 @@ class CpuPlane(DataPlane):
     def deliver(self, pair: bytes, data: Segments) -> None:
         """Nothing: the frames already went with the announcement."""
 
-    def collect(self, pair: bytes, meta: TensorMeta, frames: list[Any]) -> tuple[Segments, Any]:
+    def collect(
+        self, pair: bytes, meta: TensorMeta, frames: list[Any], prepared: Any = None
+    ) -> tuple[Segments, Any]:
         problem = self.check(meta, frames)
         if problem is not None:
             raise PlaneError(problem)
         return [frombuffer(f.buffer) for f in frames if len(f.buffer)], frames
 
 
-def choose_plane(setting: str, device: torch.device, num_channels: int) -> DataPlane:
+def choose_plane(
+    setting: str, device: torch.device, num_channels: int, timeout_s: float = 30.0
+) -> DataPlane:
     """`auto`: NCCL for CUDA KV caches, CPU otherwise; the choice is logged."""
     use_nccl = setting == "nccl" or (setting == "auto" and device.type == "cuda")
     if use_nccl:
@@ -113,7 +124,7 @@ def choose_plane(setting: str, device: torch.device, num_channels: int) -> DataP
             )
         from kvx.plugins.p2p.nccl import NcclPlane
 
-        plane: DataPlane = NcclPlane(device, num_channels)
+        plane: DataPlane = NcclPlane(device, num_channels, timeout_s)
     else:
         plane = CpuPlane()
     logger.info("P2P data plane: %s (data_plane=%s, KV cache on %s)", plane.name, setting, device)

@@ -114,7 +114,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.engine = P2pEngine(
             f"{config.engine_id}-pp{self.ctx.parallel.pp_rank}-tp{self.ctx.parallel.tp_rank}",
             listen,
-            choose_plane(options.data_plane, device, options.nccl_num_channels),
+            choose_plane(
+                options.data_plane,
+                device,
+                options.nccl_num_channels,
+                options.transfer_timeout_s,
+            ),
             self.geometry,
             secret=kvx.resolve_secret(options.shared_secret, SECRET_KEY, min_length=8),
             timeout_s=options.transfer_timeout_s,

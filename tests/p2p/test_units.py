@@ -194,3 +194,23 @@ def test_async_sender_cancel_drops_what_has_not_started() -> None:
     finally:
         release.set()
         sender.close()
+
+
+def test_nccl_settings_hold_only_while_a_communicator_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL_MIN/MAX_NCHANNELS and NCCL_CUMEM_ENABLE are set around ncclCommInitRank and the
+    process's own values come back after the last concurrent user (vLLM's groups keep theirs)."""
+    from kvx.plugins.p2p.nccl import nccl_env
+
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "2")
+    monkeypatch.delenv("NCCL_MIN_NCHANNELS", raising=False)
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    import os
+
+    with nccl_env(8):
+        with nccl_env(8):
+            assert os.environ["NCCL_MIN_NCHANNELS"] == "8"
+        assert (os.environ["NCCL_MAX_NCHANNELS"], os.environ["NCCL_CUMEM_ENABLE"]) == ("8", "1")
+    assert os.environ["NCCL_MAX_NCHANNELS"] == "2"
+    assert "NCCL_MIN_NCHANNELS" not in os.environ and "NCCL_CUMEM_ENABLE" not in os.environ
