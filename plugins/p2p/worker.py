@@ -1,12 +1,13 @@
 """P2pNcclConnector's worker side: one `P2pEngine` per worker.
 
-P pushes each saved (request, layer) slice to D's workers (PUT: at once, PUT_ASYNC: from a
-background sender drained by `wait_for_save`), on the CPU plane straight from its blocks (the
-frames view the cache, which vLLM leaves alone until `wait_for_save` returns), else as a copy
-cut out in `save_kv_layer`; or keeps a copy in its send store (GET). D loads pushed KV from its
-receive buffer within `start_load_kv` (a synchronous load, as in vLLM; each slice is written as
-soon as it is there) or pulls it from P in the background (GET, asynchronous). Every failure ends
-in load errors for the request's blocks, never a hang.
+P pushes each saved (request, layer) slice to D's workers (PUT: waits for D's acks; PUT_ASYNC:
+does not, `wait_for_save` reads them, or on NCCL drains a background sender), on the CPU plane
+straight from its blocks (the frames view the cache, which vLLM leaves alone until
+`wait_for_save` returns), else as a copy cut out in `save_kv_layer`; or keeps a copy in its
+send store (GET). D loads pushed KV from its receive buffer within `start_load_kv` (a
+synchronous load, as in vLLM; each slice is written as soon as it is there) or pulls it from P
+in the background (GET, asynchronous). Every failure ends in load errors for the request's
+blocks, never a hang.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.recv: RecvBuffer | None = None
         self.store: SendStore | None = None
         self._sender: AsyncSender | None = None
+        self._unacked = False
+        self._sent: list[TensorMeta] = []
+        """PUTs `send_puts` sent this step, their acks read in `wait_for_save`."""
         self._pool: ThreadPoolExecutor | None = None
         self._caches: dict[str, torch.Tensor] = {}
         self._fetching: dict[str, tuple[LoadSpec, Future[Fetched]]] = {}
@@ -128,7 +132,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             store=self.store if serves_gets else None,
             count=self.stats.count,
         )
-        if config.is_kv_producer and options.send_type == "PUT_ASYNC":
+        # PUT_ASYNC: where the frames carry the bytes (CPU plane), save_kv_layer hands them to
+        # ZMQ without waiting and wait_for_save reads the acks; NCCL delivers after each ack, so
+        # a background sender does that.
+        self._unacked = config.is_kv_producer and options.send_type == "PUT_ASYNC"
+        if self._unacked and not self.engine.plane.sends_views:
+            self._unacked = False
             self._sender = AsyncSender(self._put, f"kvx-p2p-send-{self.port}")
 
     @property
@@ -214,7 +223,13 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         """Send what this layer's saves queued, one pipelined batch per D worker."""
         batches, self._outgoing = self._outgoing, {}
         for address, items in batches.items():
-            if self._sender is not None:
+            if self._unacked:
+                assert self.engine is not None
+                failed = self.engine.send_puts(address, items)
+                self._account([], failed, None)
+                bad = {id(m) for m, _ in failed}
+                self._sent.extend(m for m, _ in items if id(m) not in bad)
+            elif self._sender is not None:
                 self._sender.submit(address, items)
             else:
                 self._put(address, items)
@@ -223,21 +238,39 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         assert self.engine is not None
         start = time.perf_counter()
         failed = self.engine.put_many(address, items)
+        self._account(items, failed, time.perf_counter() - start)
+
+    def _account(
+        self,
+        items: list[tuple[TensorMeta, Segments]],
+        failed: list[tuple[TensorMeta, str]],
+        seconds: float | None,
+    ) -> None:
+        """Log and count the PUTs that failed, count the others as landed."""
         for meta, why in failed:
             logger.error("request %s: PUT of %s failed: %s", meta.request_id, meta.layer, why)
         self.stats.count("failed_transfers", len(failed))
         landed = len(items) - len(failed)
         if landed:
-            self.stats.record(time.perf_counter() - start)
+            if seconds is not None:
+                self.stats.record(seconds)
             self.stats.count("puts", landed)
             bad = {id(m) for m, _ in failed}
             self.stats.count("put_bytes", sum(m.nbytes for m, _ in items if id(m) not in bad))
 
     def wait_for_save(self) -> None:
-        """Returns once no send reads this step's blocks any more (they may be reused): queued
-        sends left after `transfer_timeout_s` are dropped (D fails their requests), and the one
-        in flight ends within its own deadline."""
+        """Returns once no send reads this step's blocks any more (they may be reused): every
+        ack of the CPU plane's unacked PUTs is read (each within its deadline; a dead peer's
+        connection is dropped with its queued frames); on NCCL, queued sends left after
+        `transfer_timeout_s` are dropped (D fails their requests) and the one in flight ends
+        within its own deadline."""
         self._failed_saves.clear()
+        if self._unacked and self.engine is not None:
+            start = time.perf_counter()
+            sent, self._sent = self._sent, []
+            self._account([(meta, []) for meta in sent], self.engine.settle(), None)
+            if sent:
+                self.stats.record(time.perf_counter() - start)
         timeout = self.options.transfer_timeout_s
         if self._sender is not None and not self._sender.drain(timeout):
             dropped = self._sender.cancel()
