@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
     """Paged slot of each of `num_tokens` tokens (-1 past the blocks given). Built in numpy:
     a handful of torch calls on small tensors cost more than the copy of a short request."""
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
+    starts = np.array(block_ids, dtype=np.int64)
+    starts *= block_size
+    slots = np.add.outer(starts, np.arange(block_size, dtype=np.int64)).ravel()
     if len(slots) >= num_tokens:
         return torch.from_numpy(slots[:num_tokens])
     return torch.from_numpy(np.concatenate([slots, np.full(num_tokens - len(slots), -1)]))
@@ -180,7 +181,10 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
         if got is None:
             self._fail(load, "LMCache returned no token mask")
             return
-        span = torch.as_tensor(got, dtype=torch.bool)[load.start : load.end]
+        got = torch.as_tensor(got, dtype=torch.bool)
+        if load.start == 0 and load.end == len(got) and bool(got.all()):
+            return  # the common case, without slicing (a slice costs more than `all`)
+        span = got[load.start : load.end]
         if len(span) == load.end - load.start and bool(span.all()):
             return
         missing = load.start + (int((~span).nonzero()[0]) if len(span) else 0)
