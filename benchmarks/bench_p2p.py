@@ -162,6 +162,7 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
         "gloo", init_method=f"tcp://127.0.0.1:{ports['gloo']}", rank=0, world_size=2
     )
     payload = raw_payload(shape)
+    done = torch.zeros(1)
     conn.send("ready")
     while True:
         command = conn.recv()
@@ -193,10 +194,12 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
                         [b"hdr", memoryview(t.view(torch.uint8).reshape(-1).numpy())],
                         copy=False,
                     )
+            dealer.recv()  # D has every byte: ZMQ's sending is in P's CPU time too
         else:
             for _ in range(shape.requests):
                 for t in payload:
                     dist.send(t, dst=1)
+            dist.recv(done, src=1)
         conn.send(time.process_time() - cpu)
     connector.shutdown()
     dealer.close(0)
@@ -267,7 +270,7 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
                 elif kind == "zmq":
                     for i in range(shape.requests):
                         for name in names:
-                            frame = router.recv_multipart(copy=False)[-1]
+                            identity, _, frame = router.recv_multipart(copy=False)
                             land(dest[name], shape, i, frombuffer(frame.buffer, sink))
                 else:
                     for i in range(shape.requests):
@@ -275,6 +278,10 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
                             dist.recv(sink, src=0)
                             land(dest[name], shape, i, sink)
                 wall, d_cpu = time.perf_counter() - start, time.process_time() - cpu
+                if kind == "zmq":
+                    router.send_multipart([identity.bytes, b"done"])
+                elif kind == "gloo":
+                    dist.send(torch.ones(1), dst=0)
                 p_cpu = receive(parent, proc)
                 if kind == "conn":
                     errors = connector.get_block_ids_with_load_errors()
