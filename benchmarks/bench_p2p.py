@@ -30,14 +30,12 @@ back, under the same load); the ratio of the medians is printed beside it.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import socket
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,6 +44,7 @@ import torch.distributed as dist
 import zmq
 from rich.console import Console
 from rich.table import Table
+from transfer_bench import QUICK_LABEL, Shape, bench_options, receive, titled
 
 from kvx import (
     EngineContext,
@@ -60,29 +59,6 @@ from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 
 TARGET = 0.9
 SEND_TYPE = ["PUT_ASYNC"]  # --send-type (a list: set before the prefill process starts)
-QUICK_LABEL = "quick (not a result)"
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head_size: int
-    block_size: int
-    requests: int
-    tokens: int
-
-    @property
-    def blocks_per_request(self) -> int:
-        return -(-self.tokens // self.block_size)
-
-    @property
-    def slice_bytes(self) -> int:
-        return 2 * self.blocks_per_request * self.block_size * self.heads * self.head_size * 2
-
-    @property
-    def nbytes(self) -> int:
-        return self.slice_bytes * self.layers * self.requests
 
 
 def free_ports(count: int) -> list[int]:
@@ -210,17 +186,6 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
     dist.destroy_process_group()
 
 
-def receive(conn: Connection, proc: Any, timeout_s: float = 300.0) -> Any:
-    """The prefill process's next message; fails (never hangs) if it died or went silent."""
-    deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive():
-            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
-    return conn.recv()
-
-
 def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]]:
     """Per method, (wall s, D cpu s, P cpu s) per timed round."""
     ports = dict(zip(("p2p", "zmq", "gloo"), free_ports(3)))
@@ -338,10 +303,7 @@ def worker_values(shape: Shape) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 MiB, for CI")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (median is kept)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser = bench_options(__doc__, "2 MiB", "median")
     parser.add_argument("--send-type", choices=("PUT", "PUT_ASYNC"), default="PUT_ASYNC")
     args = parser.parse_args()
     SEND_TYPE[0] = args.send_type
@@ -356,7 +318,7 @@ def main() -> None:
         f"P2pNcclConnector (CPU plane, {args.send_type}) vs raw transports, "
         f"{shape.nbytes >> 20} MiB"
     )
-    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
+    table = Table(title=titled(title, args.quick))
     for col in ("method", "wall ms", "GiB/s", "D cpu s", "P cpu s", "raw zmq / method"):
         table.add_column(col, justify="right")
     medians = {
