@@ -1,4 +1,5 @@
-"""PUT_ASYNC's background sender: one thread per worker sends queued tensors in order;
+"""PUT_ASYNC's background sender on the NCCL plane (which delivers after each ack): one thread
+per worker sends queued tensors in order;
 `drain` (from `wait_for_save`) waits until the queue is empty, bounded in time."""
 
 from __future__ import annotations
