@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import zmq
 
 from kvx.layouts import get_layout
 from kvx.plugins.p2p.addresses import format_address
+from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.messages import (
     MAX_CONTROL_BYTES,
@@ -46,6 +48,8 @@ POLL_MS = 100
 MAX_PAIRS = 4096
 """DEALERs one listener pairs with before it refuses new ones."""
 WARN_EVERY_S = 10.0
+CONNECT_S = 5.0
+"""How long first contact waits for a TCP connection before the peer counts as down."""
 
 
 class TransferError(RuntimeError):
@@ -60,6 +64,9 @@ class Peer:
     lock: threading.Lock
     geometry: Geometry | None = None
     closed: bool = False
+    busy: str = ""
+    """The exchange holding `lock` (for the error of a caller that waited on it)."""
+    busy_since: float = 0.0
 
 
 class P2pEngine:
@@ -124,6 +131,7 @@ class P2pEngine:
 
     def _serve(self) -> None:
         assert self._router is not None
+        leave_compute_cores()
         router = self._router
         while not self._stop.is_set():
             try:
@@ -301,16 +309,27 @@ class P2pEngine:
             return peer
 
     @contextmanager
-    def _locked(self, address: str, deadline: float) -> Iterator[Peer]:
-        """The live, paired peer at `address`, its lock held (one exchange at a time)."""
+    def _locked(self, address: str, deadline: float, what: str) -> Iterator[Peer]:
+        """The live, paired peer at `address`, its lock held (one exchange at a time) for
+        `what` (e.g. "GET req#layer"); a `TransferError` naming the exchange that kept the
+        connection busy if the lock is not free before `deadline`."""
         while True:
             peer = self._peer(address)
-            with peer.lock:
+            if not peer.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TransferError(
+                    f"{what}: the connection to {address} stayed busy with {peer.busy or '?'} "
+                    f"for {time.monotonic() - peer.busy_since:.1f}s"
+                )
+            try:
                 if peer.closed:  # dropped by another thread meanwhile: take the new one
                     continue
-                self._pair(peer, deadline)
+                peer.busy, peer.busy_since = what, time.monotonic()
+                self._pair(peer, deadline, what)
                 yield peer
                 return
+            finally:
+                peer.busy = ""
+                peer.lock.release()
 
     def _drop(self, peer: Peer) -> None:
         """A peer that failed an exchange: its socket may hold a late reply, so start over."""
@@ -322,7 +341,12 @@ class P2pEngine:
         self.plane.leave(peer.identity)
 
     def _exchange(
-        self, peer: Peer, message: Hello | Put | Get, frames: list[Any], timeout_s: float
+        self,
+        peer: Peer,
+        message: Hello | Put | Get,
+        frames: list[Any],
+        deadline: float,
+        what: str,
     ) -> tuple[Reply, list[Any]]:
         """One request and its reply (with any data frames behind it)."""
         envelope, nonce = seal_request(self.secret, message)
@@ -330,20 +354,36 @@ class P2pEngine:
             peer.socket.send_multipart([envelope, *frames], copy=False)
         except zmq.ZMQError as exc:
             self._drop(peer)
-            raise TransferError(str(exc)) from None
-        return self._reply(peer, nonce, timeout_s)
+            raise TransferError(f"{what}: {exc}") from None
+        return self._reply(peer, nonce, deadline, what)
 
-    def _pair(self, peer: Peer, deadline: float) -> None:
+    def _pair(self, peer: Peer, deadline: float, what: str) -> None:
         """HELLO, once per connection; the caller holds `peer.lock`."""
         if peer.geometry is None:
             address = peer.address
+            self._probe(peer, deadline, what)
             pair_id = self.plane.new_pair_id()
-            reply, _ = self._exchange(peer, Hello(self.plane.name, pair_id), [], _left(deadline))
+            hello = Hello(self.plane.name, pair_id)
+            reply, _ = self._exchange(peer, hello, [], deadline, f"HELLO before {what}")
             if not reply.ok or reply.geometry is None:
                 self._drop(peer)
                 raise TransferError(f"{address} refused HELLO: {reply.error or 'no geometry'}")
             self.plane.join(peer.identity, pair_id, 0)
             peer.geometry = reply.geometry
+
+    def _probe(self, peer: Peer, deadline: float, what: str) -> None:
+        """A plain TCP connect before first contact: a peer that is not running fails at once
+        (its port refuses) instead of after the whole timeout, which on P would hold the
+        engine's step. A live peer's kernel accepts even while the peer itself is busy."""
+        host, port = peer.address.rsplit(":", 1)
+        timeout = min(_left(deadline, what), CONNECT_S)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except OSError as exc:
+            self._drop(peer)
+            raise TransferError(
+                f"{what}: cannot connect to {peer.address} ({exc}); is it running?"
+            ) from None
 
     def geometry_of(self, address: str) -> Geometry:
         """The KV geometry of the worker at `address` (HELLO on first contact). A paired peer's
@@ -353,7 +393,7 @@ class P2pEngine:
             known = self._peers.get(address)
         if known is not None and known.geometry is not None and not known.closed:
             return known.geometry
-        with self._locked(address, time.monotonic() + self.timeout_s) as peer:
+        with self._locked(address, time.monotonic() + self.timeout_s, "HELLO") as peer:
             assert peer.geometry is not None
             return peer.geometry
 
@@ -371,8 +411,12 @@ class P2pEngine:
         tensor is delivered (NCCL: in that same order). Returns the ones that did not land,
         with why; a dead peer fails them all within the timeout."""
         deadline = time.monotonic() + self.timeout_s
+        first = items[0][0] if items else None
+        what = f"PUT of {len(items)} tensors" + (
+            f" ({first.request_id}#{first.layer}, ...)" if first else ""
+        )
         try:
-            with self._locked(address, deadline) as peer:
+            with self._locked(address, deadline, what) as peer:
                 sent = []
                 for meta, wire in items:
                     envelope, nonce = seal_request(self.secret, Put(meta))
@@ -381,7 +425,9 @@ class P2pEngine:
                 failed: list[tuple[TensorMeta, str]] = []
                 for index, (meta, wire, nonce) in enumerate(sent):
                     try:
-                        reply, _ = self._reply(peer, nonce, _left(deadline))
+                        reply, _ = self._reply(
+                            peer, nonce, deadline, f"PUT {meta.request_id}#{meta.layer}"
+                        )
                     except TransferError as exc:
                         return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     if reply.ok:
@@ -397,31 +443,43 @@ class P2pEngine:
         except (TransferError, zmq.ZMQError) as exc:
             return [(meta, str(exc)) for meta, _ in items]
 
-    def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> tuple[Reply, list[Any]]:
+    def _reply(
+        self, peer: Peer, nonce: bytes, deadline: float, what: str
+    ) -> tuple[Reply, list[Any]]:
+        """The reply to `what`, or a `TransferError` naming it (the peer is dropped)."""
         try:
+            timeout_s = _left(deadline, what)
             if not peer.socket.poll(max(1, int(timeout_s * 1000))):
                 raise TransferError(
-                    f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
+                    f"{what}: no reply from {peer.address} within {timeout_s:.1f}s "
+                    "(is it running? is its listener thread getting CPU?)"
                 )
             parts = peer.socket.recv_multipart(copy=False)
             return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
-        except (TransferError, WireError, zmq.ZMQError) as exc:
+        except TransferError:
             self._drop(peer)
-            raise TransferError(str(exc)) from None
+            raise
+        except (WireError, zmq.ZMQError) as exc:
+            self._drop(peer)
+            raise TransferError(f"{what}: {exc}") from None
 
     def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, torch.Tensor, Any]:
         """Pull one tensor: (meta, its layout view, what must outlive it)."""
-        with self._locked(address, deadline) as peer:
-            reply, frames = self._exchange(peer, get, [], _left(deadline))
+        what = (
+            f"GET {get.request_id}#{get.layer} heads "
+            f"{get.first_head}..{get.first_head + get.num_heads}"
+        )
+        with self._locked(address, deadline, what) as peer:
+            reply, frames = self._exchange(peer, get, [], deadline, what)
             if not reply.ok or reply.meta is None:
-                raise TransferError(f"{address}: {reply.error or 'no tensor meta'}")
+                raise TransferError(f"{what}: {address}: {reply.error or 'no tensor meta'}")
             meta = reply.meta
             why = self._meta_problem(meta) or self.plane.check(meta, frames)
             if why is None and (meta.request_id, meta.layer) != (get.request_id, get.layer):
                 why = f"asked {get.request_id}#{get.layer}, got {meta.request_id}#{meta.layer}"
             if why is not None:
                 self._drop(peer)
-                raise TransferError(f"{address}: bad GET reply: {why}")
+                raise TransferError(f"{what}: {address}: bad reply: {why}")
             raw, keep = self.plane.collect(peer.identity, meta, frames)
             return meta, from_wire(raw, meta), keep
 
@@ -444,8 +502,8 @@ class P2pEngine:
         self._context.term()
 
 
-def _left(deadline: float) -> float:
+def _left(deadline: float, what: str) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TransferError("out of time before the exchange started")
+        raise TransferError(f"{what}: out of time before the exchange started")
     return left

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvx.plugins.p2p.affinity import leave_compute_cores
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,6 +30,7 @@ class AsyncSender:
         self._queue.put(args)
 
     def _run(self) -> None:
+        leave_compute_cores()
         while True:
             item = self._queue.get()
             if item is None:
