@@ -16,17 +16,16 @@ until done. Bytes are checked after both. Rounds interleave; best of `--repeat`.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import time
 import uuid
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from transfer_bench import QUICK_LABEL, Shape, bench_options, receive, titled
 
 from kvx import (
     EngineContext,
@@ -48,30 +47,7 @@ from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.topology import KVGeometry, plan_reads
 
 TARGETS = {True: 0.9, False: 0.8}  # equal TP, heterogeneous TP
-QUICK_LABEL = "quick (not a result)"  # --quick sizes are too small to judge targets by
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head_size: int
-    block_size: int
-    requests: int
-    tokens: int
-
-    @property
-    def blocks_per_request(self) -> int:
-        return -(-self.tokens // self.block_size)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.requests * self.blocks_per_request + 8
-
-    @property
-    def nbytes(self) -> int:
-        per_block = 2 * self.heads * self.block_size * self.head_size * 2
-        return self.layers * self.requests * self.blocks_per_request * per_block
+PREFILL_SILENCE_S = 120.0  # the longest P may go without a message
 
 
 def context(engine_id: str, shape: Shape, tp: int, rank: int) -> EngineContext:
@@ -301,17 +277,6 @@ class Decode:
         self.raw.clear()
 
 
-def receive(conn: Connection, proc: Any, timeout_s: float = 120.0) -> Any:
-    """The prefill process's next message; fails (never hangs) if it died or went silent."""
-    deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive():
-            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
-    return conn.recv()
-
-
 def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -319,13 +284,13 @@ def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, fl
     proc = ctx.Process(target=prefill, args=args, daemon=True)
     proc.start()
     try:
-        raw_md = receive(parent, proc)
+        raw_md = receive(parent, proc, PREFILL_SILENCE_S)
         decode = Decode(shape, p_tp, d_tp, raw_md, f"D-{uuid.uuid4().hex[:6]}")
         try:
             best_conn, best_raw = float("inf"), float("inf")
             for round_ in range(repeat + 1):  # round 0: handshake and warm-up
                 parent.send([f"r{round_}-{i}" for i in range(shape.requests)])
-                t = decode.connector_round(receive(parent, proc))
+                t = decode.connector_round(receive(parent, proc, PREFILL_SILENCE_S))
                 decode.check_and_clear()
                 r = decode.raw_round()
                 decode.check_and_clear()
@@ -342,10 +307,7 @@ def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> tuple[float, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 MiB, for CI")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (best is kept)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser = bench_options(__doc__, "8 MiB", "best")
     parser.add_argument("--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated")
     parser.add_argument(
         "--no-idle-progress",
@@ -360,7 +322,7 @@ def main() -> None:
         shape = Shape(2, 8, 64, 16, 4, 256)
     gib = shape.nbytes / (1 << 30)
     title = f"NixlConnector vs raw NIXL READ, {shape.nbytes >> 20} MiB per round"
-    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
+    table = Table(title=titled(title, args.quick))
     for col in ("P:D TP", "connector ms", "GiB/s", "raw NIXL ms", "GiB/s", "ratio", "target"):
         table.add_column(col, justify="right")
     rows = []

@@ -33,18 +33,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep_lmcache
 from bench_storage import OffloadCase, StorageCase
-from storage_baselines import KV, Case, Memcpy, RawFiles, drop_files, make_kv
+from storage_baselines import KV, Case, Memcpy, RawFiles, drop_files, make_kv, measure_rounds
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
 MIB = 1 << 20
@@ -120,7 +121,7 @@ def run_shape(
         cases.append(Case("kvx offload CPU", tier.save, tier.load, "copy_ (memcpy)", "", inner=5))
     load_before = os.getloadavg()[0]
     try:
-        results = measure_all(cases, repeat)
+        results = measure_rounds(cases, repeat)
         kv.clear_dst()
         seg.fresh(), seg.save(), seg.plan_load(), seg.load()
         kv.check(kv.dst, kv.all_dst, "kvx file://")
@@ -131,8 +132,9 @@ def run_shape(
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
     peer = example_connector(kv, repeat, threads) if peers else None
+    lmc = sweep_lmcache.run(kv, repeat, threads, str(root)) if peers else None
     return {"shape": shape, "bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]),
-            "results": results, "peer": peer}  # fmt: skip
+            "results": results, "peer": peer, "lmcache": lmc}  # fmt: skip
 
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -153,38 +155,11 @@ def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float
     return times
 
 
-def measure_all(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
-    """Per case and kind ("save", "load", "save cpu", "load cpu"), the times of every round
-    after a warm-up round (per call: a case of `inner` calls a round reports their mean)."""
-    times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
-    for round in range(repeat + 1):
-        for case in cases:
-            case.fresh()
-            for kind, fn in (("save", case.save), ("load", case.load)):
-                start, cpu = time.perf_counter(), time.process_time()
-                for _ in range(case.inner):
-                    fn()
-                wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-                wall, cpu = wall / case.inner, cpu / case.inner
-                if round:
-                    times[case.name].setdefault(kind, []).append(wall)
-                    times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
-                if kind == "save":
-                    case.plan_load()
-    return times
-
-
 def ratios(
     times: dict[str, dict[str, list[float]]], case: str, kind: str, base: str = "raw file"
 ) -> list[float]:
     """Per round, `base` time / case time (> 1: the case is faster)."""
     return [r / c for r, c in zip(times[base][kind], times[case][kind], strict=True)]
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def report(rows: list[dict[str, Any]]) -> str:
@@ -289,7 +264,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--dir", default=None, help="where the files go (default: the tmp dir)")
     parser.add_argument("--only", default=None, help="shapes whose label contains this")
     parser.add_argument("--max-mib", type=int, default=None, help="skip larger shapes")
-    parser.add_argument("--no-peers", action="store_true", help="skip vLLM's ExampleConnector")
+    parser.add_argument(
+        "--no-peers", action="store_true",
+        help="skip vLLM's ExampleConnector and LMCache (peer_*.py, run in .venv-vllm)",
+    )  # fmt: skip
     parser.add_argument("--no-offload", action="store_true", help="skip the CPU tier and memcpy")
     parser.add_argument(
         "--huge", action="store_true", help="add the 1 GiB shape (run it alone, nice'd)"
@@ -307,6 +285,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(report(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
     print(report(rows))
+    if any(row["lmcache"] for row in rows):
+        print("\nLMCache peers (paired per round in one .venv-vllm process; peer / kvx time)")
+        print(sweep_lmcache.table([(row["shape"].label, row["lmcache"]) for row in rows]))
     if args.plot:
         plot(rows, args.plot)
     return rows

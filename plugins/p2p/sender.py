@@ -1,5 +1,6 @@
-"""PUT_ASYNC's background sender: one thread per worker sends queued tensors in order;
-`drain` (from `wait_for_save`) waits until the queue is empty, bounded in time."""
+"""PUT_ASYNC's background sender on the NCCL plane (which delivers after each ack): one thread
+per worker sends queued tensors in order; `drain` (from `wait_for_save`) waits until the queue
+is empty, bounded in time, and `cancel` drops what has not started."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from kvx.plugins.p2p.affinity import leave_compute_cores
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class AsyncSender:
         self._queue.put(args)
 
     def _run(self) -> None:
+        leave_compute_cores()
         while True:
             item = self._queue.get()
             if item is None:
@@ -51,6 +55,25 @@ class AsyncSender:
                     return False
                 self._cond.wait(left)
         return True
+
+    def cancel(self) -> int:
+        """Drop every queued send that has not started; how many were dropped."""
+        dropped, stop = 0, False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+            else:
+                dropped += 1
+        if stop:
+            self._queue.put(None)
+        with self._cond:
+            self._pending -= dropped
+            self._cond.notify_all()
+        return dropped
 
     def close(self) -> None:
         self._queue.put(None)
