@@ -203,6 +203,55 @@ def _native_gather_scatter(
     )
 
 
+def native_layers(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether `gather_scatter_layers` runs for views shaped like `src` and `dst`."""
+    return (
+        native is not None
+        and src.device.type == "cpu"
+        and dst.device.type == "cpu"
+        and max(src.dim(), dst.dim()) <= NATIVE_MAX_DIMS + 1
+    )
+
+
+def gather_scatter_layers(
+    src: torch.Tensor,
+    src_addrs: Sequence[int],
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
+    dst_addrs: Sequence[int],
+    dst_idx: torch.Tensor,
+) -> None:
+    """`gather_scatter` for several tensors of one geometry in one native call (check
+    `native_layers` first): `src` and `dst` give the shapes, strides and words, `src_addrs[i]`
+    and `dst_addrs[i]` the first element of the i-th pair (tensors the caller keeps alive)."""
+    assert native is not None and src.element_size() == dst.element_size()
+    src_elems, dst_elems = math.prod(src.shape[1:]), math.prod(dst.shape[1:])
+    unit = math.lcm(src_elems, dst_elems)
+    per_src, per_dst = unit // src_elems, unit // dst_elems
+    units = src_idx.numel() // per_src
+    assert units * per_src == src_idx.numel() and units * per_dst == dst_idx.numel()
+    if units == 0:
+        return
+    src_idx, dst_idx = _long_ids(src_idx), _long_ids(dst_idx)
+    esz = src.element_size()
+    native.gather_scatter_layers(  # checks every id against the block count once
+        src_addrs,
+        src.shape,
+        src.stride(),
+        src_idx.data_ptr(),
+        per_src,
+        dst_addrs,
+        dst.shape,
+        dst.stride(),
+        dst_idx.data_ptr(),
+        per_dst,
+        units,
+        esz,
+        _threads(units, src_idx.numel() * src_elems * esz),
+        NATIVE_DIRECT,
+    )
+
+
 class InPlacePlan(NamedTuple):
     """The geometry of an in-place native `gather_scatter(src, ids, dst, ids)` where `src` and
     `dst` are views of one tensor starting at its first element: reusable for every tensor of

@@ -440,16 +440,14 @@ static int64_t *unique_ids(const int64_t *ids, long long *units) {
     return out;
 }
 
-static PyObject *gather_scatter(PyObject *self, PyObject *args) {
-    unsigned long long src_addr, src_idx, dst_addr, dst_idx;
-    long long src_per, dst_per, units, elem, threads;
-    int in_place, allow_direct;
-    PyObject *src_shape, *src_strides, *dst_shape, *dst_strides;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KOOKLKOOKLLLLpp", &src_addr, &src_shape, &src_strides,
-                          &src_idx, &src_per, &dst_addr, &dst_shape, &dst_strides, &dst_idx,
-                          &dst_per, &units, &elem, &threads, &in_place, &allow_direct))
-        return NULL;
+/* The body of both entry points: the same geometry and ids for `n` (source, destination)
+ * address pairs, one pair per layer, checked once and run one after the other. */
+static PyObject *run_layers(const unsigned long long *src_addrs, const unsigned long long *dst_addrs,
+                            Py_ssize_t n, PyObject *src_shape, PyObject *src_strides,
+                            unsigned long long src_idx, long long src_per, PyObject *dst_shape,
+                            PyObject *dst_strides, unsigned long long dst_idx, long long dst_per,
+                            long long units, long long elem, long long threads, int in_place,
+                            int allow_direct) {
     if (!(elem == 1 || elem == 2 || elem == 4 || elem == 8 || elem == 16)) {
         PyErr_Format(PyExc_ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got %lld",
                      elem);
@@ -460,17 +458,21 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
                      MAX_THREADS, units, threads);
         return NULL;
     }
-    if (in_place && (src_addr != dst_addr || src_idx != dst_idx || src_per != 1 || dst_per != 1)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "in place needs the same tensor address, ids and one block per unit");
-        return NULL;
+    for (Py_ssize_t i = 0; in_place && i < n; i++) {
+        if (src_addrs[i] != dst_addrs[i] || src_idx != dst_idx || src_per != 1 || dst_per != 1) {
+            PyErr_SetString(PyExc_ValueError,
+                            "in place needs the same tensor address, ids and one block per unit");
+            return NULL;
+        }
     }
+    if (n == 0)
+        Py_RETURN_NONE;
     side_t src, dst;
     int64_t src_elems, dst_elems;
-    if (parse_side(&src, src_addr, src_shape, src_strides, src_idx, src_per, units, elem, "src",
-                   &src_elems) < 0 ||
-        parse_side(&dst, dst_addr, dst_shape, dst_strides, dst_idx, dst_per, units, elem, "dst",
-                   &dst_elems) < 0)
+    if (parse_side(&src, src_addrs[0], src_shape, src_strides, src_idx, src_per, units, elem,
+                   "src", &src_elems) < 0 ||
+        parse_side(&dst, dst_addrs[0], dst_shape, dst_strides, dst_idx, dst_per, units, elem,
+                   "dst", &dst_elems) < 0)
         return NULL;
     if (src_elems * src_per != dst_elems * dst_per) {
         PyErr_Format(PyExc_ValueError,
@@ -507,16 +509,91 @@ static PyObject *gather_scatter(PyObject *self, PyObject *args) {
                  .elem = (size_t)elem,
                  .src_block_bytes = (size_t)(src_elems * elem),
                  .dst_block_bytes = (size_t)(dst_elems * elem)};
-    atomic_init(&job.next, 0);
     atomic_init(&job.failed, 0);
     Py_BEGIN_ALLOW_THREADS
-    run_pooled(&job, (int)threads);
+    for (Py_ssize_t i = 0; i < n && !atomic_load(&job.failed); i++) {
+        src.base = (char *)(uintptr_t)src_addrs[i];
+        dst.base = (char *)(uintptr_t)dst_addrs[i];
+        atomic_init(&job.next, 0);
+        run_pooled(&job, (int)threads);
+    }
     Py_END_ALLOW_THREADS
     int failed = atomic_load(&job.failed);
     free(ids);
     if (failed)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+static PyObject *gather_scatter(PyObject *self, PyObject *args) {
+    unsigned long long src_addr, src_idx, dst_addr, dst_idx;
+    long long src_per, dst_per, units, elem, threads;
+    int in_place, allow_direct;
+    PyObject *src_shape, *src_strides, *dst_shape, *dst_strides;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KOOKLKOOKLLLLpp", &src_addr, &src_shape, &src_strides,
+                          &src_idx, &src_per, &dst_addr, &dst_shape, &dst_strides, &dst_idx,
+                          &dst_per, &units, &elem, &threads, &in_place, &allow_direct))
+        return NULL;
+    return run_layers(&src_addr, &dst_addr, 1, src_shape, src_strides, src_idx, src_per,
+                      dst_shape, dst_strides, dst_idx, dst_per, units, elem, threads, in_place,
+                      allow_direct);
+}
+
+/* A sequence of Python ints as a malloc'ed array of addresses (NULL with an exception set). */
+static unsigned long long *addresses(PyObject *obj, const char *name, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(obj, "addresses must be a sequence");
+    if (!seq)
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    unsigned long long *out = malloc((size_t)(*n ? *n : 1) * sizeof(unsigned long long));
+    if (!out) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        out[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] is not an address", name, i);
+            free(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *gather_scatter_layers(PyObject *self, PyObject *args) {
+    unsigned long long src_idx, dst_idx;
+    long long src_per, dst_per, units, elem, threads;
+    int allow_direct;
+    PyObject *src_list, *dst_list, *src_shape, *src_strides, *dst_shape, *dst_strides;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOKLOOOKLLLLp", &src_list, &src_shape, &src_strides, &src_idx,
+                          &src_per, &dst_list, &dst_shape, &dst_strides, &dst_idx, &dst_per,
+                          &units, &elem, &threads, &allow_direct))
+        return NULL;
+    Py_ssize_t n_src, n_dst;
+    unsigned long long *src_addrs = addresses(src_list, "src_addrs", &n_src);
+    if (!src_addrs)
+        return NULL;
+    unsigned long long *dst_addrs = addresses(dst_list, "dst_addrs", &n_dst);
+    if (!dst_addrs) {
+        free(src_addrs);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (n_src != n_dst)
+        PyErr_Format(PyExc_ValueError, "%zd source but %zd destination addresses", n_src, n_dst);
+    else
+        out = run_layers(src_addrs, dst_addrs, n_src, src_shape, src_strides, src_idx, src_per,
+                         dst_shape, dst_strides, dst_idx, dst_per, units, elem, threads, 0,
+                         allow_direct);
+    free(src_addrs);
+    free(dst_addrs);
+    return out;
 }
 
 static PyMethodDef methods[] = {
@@ -528,6 +605,12 @@ static PyMethodDef methods[] = {
      "contiguous scratch, then written through the destination's strides, or (allow_direct, not "
      "in place, shapes that nest) copied straight across. in_place: same tensor and ids, "
      "repeated ids moved once. Addresses are raw and trusted; see kvx.layouts._kernels."},
+    {"gather_scatter_layers", gather_scatter_layers, METH_VARARGS,
+     "gather_scatter_layers(src_addrs, src_shape, src_strides, src_ids_addr, src_per_unit, "
+     "dst_addrs, dst_shape, dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads, "
+     "allow_direct)\n\ngather_scatter (not in place) for each (src_addrs[i], dst_addrs[i]) "
+     "pair in turn: tensors of one geometry, such as every layer of a cache, with the ids "
+     "checked once for all of them."},
     {NULL, NULL, 0, NULL},
 };
 

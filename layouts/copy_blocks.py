@@ -7,7 +7,15 @@ from typing import Literal
 
 import torch
 
-from kvx.layouts._kernels import BlockIdsLike, as_words, block_index, gather_scatter, word_bytes
+from kvx.layouts._kernels import (
+    BlockIdsLike,
+    as_words,
+    block_index,
+    gather_scatter,
+    gather_scatter_layers,
+    native_layers,
+    word_bytes,
+)
 from kvx.layouts.builtin import get_layout
 from kvx.layouts.descriptor import BLOCKS, HEAD_SIZE, Layout
 
@@ -52,6 +60,7 @@ def copy_kv_blocks(
             indices[key] = block_index(ids, blocks, cache.device, arg)
         return indices[key]
 
+    groups: dict[tuple[object, ...], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for name, src in src_kv_caches.items():
         if name not in dst_kv_caches:
             raise ValueError(f"layer {name!r} of src_kv_caches is missing from dst_kv_caches")
@@ -64,20 +73,57 @@ def copy_kv_blocks(
             )
         if src.dtype != dst.dtype:
             raise ValueError(f"layer {name!r}: src dtype {src.dtype} != dst dtype {dst.dtype}")
-        for (vs, memory), (vd, _) in zip(_views(spec, src), _views(spec, dst)):
-            if vs.shape[1:] != vd.shape[1:]:
-                raise ValueError(
-                    f"layer {name!r}: src blocks {tuple(vs.shape[1:])} and dst blocks "
-                    f"{tuple(vd.shape[1:])} differ in shape ({spec.name} semantic dims)"
+        geometry = (  # all that `_word_views` and the kernel read, except the address
+            *(t.shape for t in (src, dst)),
+            *(t.stride() for t in (src, dst)),
+            *(t.storage_offset() * t.element_size() % 16 for t in (src, dst)),
+            src.dtype,
+            src.device,
+            dst.device,
+        )
+        groups.setdefault(geometry, []).append((name, src, dst))
+    for pairs in groups.values():  # layers of one geometry share their views and one call
+        first, src, dst = pairs[0]
+        views = _word_views(spec, first, src, dst)
+        if len(pairs) > 1 and all(native_layers(ws, wd) for ws, wd in views):
+            for ws, wd in views:
+                src_offset = ws.data_ptr() - src.data_ptr()
+                dst_offset = wd.data_ptr() - dst.data_ptr()
+                gather_scatter_layers(
+                    ws,
+                    [s.data_ptr() + src_offset for _, s, _ in pairs],
+                    index("src_block_ids", src_block_ids, src, ws.shape[0]),
+                    wd,
+                    [d.data_ptr() + dst_offset for _, _, d in pairs],
+                    index("dst_block_ids", dst_block_ids, dst, wd.shape[0]),
                 )
-            wide = memory[-1] == HEAD_SIZE  # only head_size may widen into words
-            w = min(word_bytes(vs), word_bytes(vd)) if wide else vs.element_size()
-            gather_scatter(
-                as_words(vs, w),
-                index("src_block_ids", src_block_ids, src, vs.shape[0]),
-                as_words(vd, w),
-                index("dst_block_ids", dst_block_ids, dst, vd.shape[0]),
+            continue
+        for name, s, d in pairs:  # one layer at a time (the PyTorch path, or a lone layer)
+            for ws, wd in views if s is src else _word_views(spec, name, s, d):
+                gather_scatter(
+                    ws,
+                    index("src_block_ids", src_block_ids, s, ws.shape[0]),
+                    wd,
+                    index("dst_block_ids", dst_block_ids, d, wd.shape[0]),
+                )
+
+
+def _word_views(
+    layout: Layout, name: str, src: torch.Tensor, dst: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Blocks-first word views of layer `name`'s `src` and `dst` (one pair, or one per K/V
+    half), checked to hold blocks of the same shape."""
+    out = []
+    for (vs, memory), (vd, _) in zip(_views(layout, src), _views(layout, dst)):
+        if vs.shape[1:] != vd.shape[1:]:
+            raise ValueError(
+                f"layer {name!r}: src blocks {tuple(vs.shape[1:])} and dst blocks "
+                f"{tuple(vd.shape[1:])} differ in shape ({layout.name} semantic dims)"
             )
+        wide = memory[-1] == HEAD_SIZE  # only head_size may widen into words
+        w = min(word_bytes(vs), word_bytes(vd)) if wide else vs.element_size()
+        out.append((as_words(vs, w), as_words(vd, w)))
+    return out
 
 
 def _views(layout: Layout, tensor: torch.Tensor) -> list[tuple[torch.Tensor, tuple[str, ...]]]:

@@ -1,0 +1,97 @@
+"""copy_kv_blocks over many layers: one native call per group of layers of one geometry.
+
+Layers of one shape, strides and word alignment share their views and go to the native kernel
+together (`gather_scatter_layers`); others, and the PyTorch path, go one layer at a time. Every
+element of every layer is compared, the blocks that must not change included.
+"""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import pytest
+import torch
+
+from kvx.layouts import HND, NHD, _kernels, copy_kv_blocks
+from kvx.layouts import copy_blocks as copy_module
+
+SRC_IDS, DST_IDS = [5, 0, 3, 3], [1, 6, 2, 7]
+
+
+def layers() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Source and destination caches: four NHD layers carved from one buffer at offsets (past
+    the layers before) of 0, 1, 8 and 12 bf16 elements, i.e. 16-, 2-, 16- and 8-byte words; one
+    HND layer and one NHD layer of other heads."""
+    gen = torch.Generator().manual_seed(7)
+    shape = NHD.allocate(8, 4, 2, 8, dtype=torch.bfloat16).shape
+    size = shape.numel()
+
+    def carve(buffer: torch.Tensor, offset: int) -> torch.Tensor:
+        return buffer[offset : offset + size].view(shape)
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, t.shape, generator=gen))
+        return t
+
+    def side() -> dict[str, torch.Tensor]:
+        buffer = fill(torch.empty(4 * size + 16, dtype=torch.bfloat16))
+        caches = {f"l{i}": carve(buffer, o) for i, o in enumerate([0, size + 1, 2 * size + 8])}
+        caches["l3"] = carve(buffer, 3 * size + 12)
+        caches["hnd"] = fill(HND.allocate(8, 4, 2, 8, dtype=torch.bfloat16))
+        caches["heads"] = fill(NHD.allocate(8, 4, 3, 8, dtype=torch.bfloat16))
+        return caches
+
+    return side(), side()
+
+
+def expected(src: torch.Tensor, dst: torch.Tensor, layout: str) -> torch.Tensor:
+    """`dst` after the copy, one block at a time (blocks on dim 1 in NHD and HND)."""
+    out = dst.clone()
+    for s, d in zip(SRC_IDS, DST_IDS):
+        out[:, d] = src[:, s]
+    return out.view(torch.int16)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_layers_grouped_by_geometry_copy_every_byte(direction: str, kernel: str) -> None:
+    src, dst = layers()
+    want = {name: expected(src[name], dst[name], "HND" if name == "hnd" else "NHD") for name in src}
+    calls: list[int] = []
+    native = _kernels.load_native("1") if kernel == "native" else None
+    real = copy_module.gather_scatter_layers
+
+    def counting(*args: object) -> None:
+        calls.append(len(args[1]))  # type: ignore[arg-type]
+        real(*args)  # type: ignore[arg-type]
+
+    with (
+        patch.object(_kernels, "native", native),
+        patch.object(copy_module, "gather_scatter_layers", counting),
+    ):
+        nhd = {k: v for k, v in src.items() if k != "hnd"}
+        copy_kv_blocks(nhd, dst, SRC_IDS, DST_IDS, direction)  # type: ignore[arg-type]
+        copy_kv_blocks({"hnd": src["hnd"]}, dst, SRC_IDS, DST_IDS, direction, layout="HND")  # type: ignore[arg-type]
+    # l0 and l2 share a geometry (16-byte words): one call for both (NHD's K and V are one
+    # view); l1, l3 and the other layers go one at a time.
+    assert calls == ([2] if kernel == "native" else [])
+    for name in src:
+        assert torch.equal(dst[name].view(torch.int16), want[name]), name
+
+
+def test_native_layers_refuse_unequal_address_lists() -> None:
+    native = _kernels.load_native("1")
+    assert native is not None
+    ids = torch.tensor([0], dtype=torch.long)
+    t = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="2 source but 1 destination addresses"):
+        native.gather_scatter_layers(
+            [t.data_ptr(), t.data_ptr()], t.shape, t.stride(), ids.data_ptr(), 1,
+            [t.data_ptr()], t.shape, t.stride(), ids.data_ptr(), 1, 1, 4, 1, True,
+        )  # fmt: skip
+    bad = torch.tensor([2], dtype=torch.long)
+    with pytest.raises(IndexError, match="src: block id 2 is out of range for 2 blocks"):
+        native.gather_scatter_layers(
+            [t.data_ptr()], t.shape, t.stride(), bad.data_ptr(), 1,
+            [t.data_ptr()], t.shape, t.stride(), ids.data_ptr(), 1, 1, 4, 1, True,
+        )  # fmt: skip
