@@ -22,19 +22,18 @@ post, and P's CPU is mostly its poll loop, which scales with wall time).
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
 import time
 import uuid
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from transfer_bench import QUICK_LABEL, Shape, bench_options, receive, titled
 
 from kvx import (
     EngineContext,
@@ -56,30 +55,7 @@ from kvx.plugins.nixl.regions import block_descs, layer_regions
 from kvx.topology import KVGeometry, plan_reads
 
 TARGETS = {True: 1.0, False: 0.9}  # equal TP, heterogeneous TP
-QUICK_LABEL = "quick (not a result)"  # --quick sizes are too small to judge targets by
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    heads: int
-    head_size: int
-    block_size: int
-    requests: int
-    tokens: int
-
-    @property
-    def blocks_per_request(self) -> int:
-        return -(-self.tokens // self.block_size)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.requests * self.blocks_per_request + 8
-
-    @property
-    def nbytes(self) -> int:
-        per_block = 2 * self.heads * self.block_size * self.head_size * 2
-        return self.layers * self.requests * self.blocks_per_request * per_block
+PREFILL_SILENCE_S = 120.0  # the longest P may go without a message
 
 
 def context(engine_id: str, shape: Shape, tp: int, rank: int) -> EngineContext:
@@ -333,24 +309,13 @@ class Decode:
         self.raw.clear()
 
 
-def receive(conn: Connection, proc: Any, timeout_s: float = 120.0) -> Any:
-    """The prefill process's next message; fails (never hangs) if it died or went silent."""
-    deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive():
-            raise RuntimeError(f"the prefill process exited with {proc.exitcode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the prefill process sent nothing for {timeout_s:.0f}s")
-    return conn.recv()
-
-
 Sample = tuple[float, float, float]  # wall, D's CPU, P's CPU (seconds)
 VARIANTS = ("connector", "raw", "memcpy")
 
 
 def p_cpu(conn: Connection, proc: Any) -> float:
     conn.send("cpu")
-    return float(receive(conn, proc))
+    return float(receive(conn, proc, PREFILL_SILENCE_S))
 
 
 def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> dict[str, list[Sample]]:
@@ -362,12 +327,12 @@ def run_case(shape: Shape, p_tp: int, d_tp: int, repeat: int) -> dict[str, list[
     proc.start()
     samples: dict[str, list[Sample]] = {v: [] for v in VARIANTS}
     try:
-        raw_md = receive(parent, proc)
+        raw_md = receive(parent, proc, PREFILL_SILENCE_S)
         decode = Decode(shape, p_tp, d_tp, raw_md, f"D-{uuid.uuid4().hex[:6]}")
         try:
             for round_ in range(repeat + 1):  # round 0: handshake and warm-up
                 parent.send([f"r{round_}-{i}" for i in range(shape.requests)])
-                params = receive(parent, proc)
+                params = receive(parent, proc, PREFILL_SILENCE_S)
                 for variant in VARIANTS:
                     before = p_cpu(parent, proc)
                     if variant == "connector":
@@ -405,10 +370,7 @@ def cpu_split(samples: list[Sample]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 MiB, for CI")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (medians are kept)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser = bench_options(__doc__, "8 MiB", "median")
     parser.add_argument("--cases", default="1:1,2:2,2:1,1:2", help="P:D TP pairs, comma-separated")
     parser.add_argument(
         "--no-idle-progress",
@@ -432,7 +394,7 @@ def main() -> None:
         f"NixlConnector vs raw NIXL READ vs memcpy, {shape.nbytes >> 20} MiB per round, "
         f"medians of {args.repeat} rounds"
     )
-    table = Table(title=f"{QUICK_LABEL}: {title}" if args.quick else title)
+    table = Table(title=titled(title, args.quick))
     columns = (
         "P:D TP",
         "connector ms [range]",

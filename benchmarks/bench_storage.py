@@ -60,6 +60,7 @@ from storage_baselines import (
     drop_files,
     drop_keys,
     make_kv,
+    measure_rounds,
     redis_server,
 )
 
@@ -232,22 +233,8 @@ class OffloadCase:
 
 def measure(cases: list[Case], repeat: int) -> dict[str, dict[str, float]]:
     """Per case, the best save and load wall time (`save`, `load`), and the medians of wall
-    and of this process's CPU time, all threads (`save median`, `save cpu`, ...); round 0 warms
-    up (allocator, connections)."""
-    times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
-    for round in range(repeat + 1):
-        for case in cases:
-            case.fresh()
-            for kind, fn in (("save", case.save), ("load", case.load)):
-                for _ in range(case.inner):
-                    start, cpu = time.perf_counter(), time.process_time()
-                    fn()
-                    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-                    if round:
-                        times[case.name].setdefault(kind, []).append(wall)
-                        times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
-                if kind == "save":
-                    case.plan_load()
+    and of this process's CPU time, all threads (`save median`, `save cpu`, ...)."""
+    times = measure_rounds(cases, repeat)
     return {
         name: {
             "save": min(kinds["save"]),

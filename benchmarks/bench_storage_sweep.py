@@ -29,18 +29,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_storage import StorageCase
-from storage_baselines import KV, Case, RawFiles, drop_files, make_kv
+from storage_baselines import KV, Case, RawFiles, drop_files, make_kv, measure_rounds
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
 MIB = 1 << 20
@@ -104,7 +104,7 @@ def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) 
     ]
     load_before = os.getloadavg()[0]
     try:
-        results = measure_all(cases, repeat)
+        results = measure_rounds(cases, repeat)
         kv.clear_dst()
         seg.fresh(), seg.save(), seg.plan_load(), seg.load()
         kv.check(kv.dst, kv.all_dst, "kvx file://")
@@ -135,34 +135,9 @@ def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float
     return times
 
 
-def measure_all(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
-    """Per case and kind ("save", "load", "save cpu", "load cpu"), the times of every round
-    after a warm-up round."""
-    times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
-    for round in range(repeat + 1):
-        for case in cases:
-            case.fresh()
-            for kind, fn in (("save", case.save), ("load", case.load)):
-                start, cpu = time.perf_counter(), time.process_time()
-                fn()
-                wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-                if round:
-                    times[case.name].setdefault(kind, []).append(wall)
-                    times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
-                if kind == "save":
-                    case.plan_load()
-    return times
-
-
 def ratios(times: dict[str, dict[str, list[float]]], case: str, kind: str) -> list[float]:
     """Per round, raw file time / case time (> 1: the case is faster)."""
     return [r / c for r, c in zip(times["raw file"][kind], times[case][kind], strict=True)]
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def report(rows: list[dict[str, Any]]) -> str:

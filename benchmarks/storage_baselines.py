@@ -45,6 +45,27 @@ class Case:
     inner: int = 1  # timed calls per round (for cases that may simply run again)
 
 
+def measure_rounds(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
+    """Per case and kind ("save", "load", "save cpu", "load cpu": wall seconds, and this
+    process's CPU seconds of all threads), the time of each timed call in `repeat` rounds after
+    a warm-up round (allocator, connections); rounds interleave the cases."""
+    times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
+    for round in range(repeat + 1):
+        for case in cases:
+            case.fresh()
+            for kind, fn in (("save", case.save), ("load", case.load)):
+                for _ in range(case.inner):
+                    start, cpu = time.perf_counter(), time.process_time()
+                    fn()
+                    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+                    if round:
+                        times[case.name].setdefault(kind, []).append(wall)
+                        times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
+                if kind == "save":
+                    case.plan_load()
+    return times
+
+
 @dataclass
 class KV:
     """Source and destination caches with each request's (scattered) block ids."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvx._version import __version__
 from kvx.config import KVTransferConfig, load_cli_arg
 from kvx.contract import (
+    ANY_GEOMETRY,
     CONTRACT_VERSION,
     Capability,
     CopyBlocksOp,
@@ -81,6 +82,7 @@ from kvx.types import (
 from kvx.userdirs import make_private_dirs, user_cache_dir
 
 __all__ = [
+    "ANY_GEOMETRY",
     "CONTRACT_VERSION",
     "AllBlocksCleared",
     "BlockIds",

@@ -54,6 +54,12 @@ class Capability(enum.StrEnum):
     OFFLOAD = "offload"  # keeps KV in a slower tier and reloads it into the same engine
 
 
+ANY_GEOMETRY: frozenset[Capability] = frozenset(
+    {Capability.HETERO_TP, Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
+)
+"""The claims of a connector whose two sides may differ in TP size, block size and layout."""
+
+
 class KVConnectorRole(enum.Enum):
     """Which side of the engine a connector instance lives on."""
 

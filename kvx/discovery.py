@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from types import TracebackType
-from typing import Annotated
+from typing import Annotated, Self
 
 import msgspec
 import zmq
@@ -40,6 +40,7 @@ __all__ = [
     "ROLE_CODES",
     "Announcement",
     "Announcer",
+    "BackgroundService",
     "check_host_port",
     "open_announcement",
     "seal_announcement",
@@ -131,7 +132,30 @@ def open_announcement(secret: str | None, data: bytes | memoryview) -> Announcem
     return note
 
 
-class Announcer:
+class BackgroundService:
+    """Something that serves from a background thread: `with service:` enters through `start()`
+    and leaves through `stop()` (the announcer and both of the proxy's listeners)."""
+
+    def start(self) -> Self:
+        """Start serving (default: it serves from construction on) and return self."""
+        return self
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class Announcer(BackgroundService):
     """Announces one server to the proxy every `interval_s` from a daemon thread until
     `stop()`, which sends a last announcement with `leaving` set. A proxy that is down or
     unreachable only means heartbeats are dropped (never queued): the server keeps serving and
@@ -223,14 +247,3 @@ class Announcer:
             with contextlib.suppress(zmq.ZMQError):
                 sock.close()
                 context.term()
-
-    def __enter__(self) -> Announcer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -1,11 +1,13 @@
 """`RoleSplitConnector`: a connector written as a scheduler half and a worker half.
 
 The engine builds a connector once per role, and an instance only ever runs one role's methods.
-A `RoleSplitConnector` subclass says how to build each half (`build_scheduler`,
-`build_worker`); the facade builds the half of its role and forwards every contract method to
-it, so connector code is two plain classes (`ConnectorScheduler`, `ConnectorWorker`) with no
-role checks. A method of the other role fails with an error that names the method, the role it
-belongs to and the role the instance was built for.
+A `RoleSplitConnector` subclass names its halves' classes (`scheduler_type`, `worker_type`,
+each built from the typed extra config, the transfer config and the engine context) or
+overrides `build_scheduler` / `build_worker`; the facade builds the half of its role and
+forwards every contract method to it, so connector code is two plain classes
+(`ConnectorScheduler`, `ConnectorWorker`) with no role checks. A method of the other role fails
+with an error that names the method, the role it belongs to and the role the instance was built
+for.
 
 `RequestTracker` is the bookkeeping most scheduler halves repeat: each scheduled request's block
 table, kept from each step's `SchedulerOutput`, and the loads `update_state_after_alloc`
@@ -287,12 +289,17 @@ W = TypeVar("W", bound=ConnectorWorker[Any])
 class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     """A connector that is a thin facade over a scheduler half (`S`) and a worker half (`W`).
 
-    Subclasses implement `build_scheduler` and `build_worker` and set `metadata_type` (what
-    `build_connector_meta` returns; the worker half gets it checked) and, if they have their
-    own, `stats_type`. They may still override any contract method, e.g. to reach a half
-    through `self.scheduler` / `self.worker`.
+    Subclasses set `extra_config_schema` (the type `self.options` converts the extra config
+    to), `scheduler_type` and `worker_type` (each called as `(options, kv_transfer_config,
+    engine_context)`; a half built otherwise overrides `build_scheduler` / `build_worker`),
+    `metadata_type` (what `build_connector_meta` returns; the worker half gets it checked) and,
+    if they have their own, `stats_type`. They may still override any contract method, e.g. to
+    reach a half through `self.scheduler` / `self.worker`.
     """
 
+    extra_config_schema: ClassVar[type[Any] | None] = None
+    scheduler_type: Callable[[Any, KVTransferConfig, EngineContext], S] | None = None
+    worker_type: Callable[[Any, KVTransferConfig, EngineContext], W] | None = None
     metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     stats_type: ClassVar[type[KVConnectorStats]] = KVConnectorStats
 
@@ -305,14 +312,32 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
         else:
             self._worker = self.build_worker()
 
-    @abstractmethod
-    def build_scheduler(self) -> S:
-        """The scheduler half (config and engine context: `self.kv_transfer_config`,
-        `self.engine_context`)."""
+    @property
+    def options(self) -> Any:
+        """The extra config as `extra_config_schema` (defaults filled in), or the plain dict
+        when the connector declares no schema."""
+        config, schema = self.kv_transfer_config, self.extra_config_schema
+        return (
+            config.kv_connector_extra_config if schema is None else config.extra_config_as(schema)
+        )
 
-    @abstractmethod
+    def build_scheduler(self) -> S:
+        """The scheduler half: `scheduler_type(options, kv_transfer_config, engine_context)`."""
+        if self.scheduler_type is None:
+            raise self._no_half("scheduler")
+        return self.scheduler_type(self.options, self.kv_transfer_config, self.engine_context)
+
     def build_worker(self) -> W:
-        """The worker half (same inputs as `build_scheduler`)."""
+        """The worker half: `worker_type(options, kv_transfer_config, engine_context)`."""
+        if self.worker_type is None:
+            raise self._no_half("worker")
+        return self.worker_type(self.options, self.kv_transfer_config, self.engine_context)
+
+    def _no_half(self, half: str) -> TypeError:
+        return TypeError(
+            f"{type(self).__name__} sets no {half}_type and does not override build_{half}: "
+            f"name the {half} half's class, or build it in build_{half}"
+        )
 
     @property
     def scheduler(self) -> S:

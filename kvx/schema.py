@@ -255,6 +255,17 @@ MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
 
 
+def _encoding_problem(text: str) -> str | None:
+    """Why `text` cannot be a path or URL as bytes: a lone surrogate, or over 4096 bytes."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    if size > MAX_PATH_BYTES:
+        return f"is {size} bytes long; at most {MAX_PATH_BYTES} allowed"
+    return None
+
+
 def path_problem(path: str) -> str | None:
     """Why `path` cannot name a local file or directory (None if it can): empty, a NUL byte,
     a lone surrogate, a component over 255 bytes or the whole over 4096 bytes (Linux limits)."""
@@ -262,13 +273,10 @@ def path_problem(path: str) -> str | None:
         return "is empty"
     if "\x00" in path:
         return "contains a NUL byte"
-    try:
-        encoded = path.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid Unicode (a lone surrogate)"
-    if len(encoded) > MAX_PATH_BYTES:
-        return f"is {len(encoded)} bytes long; at most {MAX_PATH_BYTES} allowed"
-    longest = max(encoded.split(b"/"), key=len)
+    problem = _encoding_problem(path)
+    if problem is not None:
+        return problem
+    longest = max(path.encode("utf-8").split(b"/"), key=len)
     if len(longest) > MAX_NAME_BYTES:
         return (
             f"has a {len(longest)}-byte name {longest[:20].decode(errors='replace')!r}...; "
@@ -291,10 +299,4 @@ def url_problem(url: str) -> str | None:
         if problem is None and rest.strip("/") == "":
             problem = "is the root directory; give a directory of its own, e.g. file:///var/kv"
         return None if problem is None else f"its path {problem}"
-    try:
-        encoded = url.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid Unicode (a lone surrogate)"
-    if len(encoded) > MAX_PATH_BYTES:
-        return f"is {len(encoded)} bytes long; at most {MAX_PATH_BYTES} allowed"
-    return None
+    return _encoding_problem(url)

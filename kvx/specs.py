@@ -14,7 +14,20 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ConnectorSpec:
+class Spec:
+    """What every record has: the `name` it is registered under, its lazy `"module:attribute"`
+    `target`, a one-line `summary`, other names (`aliases`) and `override` (replace an earlier
+    registration of the same name instead of failing)."""
+
+    name: str
+    target: str
+    summary: str = ""
+    aliases: tuple[str, ...] = ()
+    override: bool = False
+
+
+@dataclass(frozen=True)
+class ConnectorSpec(Spec):
     """A connector a plugin provides.
 
     - `target`: `"package.module:ClassName"` of the `KVConnectorBase_V1` subclass.
@@ -26,44 +39,26 @@ class ConnectorSpec:
       dicts (MultiConnector's `connectors`); each is validated recursively.
     - `requires`: top-level modules the connector needs beyond kvx's own dependencies;
       `extra`: the kvx extra that installs them (named in the error when they are missing).
-    - `override`: replace an earlier registration of the same name instead of failing.
     """
 
-    name: str
-    target: str
-    summary: str = ""
-    aliases: tuple[str, ...] = ()
     config_schema: str | None = None
     child_configs_key: str | None = None
     requires: tuple[str, ...] = ()
     extra: str | None = None
-    override: bool = False
 
 
 @dataclass(frozen=True)
-class LayoutSpec:
+class LayoutSpec(Spec):
     """A KV cache layout: `target` resolves to the layout descriptor object."""
 
-    name: str
-    target: str
-    summary: str = ""
-    aliases: tuple[str, ...] = ()
-    override: bool = False
-
 
 @dataclass(frozen=True)
-class TransformSpec:
+class TransformSpec(Spec):
     """A block transform (layout or block-size conversion): `target` resolves to a callable."""
 
-    name: str
-    target: str
-    summary: str = ""
-    aliases: tuple[str, ...] = ()
-    override: bool = False
-
 
 @dataclass(frozen=True)
-class StorageBackendSpec:
+class StorageBackendSpec(Spec):
     """A storage backend chosen by URL scheme (`file`, `memory`, `redis`, ...).
 
     - `target`: `"package.module:ClassName"` of a `kvx.StorageBackend` subclass.
@@ -73,19 +68,14 @@ class StorageBackendSpec:
       of the library behind the backend.
     """
 
-    name: str
-    target: str
     schemes: tuple[str, ...] = ()
     other_schemes: str | None = None
-    summary: str = ""
-    aliases: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     extra: str | None = None
-    override: bool = False
 
 
 @dataclass(frozen=True)
-class CommandSpec:
+class CommandSpec(Spec):
     """A `kvx` subcommand a plugin provides (`kvx conformance` is one).
 
     `target` is `"package.module:function"` of `run(prog: str, argv: list[str]) -> int`: it parses
@@ -93,12 +83,6 @@ class CommandSpec:
     only when the command runs, so `kvx --help` and the other commands stay cheap. Raising
     `kvx.ConfigError` or `kvx.RegistryError` exits 2 with the message, as kvx's own commands do.
     """
-
-    name: str
-    target: str
-    summary: str = ""
-    aliases: tuple[str, ...] = ()
-    override: bool = False
 
 
 @runtime_checkable

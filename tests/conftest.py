@@ -19,6 +19,7 @@ from kvx.registry import Registry
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 TESTS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS_DIR))  # helper modules shared across folders (_services)
 PLUGIN_SOURCE = TESTS_DIR / "plugin_pkg"
 TEST_PLUGIN_MODULE = "kvx_test_plugin"
 

@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from types import TracebackType
 
 import zmq
 
@@ -25,6 +24,7 @@ from kvx.discovery import (
     MAX_ANNOUNCEMENT_BYTES,
     ROLE_CODES,
     Announcement,
+    BackgroundService,
     check_host_port,
     join_host_port,
     open_announcement,
@@ -63,7 +63,7 @@ class DiscoveryCounts:
     last_refusal: str | None = None
 
 
-class DiscoveryListener:
+class DiscoveryListener(BackgroundService):
     """Listens for announcements and keeps `pool` in step with them; `start()` binds
     (ProxySettingError naming the flag if it cannot) and serves from a daemon thread."""
 
@@ -197,14 +197,3 @@ class DiscoveryListener:
             self._last_logged, self._unlogged = now, 0
         else:
             self._unlogged += 1
-
-    def __enter__(self) -> DiscoveryListener:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

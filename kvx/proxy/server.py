@@ -9,10 +9,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 
 import uvicorn
 
+from kvx.discovery import BackgroundService
 from kvx.errors import ConfigProblem
 from kvx.proxy.app import build_app
 from kvx.proxy.config import ProxyConfig, ProxySettingError
@@ -108,7 +108,7 @@ def serve(
             discovery.stop()
 
 
-class RunningProxy:
+class RunningProxy(BackgroundService):
     """A proxy serving from a background thread; `stop()` (or leaving the `with`) ends it."""
 
     def __init__(self, config: ProxyConfig, pool: ServerPool | None, start_timeout: float) -> None:
@@ -140,17 +140,6 @@ class RunningProxy:
             self.discovery.stop()
         if self._thread.is_alive():
             raise RuntimeError(f"kvx proxy on {self.url} did not stop within {timeout} s")
-
-    def __enter__(self) -> RunningProxy:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def serve_in_thread(

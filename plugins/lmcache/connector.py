@@ -18,22 +18,11 @@ class LMCacheConnectorV1(RoleSplitConnector[LMCacheScheduler, LMCacheWorker]):
     through LMCache's own engine (vLLM's LMCacheConnectorV1, made to run on CPU)."""
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.STORE_REUSE})
+    extra_config_schema = LMCacheConfig
+    scheduler_type = LMCacheScheduler
+    worker_type = LMCacheWorker
     metadata_type = LMCacheMetadata
     stats_type = LMCacheStats
-
-    def build_scheduler(self) -> LMCacheScheduler:
-        config = self.kv_transfer_config
-        options = config.extra_config_as(LMCacheConfig)
-        return LMCacheScheduler(
-            options,
-            self.engine_context,
-            store=config.is_kv_producer,
-            load=config.is_kv_consumer,
-        )
-
-    def build_worker(self) -> LMCacheWorker:
-        options = self.kv_transfer_config.extra_config_as(LMCacheConfig)
-        return LMCacheWorker(options, self.engine_context)
 
     @classmethod
     def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:

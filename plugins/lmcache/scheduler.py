@@ -42,7 +42,7 @@ class LMCacheScheduler(PlanningScheduler[_Request, LMCacheMetadata]):
     metadata_type = LMCacheMetadata
 
     def __init__(
-        self, options: LMCacheConfig, ctx: kvx.EngineContext, store: bool, load: bool
+        self, options: LMCacheConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext
     ) -> None:
         parallel = ctx.parallel
         self.workers = parallel.tp_size * parallel.pp_size
@@ -51,8 +51,8 @@ class LMCacheScheduler(PlanningScheduler[_Request, LMCacheMetadata]):
         self.block_size = ctx.cache.block_size
         self.chunk = options.chunk_size
         self.save_unfull = options.save_unfull_chunk
-        self.store = store
-        self.load = load  # a pure producer (kv_producer) never loads
+        self.store = config.is_kv_producer
+        self.load = config.is_kv_consumer  # a pure producer (kv_producer) never loads
         self.medium = options.medium()
         self.requests = RequestTracker(
             "kvx lmcache", lambda new: _Request(list(new.prompt_token_ids), 0)

@@ -60,7 +60,9 @@ class _LayerwiseLoad:
 
 
 class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
-    def __init__(self, options: LMCacheConfig, ctx: kvx.EngineContext) -> None:
+    def __init__(
+        self, options: LMCacheConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext
+    ) -> None:
         if ctx.cache.use_mla:
             raise ValueError("LMCacheConnectorV1 on kvx copies K/V layouts; MLA is not supported")
         self.options = options

@@ -7,10 +7,9 @@ channel, `worker.py` registers memory and moves bytes. Matches vLLM's `NixlConne
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import kvx
 from kvx import (
+    ANY_GEOMETRY,
     Capability,
     KVConnectorHandshakeMetadata,
     KVConnectorStats,
@@ -30,25 +29,12 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     P, which then frees them. Nothing is saved: D pulls P's blocks, and P holds them until D's
     notifications or the lease; loads are asynchronous."""
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {
-            Capability.REMOTE_PREFILL,
-            Capability.ASYNC_LOAD,
-            Capability.HETERO_TP,
-            Capability.BLOCK_SIZE_MISMATCH,
-            Capability.LAYOUT_CONVERSION,
-        }
-    )
+    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
+    extra_config_schema = NixlConfig
+    scheduler_type = NixlScheduler
+    worker_type = NixlWorker
     metadata_type = NixlMetadata
     stats_type = NixlKVConnectorStats
-
-    def build_scheduler(self) -> NixlScheduler:
-        options = self.kv_transfer_config.extra_config_as(NixlConfig)
-        return NixlScheduler(options, self.kv_transfer_config, self.engine_context)
-
-    def build_worker(self) -> NixlWorker:
-        options = self.kv_transfer_config.extra_config_as(NixlConfig)
-        return NixlWorker(options, self.kv_transfer_config, self.engine_context)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

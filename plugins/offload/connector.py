@@ -21,14 +21,12 @@ class OffloadingConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker]):
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
         {Capability.ASYNC_LOAD, Capability.OFFLOAD}
     )
+    extra_config_schema = OffloadingConfig
+    scheduler_type = OffloadScheduler
     metadata_type = OffloadMetadata
     stats_type = OffloadStats
 
-    def build_scheduler(self) -> OffloadScheduler:
-        options = self.kv_transfer_config.extra_config_as(OffloadingConfig)
-        return OffloadScheduler(options, self.engine_context)
-
     def build_worker(self) -> OffloadWorker:
-        options = self.kv_transfer_config.extra_config_as(OffloadingConfig)
+        options = self.options
         per_chunk, slots, _ = chunk_geometry(options, self.engine_context)
         return OffloadWorker(self.engine_context, per_chunk, slots, options.disk_url)

@@ -86,7 +86,9 @@ def _refuse(key: str, message: str) -> NoReturn:
 
 
 class OffloadScheduler(ConnectorScheduler):
-    def __init__(self, options: OffloadingConfig, ctx: kvx.EngineContext) -> None:
+    def __init__(
+        self, options: OffloadingConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext
+    ) -> None:
         self.block_size = ctx.cache.block_size
         self.per_chunk, slots, disk_chunks = chunk_geometry(options, ctx)
         self.tokens_per_chunk = self.per_chunk * self.block_size

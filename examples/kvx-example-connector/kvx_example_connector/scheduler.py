@@ -7,15 +7,18 @@ from typing import Any
 
 import kvx
 from kvx import ConnectorScheduler
+from kvx_example_connector.config import ExamplePDConfig
 from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, SaveSpec
 
 FINISHED_NORMALLY = (kvx.RequestStatus.FINISHED_LENGTH_CAPPED, kvx.RequestStatus.FINISHED_STOPPED)
 
 
 class ExamplePDScheduler(ConnectorScheduler):
-    def __init__(self, engine_id: str, block_size: int) -> None:
-        self.engine_id = engine_id
-        self.block_size = block_size
+    def __init__(
+        self, options: ExamplePDConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext
+    ) -> None:
+        self.engine_id = str(config.engine_id)
+        self.block_size = ctx.cache.block_size
         self._meta = ExamplePDMetadata()
 
     def get_num_new_matched_tokens(

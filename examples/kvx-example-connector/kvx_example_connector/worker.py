@@ -15,6 +15,7 @@ import torch
 
 import kvx
 from kvx import ConnectorWorker, KVConnectorStats
+from kvx_example_connector.config import ExamplePDConfig
 from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec
 from kvx_example_connector.stats import ExamplePDStats
 
@@ -26,11 +27,11 @@ MAX_HEADER = 1 << 16
 
 class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
     def __init__(
-        self, root: Path, load_timeout_s: float, engine_id: str, ctx: kvx.EngineContext
+        self, options: ExamplePDConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext
     ) -> None:
-        self.root = root
-        self.load_timeout_s = load_timeout_s
-        self.engine_id = engine_id
+        self.root = Path(options.directory)
+        self.load_timeout_s = options.load_timeout_s
+        self.engine_id = str(config.engine_id)
         self.rank = f"pp{ctx.parallel.pp_rank}_tp{ctx.parallel.tp_rank}"
         cache = ctx.cache
         self.dim = kvx.get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim

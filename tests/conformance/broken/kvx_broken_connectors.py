@@ -205,6 +205,9 @@ class ClearsMetadata(ExamplePDConnector):
 
 
 class DoesNothingScheduler(ConnectorScheduler):
+    def __init__(self, options: Any, config: kvx.KVTransferConfig, ctx: kvx.EngineContext) -> None:
+        self.block_size = ctx.cache.block_size
+
     def get_num_new_matched_tokens(
         self, request: kvx.Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -219,17 +222,17 @@ class DoesNothingScheduler(ConnectorScheduler):
 
 
 class DoesNothingWorker(ConnectorWorker[KVConnectorMetadata]):
+    def __init__(self, options: Any, config: kvx.KVTransferConfig, ctx: kvx.EngineContext) -> None:
+        self.options = options
+
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None: ...
 
 
 class DoesNothing(RoleSplitConnector[DoesNothingScheduler, DoesNothingWorker]):
     """The skeleton of docs/writing-a-connector.md: claims nothing, moves nothing."""
 
-    def build_scheduler(self) -> DoesNothingScheduler:
-        return DoesNothingScheduler()
-
-    def build_worker(self) -> DoesNothingWorker:
-        return DoesNothingWorker()
+    scheduler_type = DoesNothingScheduler
+    worker_type = DoesNothingWorker
 
 
 def _with_worker(worker: type[ExamplePDWorker]) -> type[ExamplePDConnector]:
