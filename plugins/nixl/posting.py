@@ -46,6 +46,10 @@ class ReadPoster:
     device: int
     mem_type: str
     _local_dlists: dict[tuple[int, int], Any] = field(default_factory=dict, init=False)
+    _index: dict[tuple[str, int], int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self._index = {(r.layer, r.kv): i for i, r in enumerate(self.regions)}
 
     def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
         key = (head_offset, num_heads)
@@ -93,7 +97,6 @@ class ReadPoster:
             raise ValueError(
                 f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
             )
-        my_index = {(r.layer, r.kv): i for i, r in enumerate(self.regions)}
         local_blocks = np.asarray(job.local_block_ids, dtype=np.int64)
         remote_blocks = np.asarray(remote_ids, dtype=np.int64)
         for read in remote.plan.reads:
@@ -109,7 +112,7 @@ class ReadPoster:
                 ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
                 local_firsts, remote_firsts, nbytes = [], [], 0
                 for ri, region in enumerate(meta.regions):
-                    li = my_index.get((region.layer, region.kv))
+                    li = self._index.get((region.layer, region.kv))
                     if li is None:
                         continue
                     mine = self.regions[li]
