@@ -1,5 +1,6 @@
-"""PUT_ASYNC's background sender: one thread per worker sends queued tensors in order;
-`drain` (from `wait_for_save`) waits until the queue is empty, bounded in time."""
+"""PUT_ASYNC's background sender on the NCCL plane (which delivers after each ack): one thread
+per worker sends queued tensors in order; `drain` (from `wait_for_save`) waits until the queue
+is empty, bounded in time, and `cancel` drops what has not started."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from kvx.plugins.p2p.affinity import leave_compute_cores
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class AsyncSender:
         self._queue.put(args)
 
     def _run(self) -> None:
+        leave_compute_cores()
         while True:
             item = self._queue.get()
             if item is None:

@@ -22,6 +22,7 @@ import torch
 import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.p2p.addresses import format_address
+from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, RecvKey, SendStore
 from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
 from kvx.plugins.p2p.engine import P2pEngine, TransferError
@@ -87,6 +88,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.store: SendStore | None = None
         self._sender: AsyncSender | None = None
         self._unacked = False
+        self._plans: dict[Geometry, tuple[str | None, tuple[Any, ...]]] = {}
         self._sent: list[TensorMeta] = []
         """PUTs `send_puts` sent this step, their acks read in `wait_for_save`."""
         self._pool: ThreadPoolExecutor | None = None
@@ -190,11 +192,15 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             return
         base = format_address(spec.decode_host, spec.decode_port)
         decode = self.engine.geometry_of(base)
-        problem = compatibility_problem(self.geometry, decode)
+        if decode not in self._plans:  # a few D geometries: their plans once, not per slice
+            problem = compatibility_problem(self.geometry, decode)
+            plan = () if problem else sends(kv_geometry(decode), self.kv, self.ctx.parallel.tp_rank)
+            self._plans[decode] = (problem, plan)
+        problem, plan = self._plans[decode]
         if problem is not None:
             raise ValueError(f"cannot send to {base}: {problem}")
         stage = stage_of(self.layer_index[layer], self.geometry.num_layers, decode.pp_size)
-        for d, read in sends(kv_geometry(decode), self.kv, self.ctx.parallel.tp_rank):
+        for d, read in plan:
             local = range(read.remote_head_offset, read.remote_head_offset + read.num_heads)
             wire = self._wire(kv_layer, spec.block_ids, local if heads else None)
             meta = self._meta(
@@ -352,7 +358,9 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
 
     def _start_fetch(self, spec: LoadSpec) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-p2p-get")
+            self._pool = ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="kvx-p2p-get", initializer=leave_compute_cores
+            )
         self._fetching[spec.request_id] = (spec, self._pool.submit(self._fetch, spec))
 
     def _fetch(self, spec: LoadSpec) -> Fetched:
@@ -415,9 +423,17 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             )
 
     def _fail(self, spec: LoadSpec, why: str) -> None:
+        blocks = spec.block_ids
+        shown = ", ".join(map(str, blocks[:8])) + (", ..." if len(blocks) > 8 else "")
         logger.error(
-            "request %s: loading its KV failed: %s; its blocks are load errors",
+            "request %s (P's %s, tokens %d..%d, %d blocks [%s]): loading its KV failed: %s; "
+            "its blocks are load errors",
             spec.request_id,
+            spec.remote_request_id,
+            spec.start_token,
+            spec.start_token + spec.num_tokens,
+            len(blocks),
+            shown,
             why,
         )
         self.stats.count("failed_loads")
