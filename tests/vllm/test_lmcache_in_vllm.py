@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _services import lmcache_server
+from kvx_test_services import lmcache_server
 
 from kvx.plugins.lmcache.metadata import LMCacheMetadata
 
