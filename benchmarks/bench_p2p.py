@@ -2,13 +2,23 @@
 send/recv of the same bytes, P -> D, in the same run.
 
 A prefill process (P) and this process (D) hold real KV caches (NHD, float16) and the
-connector's worker of their rank. A connector round: P's worker saves a batch of requests
-(`save_kv_layer` per layer: copy the blocks out, PUT each slice to D, synchronously) and D's
-worker loads them (`start_load_kv`: wait for every slice, write it into D's blocks). D times
-from "go" until its blocks hold the KV, and the bytes are checked. A raw zmq round sends the
-same number of messages of the same sizes DEALER -> ROUTER with `copy=False`; a raw gloo round
-`dist.send`s them into preallocated tensors. Rounds interleave; medians of `--repeat`, with
-each side's CPU seconds beside the wall time.
+connector's worker of their rank. What each side does, per (request, layer) slice:
+
+- connector: P's `save_kv_layer` PUTs the slice straight from its blocks (zero-copy ZMQ frames,
+  one per K/V half and run of consecutive blocks; PUT_ASYNC: from the background sender,
+  drained by `wait_for_save`); D's listener keeps the received frames and `start_load_kv`
+  copies them into D's blocks: one copy on D, none on P.
+- raw pyzmq: P sends one frame of the slice's bytes from a contiguous tensor (DEALER -> ROUTER,
+  `copy=False`); D receives it (`copy=False`) and copies it into the request's blocks of a
+  destination cache of the same shape as the connector's: one copy on D, none on P.
+- raw gloo: P `dist.send`s the same tensor; D `dist.recv`s it into a preallocated contiguous
+  tensor and copies that into the destination cache's blocks.
+
+D times from "go" until its blocks hold the KV; after every round (warm-up included) every
+element of D's destination is compared with what P sent (it was zeroed before: a round that
+moved nothing fails). Both processes run torch on one thread (a shared 2-core machine: torch's
+parallel copies under load cost more than they save), and each side's CPU seconds are printed
+beside the wall time, with the load average. Rounds interleave; medians of `--repeat`.
 
     python benchmarks/bench_p2p.py               # 8 requests x 1024 tokens x 8 layers: 128 MiB
     python benchmarks/bench_p2p.py --quick       # 4 MiB, for CI
@@ -22,6 +32,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -99,9 +110,26 @@ def blocks_of(shape: Shape, i: int) -> list[int]:
     return list(range(i * n, (i + 1) * n))
 
 
+def raw_payload(shape: Shape) -> list[torch.Tensor]:
+    """Per layer, the contiguous slice-shaped tensor the raw rounds send for every request."""
+    layout = get_layout("NHD")
+    out = []
+    for i in range(shape.layers):
+        t = layout.allocate(
+            shape.blocks_per_request,
+            shape.block_size,
+            shape.heads,
+            shape.head_size,
+            dtype=torch.float16,
+        )
+        out.append(t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(99 + i))))
+    return out
+
+
 def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connection) -> None:
     """P: answers "conn", "zmq", "gloo" rounds with its CPU seconds; "stop" ends it."""
     SEND_TYPE[0] = send_type
+    torch.set_num_threads(1)
     connector, caches = worker(shape, "kv_producer", ports["p2p"], seed=7)
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -109,7 +137,7 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ports['gloo']}", rank=0, world_size=2
     )
-    payload = [torch.randn(shape.slice_bytes // 2).half() for _ in range(shape.layers)]
+    payload = raw_payload(shape)
     conn.send("ready")
     while True:
         command = conn.recv()
@@ -138,7 +166,8 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
             for _ in range(shape.requests):
                 for t in payload:
                     dealer.send_multipart(
-                        [b"hdr", memoryview(t.view(torch.uint8).numpy())], copy=False
+                        [b"hdr", memoryview(t.view(torch.uint8).reshape(-1).numpy())],
+                        copy=False,
                     )
         else:
             for _ in range(shape.requests):
@@ -158,21 +187,25 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=prefill, args=(shape, ports, SEND_TYPE[0], child), daemon=True)
     proc.start()
+    torch.set_num_threads(1)
     connector, caches = worker(shape, "kv_consumer", ports["p2p"], seed=None)
     expected = worker_values(shape)
+    payload = raw_payload(shape)
+    dest = {name: torch.empty_like(cache) for name, cache in caches.items()}
+    names = list(caches)
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.bind(f"tcp://127.0.0.1:{ports['zmq']}")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ports['gloo']}", rank=1, world_size=2
     )
-    sinks = [torch.empty(shape.slice_bytes // 2, dtype=torch.float16) for _ in range(shape.layers)]
+    sink = torch.empty_like(payload[0])
     results: dict[str, list[tuple[float, float, float]]] = {"conn": [], "zmq": [], "gloo": []}
     try:
         receive(parent, proc)
         for round_ in range(repeat + 1):  # round 0 warms up (HELLO, first connections)
             for kind in results:
-                for cache in caches.values():
+                for cache in (*caches.values(), *dest.values()):
                     cache.zero_()
                 tag = f"r{round_}"
                 start, cpu = time.perf_counter(), time.process_time()
@@ -197,15 +230,15 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
                     connector.start_load_kv(ForwardContext())
                     connector.clear_connector_metadata()
                 elif kind == "zmq":
-                    frames = [
-                        router.recv_multipart(copy=False)
-                        for _ in range(shape.requests * shape.layers)
-                    ]
-                    del frames
+                    for i in range(shape.requests):
+                        for name in names:
+                            frame = router.recv_multipart(copy=False)[-1]
+                            land(dest[name], shape, i, frombuffer(frame.buffer, sink))
                 else:
-                    for _ in range(shape.requests):
-                        for sink in sinks:
+                    for i in range(shape.requests):
+                        for name in names:
                             dist.recv(sink, src=0)
+                            land(dest[name], shape, i, sink)
                 wall, d_cpu = time.perf_counter() - start, time.process_time() - cpu
                 p_cpu = receive(parent, proc)
                 if kind == "conn":
@@ -213,6 +246,11 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
                     assert not errors, f"load errors in blocks {sorted(errors)[:8]}"
                     for name, cache in caches.items():
                         assert torch.equal(cache, expected[name]), f"{name}: bytes differ"
+                else:
+                    for layer, name in enumerate(names):
+                        for i in range(shape.requests):
+                            got = dest[name][:, blocks_of(shape, i)]
+                            assert torch.equal(got, payload[layer]), f"{kind} {name}: bytes differ"
                 if round_:
                     results[kind].append((wall, d_cpu, p_cpu))
         parent.send("stop")
@@ -225,6 +263,19 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
         context.term()
         dist.destroy_process_group()
     return results
+
+
+def frombuffer(buffer: memoryview, like: torch.Tensor) -> torch.Tensor:
+    """A received frame as a tensor shaped like `like` (read-only: only copied out of)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=like.dtype).view(like.shape)
+
+
+def land(cache: torch.Tensor, shape: Shape, i: int, data: torch.Tensor) -> None:
+    """Copy request `i`'s slice into its blocks of `cache` (its blocks are consecutive)."""
+    n = shape.blocks_per_request
+    cache[:, i * n : (i + 1) * n].copy_(data)
 
 
 def worker_values(shape: Shape) -> dict[str, torch.Tensor]:
@@ -248,7 +299,10 @@ def main() -> None:
     SEND_TYPE[0] = args.send_type
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     shape = Shape(2, 4, 64, 16, 4, 256) if args.quick else Shape(8, 8, 64, 16, 8, 1024)
+    load_before = os.getloadavg()[0]
     results = run(shape, args.repeat)
+    load_after = os.getloadavg()[0]
+    load = f"load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)"
     gib = shape.nbytes / (1 << 30)
     title = (
         f"P2pNcclConnector (CPU plane, {args.send_type}) vs raw transports, "
@@ -275,6 +329,7 @@ def main() -> None:
     verdict = "(quick: no verdict)" if args.quick else ("met" if ratio >= TARGET else "NOT met")
     print(f"connector / raw zmq throughput: {ratio:.2f} (want >= {TARGET}) {verdict}")
     print(f"raw zmq / raw gloo throughput: {medians['gloo'][0] / medians['zmq'][0]:.2f}")
+    print(f"medians of {args.repeat} rounds, torch on 1 thread in both processes; {load}")
     if args.plot:
         plot({names[k]: gib / v[0] for k, v in medians.items()}, args.plot, args.quick)
 

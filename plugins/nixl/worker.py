@@ -30,6 +30,7 @@ from kvx.plugins.nixl.handshake import (
     open_notification,
     seal_notification,
 )
+from kvx.plugins.nixl.hugepages import collapse_to_huge_pages
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
@@ -110,6 +111,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         first = next(iter(kv_caches.values()))
         self._mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
         self._device = first.device.index or 0
+        if self.options.huge_pages and self._mem_type == "DRAM":
+            collapsed = collapse_to_huge_pages(kv_caches.values())
+            total = sum(t.numel() * t.element_size() for t in kv_caches.values())
+            logger.info("KV cache: %d of %d MiB on huge pages", collapsed >> 20, total >> 20)
         self._registration = self.agent.register_memory(
             [
                 (t.data_ptr(), t.numel() * t.element_size(), self._device, "")

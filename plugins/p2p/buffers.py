@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvx.plugins.p2p.messages import TensorMeta
+from kvx.plugins.p2p.tensors import Segments
 
 logger = logging.getLogger(__name__)
 RecvKey = tuple[str, str, int]
@@ -26,12 +27,12 @@ REFUSALS_KEPT = 4096
 @dataclass
 class Entry:
     meta: TensorMeta
-    tensor: torch.Tensor
+    segments: Segments
     nbytes: int
     spilled: bool
     expires: float
     keep: Any = None
-    """What must outlive `tensor` (the received frame it views)."""
+    """What must outlive `segments` (the received frames they view)."""
 
 
 class RecvBuffer:
@@ -68,10 +69,10 @@ class RecvBuffer:
             )
 
     def put(
-        self, key: RecvKey, meta: TensorMeta, tensor: torch.Tensor, spill: bool, keep: Any = None
+        self, key: RecvKey, meta: TensorMeta, segments: Segments, spill: bool, keep: Any = None
     ) -> None:
-        if spill and tensor.device.type != "cpu":
-            tensor, keep = tensor.to("cpu"), None
+        if spill and any(s.device.type != "cpu" for s in segments):
+            segments, keep = [s.to("cpu") for s in segments], None
         if spill:
             self.spilled_count += 1
         with self._cond:
@@ -79,7 +80,7 @@ class RecvBuffer:
             if old is not None:
                 self._release(old)
             self._entries[key] = Entry(
-                meta, tensor, meta.nbytes, spill, time.monotonic() + self.ttl_s, keep
+                meta, segments, meta.nbytes, spill, time.monotonic() + self.ttl_s, keep
             )
             self._cond.notify_all()
 
@@ -108,12 +109,23 @@ class RecvBuffer:
                     )
                 self._cond.wait(min(left, 0.5))
 
-    def take(self, key: RecvKey, device: torch.device) -> tuple[TensorMeta, torch.Tensor]:
+    def wait_any(self, keys: list[RecvKey], deadline: float) -> tuple[list[RecvKey], set[str]]:
+        """Block until some of `keys` are here or one of their requests was refused: (the keys
+        here, the refused request ids); both empty once `deadline` passed."""
+        with self._cond:
+            while True:
+                here = [k for k in keys if k in self._entries]
+                refused = {k[0] for k in keys if k[0] in self._refused}
+                left = deadline - time.monotonic()
+                if here or refused or left <= 0:
+                    return here, refused
+                self._cond.wait(min(left, 0.5))
+
+    def take(self, key: RecvKey, device: torch.device) -> tuple[TensorMeta, Segments]:
         with self._cond:
             entry = self._entries.pop(key)
             self._release(entry)
-        tensor = entry.tensor.to(device) if entry.tensor.device != device else entry.tensor
-        return entry.meta, tensor
+        return entry.meta, [s.to(device) for s in entry.segments]
 
     def discard(self, request_id: str) -> int:
         """Drop everything held for `request_id`; how many entries."""

@@ -12,9 +12,10 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -37,8 +38,8 @@ from kvx.plugins.p2p.messages import (
     seal_reply,
     seal_request,
 )
-from kvx.plugins.p2p.planes import DataPlane
-from kvx.plugins.p2p.tensors import expected_nbytes, from_wire, gather, has_heads, physical
+from kvx.plugins.p2p.planes import DataPlane, PlaneError
+from kvx.plugins.p2p.tensors import Segments, expected_nbytes, gather, has_heads, physical
 from kvx.wire import ReplayGuard, WireError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ POLL_MS = 100
 MAX_PAIRS = 4096
 """DEALERs one listener pairs with before it refuses new ones."""
 WARN_EVERY_S = 10.0
+MAX_UNACKED = 256
+"""PUTs sent ahead of their acks to one peer (`send_puts`), well under ZMQ's queue limits: a
+ROUTER drops replies to a peer whose queue is full."""
 
 
 class TransferError(RuntimeError):
@@ -60,6 +64,8 @@ class Peer:
     lock: threading.Lock
     geometry: Geometry | None = None
     closed: bool = False
+    unacked: deque[tuple[TensorMeta, bytes, float]] = field(default_factory=deque)
+    """PUTs sent by `send_puts` whose ack is still to be read: (meta, nonce, deadline)."""
 
 
 class P2pEngine:
@@ -90,6 +96,8 @@ class P2pEngine:
         self._replays = ReplayGuard()
         self._stop = threading.Event()
         self._last_warning = 0.0
+        self._lost: list[tuple[TensorMeta, str]] = []
+        self._lost_lock = threading.Lock()
         self._router: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self.address: str | None = None
@@ -219,16 +227,19 @@ class P2pEngine:
                 self.count("refused_puts", 1)
                 answer(Reply(False, admitted))
                 return
-            answer(Reply(True))
             spill = admitted == "spill"
             try:
-                raw, keep = self.plane.collect(identity, meta, data)
+                prepared = self.plane.prepare(identity, meta)
+            except PlaneError as exc:
+                self.recv.unreserve(meta.nbytes, spill)
+                self.count("refused_puts", 1)
+                answer(Reply(False, str(exc)))
+                return
+            answer(Reply(True))
+            try:
+                raw, keep = self.plane.collect(identity, meta, data, prepared)
                 self.recv.put(
-                    (meta.request_id, meta.layer, meta.first_head),
-                    meta,
-                    from_wire(raw, meta),
-                    spill,
-                    keep,
+                    (meta.request_id, meta.layer, meta.first_head), meta, raw, spill, keep
                 )
             except Exception:
                 self.recv.unreserve(meta.nbytes, spill)
@@ -270,8 +281,8 @@ class P2pEngine:
         )
         if self.store is not None:
             self.store.served(get.request_id, get.layer, get.readers)
-        answer(Reply(True, meta=meta), self.plane.frames(wire))
-        self.plane.deliver(identity, wire)
+        answer(Reply(True, meta=meta), self.plane.frames([wire]))
+        self.plane.deliver(identity, [wire])
         self.count("served_bytes", wire.numel())
 
     def _meta_problem(self, meta: TensorMeta) -> str | None:
@@ -293,6 +304,7 @@ class P2pEngine:
             if peer is None:
                 socket = self._context.socket(zmq.DEALER)
                 socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
                 identity = os.urandom(16)
                 socket.setsockopt(zmq.IDENTITY, identity)
                 socket.connect(f"tcp://{address}")
@@ -315,6 +327,13 @@ class P2pEngine:
     def _drop(self, peer: Peer) -> None:
         """A peer that failed an exchange: its socket may hold a late reply, so start over."""
         peer.closed = True
+        if peer.unacked:  # their frames are discarded with the socket: they failed
+            with self._lost_lock:
+                self._lost.extend(
+                    (meta, f"{peer.address}: connection dropped before its ack")
+                    for meta, _, _ in peer.unacked
+                )
+            peer.unacked.clear()
         with self._peers_lock:
             if self._peers.get(peer.address) is peer:
                 del self._peers[peer.address]
@@ -342,7 +361,11 @@ class P2pEngine:
             if not reply.ok or reply.geometry is None:
                 self._drop(peer)
                 raise TransferError(f"{address} refused HELLO: {reply.error or 'no geometry'}")
-            self.plane.join(peer.identity, pair_id, 0)
+            try:
+                self.plane.join(peer.identity, pair_id, 0)
+            except PlaneError as exc:
+                self._drop(peer)
+                raise TransferError(f"{address}: {exc}") from None
             peer.geometry = reply.geometry
 
     def geometry_of(self, address: str) -> Geometry:
@@ -359,17 +382,19 @@ class P2pEngine:
 
     def put(self, address: str, meta: TensorMeta, wire: torch.Tensor) -> None:
         """Push one tensor (its memory-order bytes); `TransferError` if it did not land."""
-        failed = self.put_many(address, [(meta, wire)])
+        failed = self.put_many(address, [(meta, [wire])])
         if failed:
             raise TransferError(failed[0][1])
 
     def put_many(
-        self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]
+        self, address: str, items: list[tuple[TensorMeta, Segments]]
     ) -> list[tuple[TensorMeta, str]]:
-        """Push several tensors to one peer, pipelined: every announcement (with its frames on
-        the CPU plane) goes out first, then the replies are read in order and each admitted
-        tensor is delivered (NCCL: in that same order). Returns the ones that did not land,
-        with why; a dead peer fails them all within the timeout."""
+        """Push several tensors (each as segments of its memory-order bytes) to one peer,
+        pipelined: every announcement (with its frames on the CPU plane) goes out first, then
+        the replies are read in order and each admitted tensor is delivered (NCCL: in that same
+        order). Returns the ones that did not land, with why; a dead peer fails them all within
+        the timeout. Once it returns, the peer holds (or refused) every byte: segments that
+        view a KV cache may change again."""
         deadline = time.monotonic() + self.timeout_s
         try:
             with self._locked(address, deadline) as peer:
@@ -385,7 +410,11 @@ class P2pEngine:
                     except TransferError as exc:
                         return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     if reply.ok:
-                        self.plane.deliver(peer.identity, wire)
+                        try:
+                            self.plane.deliver(peer.identity, wire)
+                        except PlaneError as exc:  # the pair is gone: start over next time
+                            self._drop(peer)
+                            return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     else:
                         failed.append(
                             (
@@ -396,6 +425,65 @@ class P2pEngine:
                 return failed
         except (TransferError, zmq.ZMQError) as exc:
             return [(meta, str(exc)) for meta, _ in items]
+
+    def send_puts(
+        self, address: str, items: list[tuple[TensorMeta, Segments]]
+    ) -> list[tuple[TensorMeta, str]]:
+        """Push tensors without waiting for their acks (a plane whose frames carry the bytes:
+        nothing is delivered after the reply); `settle` reads the acks. Returns those that could
+        not be sent. Until `settle` accounted for it, a tensor's segments may still be read."""
+        if not self.plane.sends_views:
+            raise TypeError(f"send_puts: the {self.plane.name} plane delivers after the ack")
+        deadline = time.monotonic() + self.timeout_s
+        sent = 0
+        try:
+            with self._locked(address, deadline) as peer:
+                for meta, wire in items:
+                    while len(peer.unacked) >= MAX_UNACKED and not peer.closed:
+                        self._read_ack(peer)
+                    if peer.closed:
+                        raise TransferError(f"{address}: connection dropped")
+                    envelope, nonce = seal_request(self.secret, Put(meta))
+                    try:
+                        peer.socket.send_multipart([envelope, *self.plane.frames(wire)], copy=False)
+                    except zmq.ZMQError as exc:
+                        self._drop(peer)
+                        raise TransferError(f"{address}: {exc}") from None
+                    peer.unacked.append((meta, nonce, deadline))
+                    sent += 1
+                while peer.unacked and not peer.closed and peer.socket.poll(0):
+                    self._read_ack(peer)
+        except TransferError as exc:
+            return [(meta, str(exc)) for meta, _ in items[sent:]]
+        return []
+
+    def _read_ack(self, peer: Peer) -> None:
+        """Read the oldest unacked PUT's reply (the caller holds `peer.lock`); a refusal or a
+        broken connection goes to what `settle` reports."""
+        meta, nonce, deadline = peer.unacked[0]
+        try:
+            reply, _ = self._reply(peer, nonce, max(0.001, deadline - time.monotonic()))
+        except TransferError:
+            return  # `_reply` dropped the peer: every unacked PUT of it is lost
+        peer.unacked.popleft()
+        if not reply.ok:
+            with self._lost_lock:
+                self._lost.append(
+                    (meta, f"{peer.address} refused {meta.request_id}#{meta.layer}: {reply.error}")
+                )
+
+    def settle(self) -> list[tuple[TensorMeta, str]]:
+        """Read every outstanding ack of `send_puts` (each within its deadline); return the
+        PUTs that did not land, with why. Afterwards no frame of theirs is read any more."""
+        with self._peers_lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            with peer.lock:
+                while peer.unacked and not peer.closed:
+                    self._read_ack(peer)
+        with self._lost_lock:
+            lost, self._lost = self._lost, []
+        return lost
 
     def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> tuple[Reply, list[Any]]:
         try:
@@ -409,8 +497,8 @@ class P2pEngine:
             self._drop(peer)
             raise TransferError(str(exc)) from None
 
-    def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, torch.Tensor, Any]:
-        """Pull one tensor: (meta, its layout view, what must outlive it)."""
+    def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, Segments, Any]:
+        """Pull one tensor: (meta, its segments, what must outlive them)."""
         with self._locked(address, deadline) as peer:
             reply, frames = self._exchange(peer, get, [], _left(deadline))
             if not reply.ok or reply.meta is None:
@@ -422,8 +510,12 @@ class P2pEngine:
             if why is not None:
                 self._drop(peer)
                 raise TransferError(f"{address}: bad GET reply: {why}")
-            raw, keep = self.plane.collect(peer.identity, meta, frames)
-            return meta, from_wire(raw, meta), keep
+            try:
+                raw, keep = self.plane.collect(peer.identity, meta, frames)
+            except PlaneError as exc:
+                self._drop(peer)
+                raise TransferError(f"{address}: {exc}") from None
+            return meta, raw, keep
 
     # -- shutdown -------------------------------------------------------------------------
 

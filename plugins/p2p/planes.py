@@ -5,11 +5,13 @@ pairs with a ROUTER once (HELLO, which carries the NCCL unique id), then every t
 "announce (PUT header, or GET request) -> the receiver admits or refuses -> bytes move". What
 differs is only where the bytes go:
 
-- `CpuPlane`: the bytes ride as one zero-copy ZMQ frame behind the announcement (pyzmq
-  `copy=False`), on the same TCP connection, so ordering is the connection's order.
-- `NcclPlane` (`nccl.py`): a two-rank NCCL communicator per (DEALER, ROUTER) pair; after the
-  receiver's reply the sender posts `ncclSend` and the receiver `ncclRecv`, in the order the
-  control messages fix.
+- `CpuPlane`: the bytes ride as zero-copy ZMQ frames behind the announcement (pyzmq
+  `copy=False`), on the same TCP connection, so ordering is the connection's order. A slice may
+  be several frames (`tensors.block_segments`: views of P's blocks, one per run of blocks), so
+  P sends without copying; D keeps the received frames and copies them once into its blocks.
+- `NcclPlane` (`nccl.py`): a two-rank NCCL communicator per (DEALER, ROUTER) pair; the receiver
+  allocates the device buffer before it replies, then the sender posts `ncclSend` and the
+  receiver `ncclRecv`, in the order the control messages fix, each bounded by the timeout.
 
 Why ZMQ frames on CPU and not torch.distributed gloo send/recv: `benchmarks/bench_p2p.py`
 moves the same 128 MiB both ways in one run; on this (shared, loaded) 2-core machine raw
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from kvx.plugins.p2p.messages import TensorMeta
-from kvx.plugins.p2p.tensors import frombuffer
+from kvx.plugins.p2p.tensors import MAX_SEGMENTS, Segments, frombuffer
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ class DataPlane(ABC):
     """Moves the bytes of one tensor between a paired DEALER (rank 0) and ROUTER (rank 1)."""
 
     name: str
+    sends_views = False
+    """True if `frames`/`deliver` take views of the KV cache as they are (several segments);
+    False if the worker must hand over one contiguous copy (the data leaves after the reply)."""
 
     def new_pair_id(self) -> bytes:
         """DEALER side: the id the HELLO carries (NCCL: a fresh unique id)."""
@@ -51,54 +56,64 @@ class DataPlane(ABC):
         """Forget the channel of `pair` (peer gone or closed)."""
 
     @abstractmethod
-    def frames(self, data: torch.Tensor) -> list[Any]:
-        """Frames sent right behind the announcement of `data` (uint8, contiguous)."""
+    def frames(self, data: Segments) -> list[Any]:
+        """Frames sent right behind the announcement of `data` (contiguous uint8 segments)."""
 
     @abstractmethod
     def check(self, meta: TensorMeta, frames: list[Any]) -> str | None:
         """Receiver, before it admits `meta`: None if `frames` are what this plane expects."""
 
+    def prepare(self, pair: bytes, meta: TensorMeta) -> Any:
+        """Receiver, before it admits a PUT of `meta`: whatever `collect` will fill (PlaneError
+        if it cannot take it)."""
+        return None
+
     @abstractmethod
-    def deliver(self, pair: bytes, data: torch.Tensor) -> None:
+    def deliver(self, pair: bytes, data: Segments) -> None:
         """Sender, after the receiver admitted `data`: move its bytes."""
 
     @abstractmethod
-    def collect(self, pair: bytes, meta: TensorMeta, frames: list[Any]) -> tuple[torch.Tensor, Any]:
-        """Receiver, after it admitted `meta`: the uint8 bytes and what must outlive them."""
+    def collect(
+        self, pair: bytes, meta: TensorMeta, frames: list[Any], prepared: Any = None
+    ) -> tuple[Segments, Any]:
+        """Receiver, after it admitted `meta`: the uint8 segments and what must outlive them."""
 
     def close(self) -> None:
         """Release every channel."""
 
 
 class CpuPlane(DataPlane):
-    """Bytes as one zero-copy ZMQ frame behind the control frame."""
+    """Bytes as zero-copy ZMQ frames (1 to `MAX_SEGMENTS`) behind the control frame."""
 
     name = "cpu"
+    sends_views = True
 
-    def frames(self, data: torch.Tensor) -> list[Any]:
-        return [memoryview(data.numpy())]  # type: ignore[arg-type]  # ndarray is a buffer
+    def frames(self, data: Segments) -> list[Any]:
+        return [memoryview(s.numpy()) for s in data]  # type: ignore[arg-type]  # a buffer
 
     def check(self, meta: TensorMeta, frames: list[Any]) -> str | None:
-        if len(frames) != 1:
-            return f"expected 1 data frame, got {len(frames)}"
-        size = len(frames[0].buffer)
+        if not 1 <= len(frames) <= MAX_SEGMENTS:
+            return f"expected 1 to {MAX_SEGMENTS} data frames, got {len(frames)}"
+        size = sum(len(f.buffer) for f in frames)
         if size != meta.nbytes:
-            return f"data frame of {size} bytes, {meta.nbytes} announced"
+            return f"data frames of {size} bytes, {meta.nbytes} announced"
         return None
 
-    def deliver(self, pair: bytes, data: torch.Tensor) -> None:
-        """Nothing: the frame already went with the announcement."""
+    def deliver(self, pair: bytes, data: Segments) -> None:
+        """Nothing: the frames already went with the announcement."""
 
-    def collect(self, pair: bytes, meta: TensorMeta, frames: list[Any]) -> tuple[torch.Tensor, Any]:
+    def collect(
+        self, pair: bytes, meta: TensorMeta, frames: list[Any], prepared: Any = None
+    ) -> tuple[Segments, Any]:
         problem = self.check(meta, frames)
         if problem is not None:
             raise PlaneError(problem)
-        if meta.nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8), None
-        return frombuffer(frames[0].buffer), frames[0]
+        return [frombuffer(f.buffer) for f in frames if len(f.buffer)], frames
 
 
-def choose_plane(setting: str, device: torch.device, num_channels: int) -> DataPlane:
+def choose_plane(
+    setting: str, device: torch.device, num_channels: int, timeout_s: float = 30.0
+) -> DataPlane:
     """`auto`: NCCL for CUDA KV caches, CPU otherwise; the choice is logged."""
     use_nccl = setting == "nccl" or (setting == "auto" and device.type == "cuda")
     if use_nccl:
@@ -109,7 +124,7 @@ def choose_plane(setting: str, device: torch.device, num_channels: int) -> DataP
             )
         from kvx.plugins.p2p.nccl import NcclPlane
 
-        plane: DataPlane = NcclPlane(device, num_channels)
+        plane: DataPlane = NcclPlane(device, num_channels, timeout_s)
     else:
         plane = CpuPlane()
     logger.info("P2P data plane: %s (data_plane=%s, KV cache on %s)", plane.name, setting, device)

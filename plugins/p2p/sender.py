@@ -52,6 +52,25 @@ class AsyncSender:
                 self._cond.wait(left)
         return True
 
+    def cancel(self) -> int:
+        """Drop every queued send that has not started; how many were dropped."""
+        dropped, stop = 0, False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+            else:
+                dropped += 1
+        if stop:
+            self._queue.put(None)
+        with self._cond:
+            self._pending -= dropped
+            self._cond.notify_all()
+        return dropped
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)

@@ -1,19 +1,28 @@
 """KV slices in and out of the paged cache, and their bytes on the wire.
 
-P cuts a (request, layer) slice out of its cache with `gather` (its own layout and block size,
-a head range for the D rank it goes to); D writes it into its blocks with `scatter`, converting
-layout, block size and head position with `kvx.layouts.convert_blocks`. On the wire a slice is
-its physical (memory-order) bytes; `from_wire` rebuilds the layout view from the meta.
+On the wire a (request, layer) slice is the memory-order bytes of its blocks (in P's layout and
+block size, only the heads of the D rank it goes to), as one or more segments whose
+concatenation is those bytes. P sends segments straight from its cache where the blocks allow
+(`block_segments`: one per run of consecutive blocks and K/V half, no copy) and otherwise cuts
+a copy with `gather`. D writes the segments into its blocks with `scatter`: byte rows copied
+straight into place when both sides share layout, block size and heads (one copy), else through
+`kvx.layouts.convert_blocks` from the rebuilt layout view (`assemble`).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
-from kvx.layouts import HEADS, Layout, convert_blocks, get_layout
+from kvx.layouts import HEAD_SIZE, HEADS, Layout, convert_blocks, get_layout
 from kvx.plugins.p2p.messages import TensorMeta
+
+Segments = list[torch.Tensor]
+"""uint8 tensors whose concatenation is a slice's memory-order bytes."""
+MAX_SEGMENTS = 256
+"""Segments one slice may travel in; a more fragmented slice is sent as one gathered copy."""
 
 
 def has_heads(layout: Layout) -> bool:
@@ -45,6 +54,50 @@ def gather(
         dst_heads=range(num_heads) if heads is not None else None,
     )
     return out
+
+
+def block_rows(cache: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """`cache`'s bytes as `[outer, blocks, bytes per block]` (outer: the memory dims before
+    blocks, e.g. K/V), a view; None if `cache` is not dense in its layout's memory order."""
+    phys = cache.permute(layout.stride_order)
+    if not phys.is_contiguous() or phys.dim() == 0:
+        return None
+    at = layout.stride_order.index(layout.blocks_dim)
+    outer = math.prod(phys.shape[:at])
+    if outer == 0 or phys.shape[at] == 0:
+        return None
+    return phys.reshape(outer, phys.shape[at], -1).view(torch.uint8)
+
+
+def block_runs(block_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
+    """`block_ids` as [start, stop) runs of consecutive ids, in order (ValueError if one is out
+    of range)."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if not 0 <= b < num_blocks:
+            raise ValueError(f"block id {b} is out of range for a cache of {num_blocks} blocks")
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
+
+
+def block_segments(
+    cache: torch.Tensor, layout: Layout, block_ids: list[int], heads: range | None
+) -> Segments | None:
+    """The bytes `physical(gather(cache, layout, block_ids, heads, ...))` would hold, as views
+    into `cache` (no copy): one segment per outer index and run of consecutive blocks. None
+    when they are not whole blocks of a dense cache (a head subset) or too fragmented."""
+    if heads is not None and (heads.start != 0 or len(heads) != layout.sizes_of(cache)[HEADS]):
+        return None
+    rows = block_rows(cache, layout)
+    if rows is None:
+        return None
+    runs = block_runs(block_ids, rows.shape[1])
+    if rows.shape[0] * len(runs) > MAX_SEGMENTS:
+        return None
+    return [rows[o, a:b].reshape(-1) for o in range(rows.shape[0]) for a, b in runs]
 
 
 def physical(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -81,8 +134,19 @@ def frombuffer(buffer: memoryview) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+def assemble(segments: Segments, meta: TensorMeta) -> torch.Tensor:
+    """The layout view of a received slice (a copy only when it came in several segments)."""
+    if len(segments) == 1:
+        raw = segments[0]
+    elif segments:
+        raw = torch.cat([s.reshape(-1) for s in segments])
+    else:
+        raw = torch.empty(0, dtype=torch.uint8)
+    return from_wire(raw, meta)
+
+
 def scatter(
-    received: torch.Tensor,
+    segments: Segments,
     meta: TensorMeta,
     cache: torch.Tensor,
     layout: Layout,
@@ -91,9 +155,8 @@ def scatter(
     num_tokens: int,
     dst_heads: range | None,
 ) -> None:
-    """Write tokens `start_token..start_token+num_tokens` of `received` (which starts at token 0)
-    into `block_ids` of `cache`; `start_token` is a multiple of the cache's block size."""
-    src_layout = get_layout(meta.layout)
+    """Write tokens `start_token..start_token+num_tokens` of the received slice (which starts at
+    token 0) into `block_ids` of `cache`; `start_token` is a multiple of the cache's block size."""
     bd, rb = layout.block_size_of(cache), meta.block_size
     end = start_token + num_tokens
     if end > meta.num_tokens:
@@ -101,6 +164,12 @@ def scatter(
             f"{meta.request_id}#{meta.layer}: the peer sent {meta.num_tokens} tokens, "
             f"{end} are needed"
         )
+    if _same_blocks(meta, cache, layout, dst_heads) and _place(
+        segments, meta, cache, layout, block_ids, start_token, num_tokens
+    ):
+        return
+    received = assemble(segments, meta)
+    src_layout = get_layout(meta.layout)
     src_heads = range(meta.num_heads) if dst_heads is not None else None
     if start_token % rb == 0:
         first = start_token // rb
@@ -146,3 +215,107 @@ def scatter(
         src_heads=dst_heads,
         dst_heads=dst_heads,
     )
+
+
+def _same_blocks(
+    meta: TensorMeta, cache: torch.Tensor, layout: Layout, dst_heads: range | None
+) -> bool:
+    """True if the slice's blocks are byte for byte blocks of `cache` (same layout, block size,
+    dtype and head size, every head of this rank)."""
+    sizes = layout.sizes_of(cache)
+    if (meta.layout, meta.block_size, meta.dtype) != (
+        layout.name,
+        sizes["tokens"],
+        str(cache.dtype).removeprefix("torch."),
+    ) or meta.head_size != sizes[HEAD_SIZE]:
+        return False
+    if HEADS not in layout.dims:
+        return True
+    every = range(sizes[HEADS])
+    return meta.num_heads == len(every) and dst_heads in (None, every)
+
+
+def _place(
+    segments: Segments,
+    meta: TensorMeta,
+    cache: torch.Tensor,
+    layout: Layout,
+    block_ids: list[int],
+    start_token: int,
+    num_tokens: int,
+) -> bool:
+    """Copy the slice's whole blocks straight from `segments` into `cache` (one copy per run of
+    consecutive blocks), and a last partial block through `convert_blocks` so its tokens past
+    `num_tokens` stay untouched. False (nothing written) when the segments are not whole
+    blocks, so the caller converts instead."""
+    rows = block_rows(cache, layout)
+    if rows is None:
+        return False
+    outer, piece = rows.shape[0], rows.shape[2]
+    wire_blocks = meta.num_blocks
+    if meta.nbytes != outer * wire_blocks * piece or any(s.numel() % piece for s in segments):
+        return False
+    bs = meta.block_size
+    first, full, tail = start_token // bs, num_tokens // bs, num_tokens % bs
+    if len(block_ids) != full + (1 if tail else 0):
+        raise ValueError(
+            f"{len(block_ids)} destination blocks for {num_tokens} tokens of {bs} per block"
+        )
+    block_runs(block_ids, rows.shape[1])  # range check
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError("the destination blocks repeat a block id")
+    last = layout.allocate(
+        1, bs, meta.num_heads, meta.head_size, dtype=cache.dtype, device=cache.device
+    )
+    last_rows = block_rows(last, layout)
+    assert last_rows is not None
+    flat = 0  # index of the segment's first block over (outer, wire block)
+    for segment in segments:
+        count = segment.numel() // piece
+        pieces = segment.view(count, piece)
+        for o in range(outer) if tail else ():
+            at = o * wire_blocks + first + full - flat  # the partial block of outer index o
+            if 0 <= at < count:
+                last_rows[o, 0].copy_(pieces[at])
+        _copy_runs(rows, pieces, flat, wire_blocks, first, full, block_ids)
+        flat += count
+    if tail:
+        convert_blocks(
+            last,
+            cache,
+            [0],
+            [block_ids[-1]],
+            src_layout=layout,
+            dst_layout=layout,
+            num_tokens=tail,
+        )
+    return True
+
+
+def _copy_runs(
+    rows: torch.Tensor,
+    pieces: torch.Tensor,
+    flat: int,
+    wire_blocks: int,
+    first: int,
+    full: int,
+    block_ids: list[int],
+) -> None:
+    """Copy the whole blocks among `pieces` (wire blocks `flat..`, over (outer, block)) that
+    land in `block_ids`, one copy per run that is consecutive on both sides."""
+    k, count = 0, pieces.shape[0]
+    while k < count:
+        o, j = divmod(flat + k, wire_blocks)
+        if not first <= j < first + full:
+            k += 1
+            continue
+        n = 1
+        while (
+            k + n < count
+            and j + n < first + full
+            and block_ids[j + n - first] == block_ids[j - first] + n
+        ):
+            n += 1
+        dst = block_ids[j - first]
+        rows[o, dst : dst + n].copy_(pieces[k : k + n])
+        k += n

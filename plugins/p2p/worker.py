@@ -1,10 +1,13 @@
 """P2pNcclConnector's worker side: one `P2pEngine` per worker.
 
-P copies each saved (request, layer) out of its cache in `save_kv_layer` and pushes the slices
-to D's workers (PUT: at once, PUT_ASYNC: from a background sender drained by `wait_for_save`)
-or keeps them in its send store (GET). D loads pushed KV from its receive buffer within
-`start_load_kv` (a synchronous load, as in vLLM) or pulls it from P in the background (GET,
-asynchronous). Every failure ends in load errors for the request's blocks, never a hang.
+P pushes each saved (request, layer) slice to D's workers (PUT: waits for D's acks; PUT_ASYNC:
+does not, `wait_for_save` reads them, or on NCCL drains a background sender), on the CPU plane
+straight from its blocks (the frames view the cache, which vLLM leaves alone until
+`wait_for_save` returns), else as a copy cut out in `save_kv_layer`; or keeps a copy in its
+send store (GET). D loads pushed KV from its receive buffer within `start_load_kv` (a
+synchronous load, as in vLLM; each slice is written as soon as it is there) or pulls it from P
+in the background (GET, asynchronous). Every failure ends in load errors for the request's
+blocks, never a hang.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.p2p.addresses import format_address
-from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
+from kvx.plugins.p2p.buffers import RecvBuffer, RecvKey, SendStore
 from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
 from kvx.plugins.p2p.engine import P2pEngine, TransferError
 from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
@@ -36,11 +39,18 @@ from kvx.plugins.p2p.routes import (
 )
 from kvx.plugins.p2p.sender import AsyncSender
 from kvx.plugins.p2p.stats import P2pKVConnectorStats
-from kvx.plugins.p2p.tensors import gather, has_heads, physical, scatter
+from kvx.plugins.p2p.tensors import (
+    Segments,
+    block_segments,
+    gather,
+    has_heads,
+    physical,
+    scatter,
+)
 from kvx.topology import KVGeometry, TopologyError
 
 logger = logging.getLogger(__name__)
-Fetched = list[tuple[str, Any, TensorMeta, torch.Tensor, Any]]
+Fetched = list[tuple[str, Any, TensorMeta, Segments, Any]]
 
 
 class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
@@ -76,13 +86,16 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.recv: RecvBuffer | None = None
         self.store: SendStore | None = None
         self._sender: AsyncSender | None = None
+        self._unacked = False
+        self._sent: list[TensorMeta] = []
+        """PUTs `send_puts` sent this step, their acks read in `wait_for_save`."""
         self._pool: ThreadPoolExecutor | None = None
         self._caches: dict[str, torch.Tensor] = {}
         self._fetching: dict[str, tuple[LoadSpec, Future[Fetched]]] = {}
         self._recved: set[str] = set()
         self._errors: set[int] = set()
         self._failed_saves: set[str] = set()
-        self._outgoing: dict[str, list[tuple[TensorMeta, torch.Tensor]]] = {}
+        self._outgoing: dict[str, list[tuple[TensorMeta, Segments]]] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -105,7 +118,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.engine = P2pEngine(
             f"{config.engine_id}-pp{self.ctx.parallel.pp_rank}-tp{self.ctx.parallel.tp_rank}",
             listen,
-            choose_plane(options.data_plane, device, options.nccl_num_channels),
+            choose_plane(
+                options.data_plane,
+                device,
+                options.nccl_num_channels,
+                options.transfer_timeout_s,
+            ),
             self.geometry,
             secret=kvx.resolve_secret(options.shared_secret, SECRET_KEY, min_length=8),
             timeout_s=options.transfer_timeout_s,
@@ -114,7 +132,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             store=self.store if serves_gets else None,
             count=self.stats.count,
         )
-        if config.is_kv_producer and options.send_type == "PUT_ASYNC":
+        # PUT_ASYNC: where the frames carry the bytes (CPU plane), save_kv_layer hands them to
+        # ZMQ without waiting and wait_for_save reads the acks; NCCL delivers after each ack, so
+        # a background sender does that.
+        self._unacked = config.is_kv_producer and options.send_type == "PUT_ASYNC"
+        if self._unacked and not self.engine.plane.sends_views:
+            self._unacked = False
             self._sender = AsyncSender(self._put, f"kvx-p2p-send-{self.port}")
 
     @property
@@ -173,55 +196,90 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         stage = stage_of(self.layer_index[layer], self.geometry.num_layers, decode.pp_size)
         for d, read in sends(kv_geometry(decode), self.kv, self.ctx.parallel.tp_rank):
             local = range(read.remote_head_offset, read.remote_head_offset + read.num_heads)
-            t = gather(
-                kv_layer,
-                self.layout,
-                spec.block_ids,
-                local if heads else None,
-                self.geometry.head_size,
-            )
-            wire = physical(t, self.layout)
+            wire = self._wire(kv_layer, spec.block_ids, local if heads else None)
             meta = self._meta(
                 spec,
                 layer,
                 read.remote_heads.start if heads else 0,
                 read.num_heads if heads else 1,
-                wire.numel(),
+                sum(s.numel() for s in wire),
             )
             port = worker_port(spec.decode_port, stage, decode.tp_size, d)
             self._outgoing.setdefault(format_address(spec.decode_host, port), []).append(
                 (meta, wire)
             )
 
+    def _wire(self, kv_layer: torch.Tensor, block_ids: list[int], heads: range | None) -> Segments:
+        """The slice's bytes: views of the blocks when the plane sends views, else a copy."""
+        assert self.engine is not None
+        if self.engine.plane.sends_views:
+            views = block_segments(kv_layer, self.layout, block_ids, heads)
+            if views is not None:
+                return views
+        t = gather(kv_layer, self.layout, block_ids, heads, self.geometry.head_size)
+        return [physical(t, self.layout)]
+
     def _flush(self) -> None:
         """Send what this layer's saves queued, one pipelined batch per D worker."""
         batches, self._outgoing = self._outgoing, {}
         for address, items in batches.items():
-            if self._sender is not None:
+            if self._unacked:
+                assert self.engine is not None
+                failed = self.engine.send_puts(address, items)
+                self._account([], failed, None)
+                bad = {id(m) for m, _ in failed}
+                self._sent.extend(m for m, _ in items if id(m) not in bad)
+            elif self._sender is not None:
                 self._sender.submit(address, items)
             else:
                 self._put(address, items)
 
-    def _put(self, address: str, items: list[tuple[TensorMeta, torch.Tensor]]) -> None:
+    def _put(self, address: str, items: list[tuple[TensorMeta, Segments]]) -> None:
         assert self.engine is not None
         start = time.perf_counter()
         failed = self.engine.put_many(address, items)
+        self._account(items, failed, time.perf_counter() - start)
+
+    def _account(
+        self,
+        items: list[tuple[TensorMeta, Segments]],
+        failed: list[tuple[TensorMeta, str]],
+        seconds: float | None,
+    ) -> None:
+        """Log and count the PUTs that failed, count the others as landed."""
         for meta, why in failed:
             logger.error("request %s: PUT of %s failed: %s", meta.request_id, meta.layer, why)
         self.stats.count("failed_transfers", len(failed))
         landed = len(items) - len(failed)
         if landed:
-            self.stats.record(time.perf_counter() - start)
+            if seconds is not None:
+                self.stats.record(seconds)
             self.stats.count("puts", landed)
             bad = {id(m) for m, _ in failed}
             self.stats.count("put_bytes", sum(m.nbytes for m, _ in items if id(m) not in bad))
 
     def wait_for_save(self) -> None:
+        """Returns once no send reads this step's blocks any more (they may be reused): every
+        ack of the CPU plane's unacked PUTs is read (each within its deadline; a dead peer's
+        connection is dropped with its queued frames); on NCCL, queued sends left after
+        `transfer_timeout_s` are dropped (D fails their requests) and the one in flight ends
+        within its own deadline."""
         self._failed_saves.clear()
-        if self._sender is not None and not self._sender.drain(self.options.transfer_timeout_s):
+        if self._unacked and self.engine is not None:
+            start = time.perf_counter()
+            sent, self._sent = self._sent, []
+            self._account([(meta, []) for meta in sent], self.engine.settle(), None)
+            if sent:
+                self.stats.record(time.perf_counter() - start)
+        timeout = self.options.transfer_timeout_s
+        if self._sender is not None and not self._sender.drain(timeout):
+            dropped = self._sender.cancel()
+            self.stats.count("failed_transfers", dropped)
             logger.error(
-                "PUT_ASYNC: sends still queued after %.0fs", self.options.transfer_timeout_s
+                "PUT_ASYNC: sends still queued after %.0fs; %d batches dropped", timeout, dropped
             )
+            if not self._sender.drain(timeout + 1):
+                logger.error("PUT_ASYNC: a send overran its own deadline")
 
     # -- D: loading -----------------------------------------------------------------------
 
@@ -234,8 +292,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         for spec in metadata.loads:
             if spec.mode == "GET":
                 self._start_fetch(spec)
-            else:
-                self._load_pushed(spec)
+        self._load_pushed([spec for spec in metadata.loads if spec.mode != "GET"])
 
     def _prefill_geometry(self, spec: LoadSpec) -> KVGeometry:
         g = self.kv
@@ -248,35 +305,50 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             spec.remote_pp_size,
         )
 
-    def _load_pushed(self, spec: LoadSpec) -> None:
-        if self.recv is None:
-            self._fail(spec, "this worker takes no PUTs (configure send_type PUT or PUT_ASYNC)")
-            return
-        try:
-            plan = reads(self.kv, self._prefill_geometry(spec), self.ctx.parallel.tp_rank)
-        except (TopologyError, ValueError) as exc:
-            self._fail(spec, str(exc))
-            return
-        keys = [
-            (spec.remote_request_id, layer, r.remote_heads.start if has_heads(self.layout) else 0)
-            for layer in self._caches
-            for r in plan
-        ]
-        deadline = time.monotonic() + self.options.transfer_timeout_s
-        why = self.recv.wait_for(keys, spec.remote_request_id, deadline)
-        if why is None:
-            device = next(iter(self._caches.values())).device
+    def _load_pushed(self, specs: list[LoadSpec]) -> None:
+        """Wait for every pushed slice of `specs`, writing each into its blocks as soon as it
+        is here (so D's copy overlaps the slices still on the wire)."""
+        pending: dict[RecvKey, tuple[LoadSpec, str, Any]] = {}
+        for spec in specs:
+            if self.recv is None:
+                self._fail(spec, "this worker takes no PUTs (configure send_type PUT or PUT_ASYNC)")
+                continue
             try:
-                got = [
-                    (key[1], r, *self.recv.take(key, device), None)
-                    for key, r in zip(keys, plan * len(self._caches))
-                ]
-                self._write(spec, got)
-                return
-            except (KeyError, ValueError, RuntimeError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
-        self.recv.discard(spec.remote_request_id)
-        self._fail(spec, why)
+                plan = reads(self.kv, self._prefill_geometry(spec), self.ctx.parallel.tp_rank)
+            except (TopologyError, ValueError) as exc:
+                self._fail(spec, str(exc))
+                continue
+            heads = has_heads(self.layout)
+            for layer in self._caches:
+                for r in plan:
+                    key = (spec.remote_request_id, layer, r.remote_heads.start if heads else 0)
+                    pending[key] = (spec, layer, r)
+        if self.recv is None or not pending:
+            return
+        deadline = time.monotonic() + self.options.transfer_timeout_s
+        device = next(iter(self._caches.values())).device
+        while pending:
+            here, refused = self.recv.wait_any(list(pending), deadline)
+            failed = {r: "the receive buffer refused its KV (out of memory)" for r in refused}
+            if not here and not refused:
+                for rid, _, _ in pending:
+                    count = sum(k[0] == rid for k in pending)
+                    failed.setdefault(rid, f"{count} KV slices never arrived (transfer timeout)")
+            for key in here:
+                if key[0] in failed:
+                    continue
+                spec, layer, read = pending.pop(key)
+                try:
+                    self._write(spec, [(layer, read, *self.recv.take(key, device), None)])
+                except (KeyError, ValueError, RuntimeError) as exc:
+                    failed[key[0]] = f"{type(exc).__name__}: {exc}"
+            for rid, why in failed.items():
+                for key in [k for k in pending if k[0] == rid]:
+                    del pending[key]
+                self.recv.discard(rid)
+                for spec in specs:
+                    if spec.remote_request_id == rid:
+                        self._fail(spec, why)
 
     def _start_fetch(self, spec: LoadSpec) -> None:
         if self._pool is None:
@@ -320,7 +392,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
     def _write(self, spec: LoadSpec, got: Fetched) -> None:
         """Check each slice against what was asked and write it into the blocks."""
         heads = has_heads(self.layout)
-        for layer, read, meta, tensor, _ in got:
+        for layer, read, meta, segments, _ in got:
             if (meta.num_heads, meta.head_size, meta.dtype) != (
                 read.num_heads if heads else 1,
                 self.geometry.head_size,
@@ -332,7 +404,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                 )
             dst = range(read.local_head_offset, read.local_head_offset + read.num_heads)
             scatter(
-                tensor,
+                segments,
                 meta,
                 self._caches[layer],
                 self.layout,

@@ -17,7 +17,7 @@ from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.engine import P2pEngine, TransferError
 from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
 from kvx.plugins.p2p.planes import CpuPlane
-from kvx.plugins.p2p.tensors import gather, physical
+from kvx.plugins.p2p.tensors import assemble, gather, physical
 from kvx.wire import encode, seal
 
 from ._ports import free_port_range
@@ -66,7 +66,7 @@ def test_put_lands_byte_for_byte(receiver: P2pEngine) -> None:
         assert receiver.recv is not None
         assert receiver.recv.wait_for([("req1", "l0", 0)], "req1", time.monotonic() + 5) is None
         got_meta, got = receiver.recv.take(("req1", "l0", 0), torch.device("cpu"))
-        assert got_meta == meta and torch.equal(got, t)
+        assert got_meta == meta and torch.equal(assemble(got, got_meta), t)
     finally:
         sender.close()
 
@@ -158,7 +158,7 @@ def test_get_serves_a_head_slice_and_a_dead_peer_is_bounded() -> None:
         )
         expected = gather(t, get_layout("NHD"), [0, 1, 2], range(1, 2), 4)
         assert (got_meta.first_head, got_meta.num_heads) == (1, 1)
-        assert torch.equal(got, expected)
+        assert torch.equal(assemble(got, got_meta), expected)
         assert len(store) == 0  # its one reader read it
         with pytest.raises(TransferError, match="not held here"):
             client.get(server.address or "", Get("req5", "l0", 0, 2, 1), time.monotonic() + 5)

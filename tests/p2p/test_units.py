@@ -3,6 +3,7 @@ and the claims that depend on send_type."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from kvx.plugins.p2p.addresses import (
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.connector import P2pNcclConnector, P2pNcclConnectorV1
 from kvx.plugins.p2p.messages import TensorMeta
+from kvx.plugins.p2p.sender import AsyncSender
 
 LEGACY = "___prefill_addr_10.0.0.1:21001___decode_addr_10.0.0.2:22001_9f3a-uuid"
 
@@ -96,14 +98,14 @@ def _meta(request_id: str, nbytes: int, layer: str = "l0") -> TensorMeta:
 def test_receive_buffer_spills_then_refuses_and_releases() -> None:
     buffer = RecvBuffer(device_bytes=100, pool_bytes=100, ttl_s=60)
     assert buffer.admit(_meta("a", 64)) is None
-    buffer.put(("a", "l0", 0), _meta("a", 64), torch.zeros(16), spill=False)
+    buffer.put(("a", "l0", 0), _meta("a", 64), [torch.zeros(16)], spill=False)
     assert buffer.admit(_meta("b", 64)) == "spill"  # over kv_buffer_size: into the pool
-    buffer.put(("b", "l0", 0), _meta("b", 64), torch.ones(16), spill=True)
+    buffer.put(("b", "l0", 0), _meta("b", 64), [torch.ones(16)], spill=True)
     refusal = buffer.admit(_meta("c", 64))
     assert refusal is not None and "kv_buffer_size 100" in refusal and "mem_pool_size_gb" in refusal
     # a refused request fails at once instead of waiting for its KV
     assert "refused" in (buffer.wait_for([("c", "l0", 0)], "c", time.monotonic() + 30) or "")
-    _, tensor = buffer.take(("b", "l0", 0), torch.device("cpu"))
+    _, [tensor] = buffer.take(("b", "l0", 0), torch.device("cpu"))
     assert torch.equal(tensor, torch.ones(16)) and buffer.used_bytes == 64
     assert buffer.discard("a") == 1 and buffer.used_bytes == 0
     assert buffer.admit(_meta("d", 64)) is None  # room again
@@ -112,7 +114,7 @@ def test_receive_buffer_spills_then_refuses_and_releases() -> None:
 def test_receive_buffer_times_out_and_expires() -> None:
     buffer = RecvBuffer(device_bytes=100, pool_bytes=0, ttl_s=0.05)
     assert buffer.admit(_meta("a", 8)) is None
-    buffer.put(("a", "l0", 0), _meta("a", 8), torch.zeros(2), spill=False)
+    buffer.put(("a", "l0", 0), _meta("a", 8), [torch.zeros(2)], spill=False)
     why = buffer.wait_for([("z", "l0", 0)], "z", time.monotonic() + 0.05)
     assert why is not None and "never arrived" in why
     time.sleep(0.1)
@@ -168,3 +170,47 @@ def test_stats_cross_a_process_boundary_by_value() -> None:
     copy.count("puts")
     assert copy.data["puts"] == 4
     assert stats.data["puts"] == 0
+
+
+def test_async_sender_cancel_drops_what_has_not_started() -> None:
+    """wait_for_save's fallback: after a drain timeout the queued sends (whose frames would read
+    blocks vLLM may reuse) are dropped, the one in flight finishes."""
+    release, started, sent = threading.Event(), threading.Event(), []
+
+    def send(item: int) -> None:
+        started.set()
+        release.wait(10)
+        sent.append(item)
+
+    sender = AsyncSender(send, "test-sender")
+    try:
+        for item in range(4):
+            sender.submit(item)
+        assert started.wait(10)
+        assert not sender.drain(0.05)
+        assert sender.cancel() == 3
+        release.set()
+        assert sender.drain(10) and sent == [0]
+    finally:
+        release.set()
+        sender.close()
+
+
+def test_nccl_settings_hold_only_while_a_communicator_is_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL_MIN/MAX_NCHANNELS and NCCL_CUMEM_ENABLE are set around ncclCommInitRank and the
+    process's own values come back after the last concurrent user (vLLM's groups keep theirs)."""
+    from kvx.plugins.p2p.nccl import nccl_env
+
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "2")
+    monkeypatch.delenv("NCCL_MIN_NCHANNELS", raising=False)
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    import os
+
+    with nccl_env(8):
+        with nccl_env(8):
+            assert os.environ["NCCL_MIN_NCHANNELS"] == "8"
+        assert (os.environ["NCCL_MAX_NCHANNELS"], os.environ["NCCL_CUMEM_ENABLE"]) == ("8", "1")
+    assert os.environ["NCCL_MAX_NCHANNELS"] == "2"
+    assert "NCCL_MIN_NCHANNELS" not in os.environ and "NCCL_CUMEM_ENABLE" not in os.environ
