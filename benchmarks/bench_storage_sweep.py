@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep_lmcache
 from bench_storage import StorageCase
 from storage_baselines import KV, Case, RawFiles, drop_files, make_kv, measure_rounds
 
@@ -113,8 +114,9 @@ def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) 
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
     peer = example_connector(kv, repeat, threads) if peers else None
+    lmc = sweep_lmcache.run(kv, repeat, threads, str(root)) if peers else None
     return {"shape": shape, "bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]),
-            "results": results, "peer": peer}  # fmt: skip
+            "results": results, "peer": peer, "lmcache": lmc}  # fmt: skip
 
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -210,7 +212,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--dir", default=None, help="where the files go (default: the tmp dir)")
     parser.add_argument("--only", default=None, help="shapes whose label contains this")
     parser.add_argument("--max-mib", type=int, default=None, help="skip larger shapes")
-    parser.add_argument("--no-peers", action="store_true", help="skip vLLM's ExampleConnector")
+    parser.add_argument(
+        "--no-peers", action="store_true",
+        help="skip vLLM's ExampleConnector and LMCache (peer_*.py, run in .venv-vllm)",
+    )  # fmt: skip
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(report(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
     print(report(rows))
+    if any(row["lmcache"] for row in rows):
+        print("\nLMCache peers (paired per round in one .venv-vllm process; peer / kvx time)")
+        print(sweep_lmcache.table([(row["shape"].label, row["lmcache"]) for row in rows]))
     if args.plot:
         plot(rows, args.plot)
     return rows

@@ -59,15 +59,19 @@ class PagedLayer:
             out.copy_(self.halves[kv][slots // self.block_size, slots % self.block_size])
 
     def scatter(self, kv: int, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Slot `slots[t]` of half `kv` = `src[t]`; slots < 0 are skipped."""
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, src = slots[keep], src[keep]
+        """Slot `slots[t]` of half `kv` = `src[t]`; every slot must be >= 0 (see `kept`)."""
         flat = self.flat[kv]
         if flat is not None:
             flat.index_copy_(0, slots, src)
         else:
             self.halves[kv][slots // self.block_size, slots % self.block_size] = src
+
+
+def kept(slots: torch.Tensor) -> torch.Tensor | None:
+    """Which of a chunk's tokens are written on load (slot >= 0): None when all are, checked
+    once per chunk rather than per layer."""
+    keep = slots >= 0
+    return None if bool(keep.all()) else keep
 
 
 def _layers(layout: Layout, kvcaches: Sequence[torch.Tensor]) -> list[PagedLayer]:
@@ -136,6 +140,9 @@ class PagedCPUConnector(GPUConnectorInterface):
         for obj, start, end in zip(memory_objs, starts or [], ends or [], strict=True):
             slots = slot_mapping[start:end]
             chunk = obj.tensor.view(2, s.num_layers, end - start, s.heads, s.head_size)
+            keep = kept(slots)
+            if keep is not None:
+                slots, chunk = slots[keep], chunk[:, :, keep]
             for i, layer in enumerate(layers):
                 for kv in (0, 1):
                     layer.scatter(kv, slots, chunk[kv, i])
@@ -184,10 +191,13 @@ class LayerwisePagedCPUConnector(VLLMPagedMemLayerwiseGPUConnector):
         starts, ends = memory_objs, starts  # LMCache's positional convention for layer-wise
         layers, slot_mapping = self.shapes.paged(kwargs)
         spans = [slot_mapping[a:b] for a, b in zip(starts, ends, strict=True)]
+        keeps = [kept(slots) for slots in spans]
         objs = yield
         for layer in layers:
-            for obj, slots in zip(objs, spans, strict=True):
+            for obj, slots, keep in zip(objs, spans, keeps, strict=True):
                 chunk = self._chunk(obj, len(slots))
+                if keep is not None:
+                    slots, chunk = slots[keep], chunk[keep]
                 for kv in (0, 1):
                     layer.scatter(kv, slots, chunk[:, kv])
             objs = yield

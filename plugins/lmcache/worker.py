@@ -14,6 +14,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+import numpy as np
 import torch
 
 import kvx
@@ -35,21 +36,28 @@ logger = logging.getLogger(__name__)
 
 
 def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """Paged slot of each of `num_tokens` tokens (-1 past the blocks given)."""
-    slots = torch.full((num_tokens,), -1, dtype=torch.long)
-    covered = min(num_tokens, len(block_ids) * block_size)
-    if covered:
-        pos = torch.arange(covered)
-        blocks = torch.tensor(block_ids, dtype=torch.long)
-        slots[:covered] = blocks[pos // block_size] * block_size + pos % block_size
-    return slots
+    """Paged slot of each of `num_tokens` tokens (-1 past the blocks given). Built in numpy:
+    a handful of torch calls on small tensors cost more than the copy of a short request."""
+    starts = np.array(block_ids, dtype=np.int64)
+    starts *= block_size
+    slots = np.add.outer(starts, np.arange(block_size, dtype=np.int64)).ravel()
+    if len(slots) >= num_tokens:
+        return torch.from_numpy(slots[:num_tokens])
+    return torch.from_numpy(np.concatenate([slots, np.full(num_tokens - len(slots), -1)]))
 
 
 def prefix_mask(num_tokens: int, skip: int) -> torch.Tensor:
     """LMCache's token mask: False for the first `skip` tokens (chunk-aligned), True after."""
     mask = torch.ones(num_tokens, dtype=torch.bool)
-    mask[:skip] = False
+    if skip:
+        mask[:skip] = False
     return mask
+
+
+def token_list(token_ids: list[int]) -> list[int]:
+    """Token ids as LMCache takes them cheapest: a list (it hashes and reports chunks of a
+    tensor by converting the whole tensor to a list, per chunk)."""
+    return token_ids if isinstance(token_ids, list) else list(token_ids)
 
 
 class _LayerwiseLoad:
@@ -107,11 +115,13 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
 
     def start_load_kv(self, meta: LMCacheMetadata) -> None:
         for load in meta.loads:
-            tokens = torch.tensor(load.token_ids, dtype=torch.long)
+            tokens = token_list(load.token_ids)
             kwargs = self._kwargs(len(tokens), load.block_ids)
             slots = kwargs["slot_mapping"]
-            slots[: load.start] = -1  # computed already (prefix cache): not ours to write
-            slots[load.end :] = -1
+            if load.start:
+                slots[: load.start] = -1  # computed already (prefix cache): not ours to write
+            if load.end < len(tokens):
+                slots[load.end :] = -1
             mask = prefix_mask(len(tokens), load.start // self.chunk * self.chunk)
             if self.options.use_layerwise:
                 steps = self.engine.retrieve_layer(tokens, mask, **kwargs)
@@ -171,7 +181,10 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
         if got is None:
             self._fail(load, "LMCache returned no token mask")
             return
-        span = torch.as_tensor(got, dtype=torch.bool)[load.start : load.end]
+        got = torch.as_tensor(got, dtype=torch.bool)
+        if load.start == 0 and load.end == len(got) and bool(got.all()):
+            return  # the common case, without slicing (a slice costs more than `all`)
+        span = got[load.start : load.end]
         if len(span) == load.end - load.start and bool(span.all()):
             return
         missing = load.start + (int((~span).nonzero()[0]) if len(span) else 0)
@@ -199,7 +212,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
         if not self._stores_started:
             self._stores_started = True
             for store in meta.stores:
-                tokens = torch.tensor(store.token_ids, dtype=torch.long)
+                tokens = token_list(store.token_ids)
                 kwargs = self._kwargs(len(tokens), store.block_ids)
                 mask = prefix_mask(len(tokens), store.start)
                 steps = self.engine.store_layer(tokens, mask, **kwargs)
@@ -224,7 +237,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
             self._stores, self._stores_started = [], False
             return
         for store in meta.stores:
-            tokens = torch.tensor(store.token_ids, dtype=torch.long)
+            tokens = token_list(store.token_ids)
             kwargs = self._kwargs(len(tokens), store.block_ids)
             with self.stats.timed("store", len(tokens) - store.start):
                 self.engine.store(tokens, mask=prefix_mask(len(tokens), store.start), **kwargs)

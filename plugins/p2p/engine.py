@@ -324,14 +324,13 @@ class P2pEngine:
                 yield peer
                 return
 
-    def _drop(self, peer: Peer) -> None:
+    def _drop(self, peer: Peer, why: str = "connection dropped") -> None:
         """A peer that failed an exchange: its socket may hold a late reply, so start over."""
         peer.closed = True
         if peer.unacked:  # their frames are discarded with the socket: they failed
             with self._lost_lock:
                 self._lost.extend(
-                    (meta, f"{peer.address}: connection dropped before its ack")
-                    for meta, _, _ in peer.unacked
+                    (meta, f"{peer.address}: {why} (before its ack)") for meta, _, _ in peer.unacked
                 )
             peer.unacked.clear()
         with self._peers_lock:
@@ -494,7 +493,7 @@ class P2pEngine:
             parts = peer.socket.recv_multipart(copy=False)
             return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
         except (TransferError, WireError, zmq.ZMQError) as exc:
-            self._drop(peer)
+            self._drop(peer, str(exc))
             raise TransferError(str(exc)) from None
 
     def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, Segments, Any]:

@@ -261,25 +261,34 @@ def _place(
         raise ValueError(
             f"{len(block_ids)} destination blocks for {num_tokens} tokens of {bs} per block"
         )
-    block_runs(block_ids, rows.shape[1])  # range check
-    if len(set(block_ids)) != len(block_ids):
-        raise ValueError("the destination blocks repeat a block id")
-    last = layout.allocate(
-        1, bs, meta.num_heads, meta.head_size, dtype=cache.dtype, device=cache.device
-    )
-    last_rows = block_rows(last, layout)
-    assert last_rows is not None
-    flat = 0  # index of the segment's first block over (outer, wire block)
+    runs = block_runs(block_ids[:full], rows.shape[1])  # also the range check
+    if len(set(block_ids)) != len(block_ids) or not all(0 <= b < rows.shape[1] for b in block_ids):
+        raise ValueError(f"the destination blocks {block_ids} repeat or leave the cache")
+    dst_runs, at = [], first  # (first wire block, first destination block, count)
+    for a, b in runs:
+        dst_runs.append((at, a, b - a))
+        at += b - a
+    last = last_rows = None
+    if tail:
+        last = layout.allocate(
+            1, bs, meta.num_heads, meta.head_size, dtype=cache.dtype, device=cache.device
+        )
+        last_rows = block_rows(last, layout)
+    flat = 0  # index of the segment's first block over (outer index, wire block)
     for segment in segments:
         count = segment.numel() // piece
         pieces = segment.view(count, piece)
-        for o in range(outer) if tail else ():
-            at = o * wire_blocks + first + full - flat  # the partial block of outer index o
-            if 0 <= at < count:
-                last_rows[o, 0].copy_(pieces[at])
-        _copy_runs(rows, pieces, flat, wire_blocks, first, full, block_ids)
+        for o in range(flat // wire_blocks, (flat + count - 1) // wire_blocks + 1):
+            base = o * wire_blocks  # wire block j of outer index o is pieces[base + j - flat]
+            lo, hi = max(flat, base) - base, min(flat + count, base + wire_blocks) - base
+            for j, d, n in dst_runs:
+                a, b = max(lo, j), min(hi, j + n)
+                if a < b:
+                    rows[o, d + a - j : d + b - j].copy_(pieces[base + a - flat : base + b - flat])
+            if last_rows is not None and lo <= first + full < hi:
+                last_rows[o, 0].copy_(pieces[base + first + full - flat])
         flat += count
-    if tail:
+    if last is not None:
         convert_blocks(
             last,
             cache,
@@ -290,32 +299,3 @@ def _place(
             num_tokens=tail,
         )
     return True
-
-
-def _copy_runs(
-    rows: torch.Tensor,
-    pieces: torch.Tensor,
-    flat: int,
-    wire_blocks: int,
-    first: int,
-    full: int,
-    block_ids: list[int],
-) -> None:
-    """Copy the whole blocks among `pieces` (wire blocks `flat..`, over (outer, block)) that
-    land in `block_ids`, one copy per run that is consecutive on both sides."""
-    k, count = 0, pieces.shape[0]
-    while k < count:
-        o, j = divmod(flat + k, wire_blocks)
-        if not first <= j < first + full:
-            k += 1
-            continue
-        n = 1
-        while (
-            k + n < count
-            and j + n < first + full
-            and block_ids[j + n - first] == block_ids[j - first] + n
-        ):
-            n += 1
-        dst = block_ids[j - first]
-        rows[o, dst : dst + n].copy_(pieces[k : k + n])
-        k += n

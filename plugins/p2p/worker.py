@@ -87,6 +87,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self.store: SendStore | None = None
         self._sender: AsyncSender | None = None
         self._unacked = False
+        self._plans: dict[Geometry, tuple[str | None, tuple[Any, ...]]] = {}
         self._sent: list[TensorMeta] = []
         """PUTs `send_puts` sent this step, their acks read in `wait_for_save`."""
         self._pool: ThreadPoolExecutor | None = None
@@ -190,11 +191,15 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             return
         base = format_address(spec.decode_host, spec.decode_port)
         decode = self.engine.geometry_of(base)
-        problem = compatibility_problem(self.geometry, decode)
+        if decode not in self._plans:  # a few D geometries: their plans once, not per slice
+            problem = compatibility_problem(self.geometry, decode)
+            plan = () if problem else sends(kv_geometry(decode), self.kv, self.ctx.parallel.tp_rank)
+            self._plans[decode] = (problem, plan)
+        problem, plan = self._plans[decode]
         if problem is not None:
             raise ValueError(f"cannot send to {base}: {problem}")
         stage = stage_of(self.layer_index[layer], self.geometry.num_layers, decode.pp_size)
-        for d, read in sends(kv_geometry(decode), self.kv, self.ctx.parallel.tp_rank):
+        for d, read in plan:
             local = range(read.remote_head_offset, read.remote_head_offset + read.num_heads)
             wire = self._wire(kv_layer, spec.block_ids, local if heads else None)
             meta = self._meta(

@@ -93,3 +93,32 @@ def test_refuses_cross_layer_and_mla() -> None:
     for name in ("MLA", "CROSS_NHD"):
         with pytest.raises(ValueError, match="per-layer K/V"):
             PagedCPUConnector(get_layout(name), LAYERS, HEADS, HEAD)
+
+
+def test_slot_mapping_marks_tokens_past_the_blocks() -> None:
+    assert slot_mapping([4, 1], 4, 6).tolist() == [16, 17, 18, 19, 4, 5]
+    assert slot_mapping([2], 4, 6).tolist() == [8, 9, 10, 11, -1, -1]
+    assert slot_mapping([], 4, 2).tolist() == [-1, -1]
+
+
+def test_layerwise_load_skips_slots_marked_minus_one() -> None:
+    layout = get_layout("HND")  # tokens not adjacent to blocks: the indexed-assignment path
+    src = _caches("HND")
+    slots = slot_mapping([3, 7], BLOCK, 16)
+    conn = LayerwisePagedCPUConnector(layout, LAYERS, HEADS, HEAD)
+    objs = [[SimpleNamespace(tensor=torch.empty(conn.get_shape(16)))] for _ in range(LAYERS)]
+    steps = conn.batched_from_gpu(objs, [0], [16], kvcaches=src, slot_mapping=slots)
+    for _ in steps:
+        pass
+    dst = _caches("HND", fill=-7.0)
+    load_slots = slots.clone()
+    load_slots[:5] = -1  # computed already: must stay untouched
+    sink = conn.batched_to_gpu([0], [16], kvcaches=dst, slot_mapping=load_slots)
+    next(sink)
+    for layer in range(LAYERS):
+        sink.send(objs[layer])
+    next(sink)
+    written = load_slots[5:]
+    assert torch.equal(_tokens("HND", dst, written), _tokens("HND", src, written))
+    for t in dst:
+        assert int((t != -7.0).sum()) == len(written) * 2 * HEADS * HEAD

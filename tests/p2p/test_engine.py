@@ -196,3 +196,32 @@ def test_geometry_of_a_paired_peer_does_not_wait_for_a_send_in_flight(
         assert got, "geometry_of waited for the peer's lock"
     finally:
         sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_unacked_puts_settle_with_refusals_and_a_dead_peer() -> None:
+    """PUT_ASYNC on the CPU plane: `send_puts` returns without waiting; `settle` reads the acks,
+    reports a refused PUT and, within the timeout, those a dead peer never acked."""
+    meta, t = _tensor(6)
+    receiver = _engine(free_port_range(1), recv=RecvBuffer(meta.nbytes, 0, 60))  # room for one
+    sender = _engine(None)
+    try:
+        address = receiver.address or ""
+        other, u = _tensor(7)
+        wire = [(meta, [physical(t, get_layout("NHD"))]), (other, [physical(u, get_layout("NHD"))])]
+        assert sender.send_puts(address, wire) == []
+        lost = sender.settle()
+        assert [m.request_id for m, _ in lost] == ["req7"] and "receive buffer full" in lost[0][1]
+        assert receiver.recv is not None
+        got_meta, got = receiver.recv.take(("req6", "l0", 0), torch.device("cpu"))
+        assert torch.equal(assemble(got, got_meta), t)
+        assert sender.settle() == []  # nothing left to read
+        receiver.close()
+        assert sender.send_puts(address, wire[:1]) == []  # ZMQ queues it: no error yet
+        start = time.monotonic()
+        lost = sender.settle()
+        assert [m.request_id for m, _ in lost] == ["req6"] and "no reply" in lost[0][1]
+        assert time.monotonic() - start < 5
+    finally:
+        sender.close()
+        receiver.close()

@@ -53,13 +53,25 @@ class SwapsBlocksWorker(ExamplePDWorker):
 
 
 class FinishesEarlyWorker(ExamplePDWorker):
-    """Reports a load finished as soon as it starts, before the data has landed."""
+    """Reports each load finished in the step it starts, and lands its data a step later: after
+    the engine has already computed on the blocks. (Deterministic: a load that raced to the finish
+    before the forward pass would let the fault go unseen on a slow machine.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._started: list[LoadSpec] = []  # reported finished at this step's get_finished
+        self._late: list[LoadSpec] = []  # land at the next get_finished, after a forward pass
+
+    def start_load_kv(self, metadata: ExamplePDMetadata) -> None:
+        super().start_load_kv(replace(metadata, loads=[]))
+        self._started.extend(metadata.loads)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        for load in self._late:
+            self._load(self._path(load.remote_engine_id, load.remote_request_id), load, self.dim)
+        self._late, self._started = self._started, []
         sending, recving = super().get_finished(finished_req_ids)
-        early = set(self._loading)
-        self._loading.clear()  # forget them: the loads keep running unobserved
-        return sending, recving | early
+        return sending, recving | {load.req_id for load in self._late}
 
 
 class NeverFreesWorker(ExamplePDWorker):
