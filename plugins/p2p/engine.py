@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ import zmq
 
 from kvx.layouts import get_layout
 from kvx.plugins.p2p.addresses import format_address
+from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.messages import (
     MAX_CONTROL_BYTES,
@@ -47,6 +49,8 @@ POLL_MS = 100
 MAX_PAIRS = 4096
 """DEALERs one listener pairs with before it refuses new ones."""
 WARN_EVERY_S = 10.0
+CONNECT_S = 5.0
+"""How long first contact waits for a TCP connection before the peer counts as down."""
 MAX_UNACKED = 256
 """PUTs sent ahead of their acks to one peer (`send_puts`), well under ZMQ's queue limits: a
 ROUTER drops replies to a peer whose queue is full."""
@@ -64,6 +68,9 @@ class Peer:
     lock: threading.Lock
     geometry: Geometry | None = None
     closed: bool = False
+    busy: str = ""
+    """The exchange holding `lock` (for the error of a caller that waited on it)."""
+    busy_since: float = 0.0
     unacked: deque[tuple[TensorMeta, bytes, float]] = field(default_factory=deque)
     """PUTs sent by `send_puts` whose ack is still to be read: (meta, nonce, deadline)."""
 
@@ -132,6 +139,7 @@ class P2pEngine:
 
     def _serve(self) -> None:
         assert self._router is not None
+        leave_compute_cores()
         router = self._router
         while not self._stop.is_set():
             try:
@@ -313,16 +321,27 @@ class P2pEngine:
             return peer
 
     @contextmanager
-    def _locked(self, address: str, deadline: float) -> Iterator[Peer]:
-        """The live, paired peer at `address`, its lock held (one exchange at a time)."""
+    def _locked(self, address: str, deadline: float, what: str) -> Iterator[Peer]:
+        """The live, paired peer at `address`, its lock held (one exchange at a time) for
+        `what` (e.g. "GET req#layer"); a `TransferError` naming the exchange that kept the
+        connection busy if the lock is not free before `deadline`."""
         while True:
             peer = self._peer(address)
-            with peer.lock:
+            if not peer.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TransferError(
+                    f"{what}: the connection to {address} stayed busy with {peer.busy or '?'} "
+                    f"for {time.monotonic() - peer.busy_since:.1f}s"
+                )
+            try:
                 if peer.closed:  # dropped by another thread meanwhile: take the new one
                     continue
-                self._pair(peer, deadline)
+                peer.busy, peer.busy_since = what, time.monotonic()
+                self._pair(peer, deadline, what)
                 yield peer
                 return
+            finally:
+                peer.busy = ""
+                peer.lock.release()
 
     def _drop(self, peer: Peer, why: str = "connection dropped") -> None:
         """A peer that failed an exchange: its socket may hold a late reply, so start over."""
@@ -340,7 +359,12 @@ class P2pEngine:
         self.plane.leave(peer.identity)
 
     def _exchange(
-        self, peer: Peer, message: Hello | Put | Get, frames: list[Any], timeout_s: float
+        self,
+        peer: Peer,
+        message: Hello | Put | Get,
+        frames: list[Any],
+        deadline: float,
+        what: str,
     ) -> tuple[Reply, list[Any]]:
         """One request and its reply (with any data frames behind it)."""
         envelope, nonce = seal_request(self.secret, message)
@@ -348,15 +372,17 @@ class P2pEngine:
             peer.socket.send_multipart([envelope, *frames], copy=False)
         except zmq.ZMQError as exc:
             self._drop(peer)
-            raise TransferError(str(exc)) from None
-        return self._reply(peer, nonce, timeout_s)
+            raise TransferError(f"{what}: {exc}") from None
+        return self._reply(peer, nonce, deadline, what)
 
-    def _pair(self, peer: Peer, deadline: float) -> None:
+    def _pair(self, peer: Peer, deadline: float, what: str) -> None:
         """HELLO, once per connection; the caller holds `peer.lock`."""
         if peer.geometry is None:
             address = peer.address
+            self._probe(peer, deadline, what)
             pair_id = self.plane.new_pair_id()
-            reply, _ = self._exchange(peer, Hello(self.plane.name, pair_id), [], _left(deadline))
+            hello = Hello(self.plane.name, pair_id)
+            reply, _ = self._exchange(peer, hello, [], deadline, f"HELLO before {what}")
             if not reply.ok or reply.geometry is None:
                 self._drop(peer)
                 raise TransferError(f"{address} refused HELLO: {reply.error or 'no geometry'}")
@@ -367,6 +393,20 @@ class P2pEngine:
                 raise TransferError(f"{address}: {exc}") from None
             peer.geometry = reply.geometry
 
+    def _probe(self, peer: Peer, deadline: float, what: str) -> None:
+        """A plain TCP connect before first contact: a peer that is not running fails at once
+        (its port refuses) instead of after the whole timeout, which on P would hold the
+        engine's step. A live peer's kernel accepts even while the peer itself is busy."""
+        host, port = peer.address.rsplit(":", 1)
+        timeout = min(_left(deadline, what), CONNECT_S)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except OSError as exc:
+            self._drop(peer)
+            raise TransferError(
+                f"{what}: cannot connect to {peer.address} ({exc}); is it running?"
+            ) from None
+
     def geometry_of(self, address: str) -> Geometry:
         """The KV geometry of the worker at `address` (HELLO on first contact). A paired peer's
         is answered without its lock, which a PUT_ASYNC send may hold while it waits for acks:
@@ -375,7 +415,7 @@ class P2pEngine:
             known = self._peers.get(address)
         if known is not None and known.geometry is not None and not known.closed:
             return known.geometry
-        with self._locked(address, time.monotonic() + self.timeout_s) as peer:
+        with self._locked(address, time.monotonic() + self.timeout_s, "HELLO") as peer:
             assert peer.geometry is not None
             return peer.geometry
 
@@ -395,8 +435,9 @@ class P2pEngine:
         the timeout. Once it returns, the peer holds (or refused) every byte: segments that
         view a KV cache may change again."""
         deadline = time.monotonic() + self.timeout_s
+        what = _batch(items)
         try:
-            with self._locked(address, deadline) as peer:
+            with self._locked(address, deadline, what) as peer:
                 sent = []
                 for meta, wire in items:
                     envelope, nonce = seal_request(self.secret, Put(meta))
@@ -405,7 +446,9 @@ class P2pEngine:
                 failed: list[tuple[TensorMeta, str]] = []
                 for index, (meta, wire, nonce) in enumerate(sent):
                     try:
-                        reply, _ = self._reply(peer, nonce, _left(deadline))
+                        reply, _ = self._reply(
+                            peer, nonce, deadline, f"PUT {meta.request_id}#{meta.layer}"
+                        )
                     except TransferError as exc:
                         return failed + [(m, str(exc)) for m, _, _ in sent[index:]]
                     if reply.ok:
@@ -435,19 +478,20 @@ class P2pEngine:
             raise TypeError(f"send_puts: the {self.plane.name} plane delivers after the ack")
         deadline = time.monotonic() + self.timeout_s
         sent = 0
+        what = _batch(items)
         try:
-            with self._locked(address, deadline) as peer:
+            with self._locked(address, deadline, what) as peer:
                 for meta, wire in items:
                     while len(peer.unacked) >= MAX_UNACKED and not peer.closed:
                         self._read_ack(peer)
                     if peer.closed:
-                        raise TransferError(f"{address}: connection dropped")
+                        raise TransferError(f"{what}: {address}: connection dropped")
                     envelope, nonce = seal_request(self.secret, Put(meta))
                     try:
                         peer.socket.send_multipart([envelope, *self.plane.frames(wire)], copy=False)
                     except zmq.ZMQError as exc:
-                        self._drop(peer)
-                        raise TransferError(f"{address}: {exc}") from None
+                        self._drop(peer, str(exc))
+                        raise TransferError(f"{what}: {address}: {exc}") from None
                     peer.unacked.append((meta, nonce, deadline))
                     sent += 1
                 while peer.unacked and not peer.closed and peer.socket.poll(0):
@@ -461,7 +505,9 @@ class P2pEngine:
         broken connection goes to what `settle` reports."""
         meta, nonce, deadline = peer.unacked[0]
         try:
-            reply, _ = self._reply(peer, nonce, max(0.001, deadline - time.monotonic()))
+            # past its deadline an ack already here is still read (1 ms), never waited for
+            late = max(deadline, time.monotonic() + 0.001)
+            reply, _ = self._reply(peer, nonce, late, f"PUT {meta.request_id}#{meta.layer}")
         except TransferError:
             return  # `_reply` dropped the peer: every unacked PUT of it is lost
         peer.unacked.popleft()
@@ -484,36 +530,48 @@ class P2pEngine:
             lost, self._lost = self._lost, []
         return lost
 
-    def _reply(self, peer: Peer, nonce: bytes, timeout_s: float) -> tuple[Reply, list[Any]]:
+    def _reply(
+        self, peer: Peer, nonce: bytes, deadline: float, what: str
+    ) -> tuple[Reply, list[Any]]:
+        """The reply to `what`, or a `TransferError` naming it (the peer is dropped)."""
         try:
+            timeout_s = _left(deadline, what)
             if not peer.socket.poll(max(1, int(timeout_s * 1000))):
                 raise TransferError(
-                    f"no reply from {peer.address} within {timeout_s:.1f}s (is it running?)"
+                    f"{what}: no reply from {peer.address} within {timeout_s:.1f}s "
+                    "(is it running? is its listener thread getting CPU?)"
                 )
             parts = peer.socket.recv_multipart(copy=False)
             return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
-        except (TransferError, WireError, zmq.ZMQError) as exc:
+        except TransferError as exc:
             self._drop(peer, str(exc))
-            raise TransferError(str(exc)) from None
+            raise
+        except (WireError, zmq.ZMQError) as exc:
+            self._drop(peer, f"{what}: {exc}")
+            raise TransferError(f"{what}: {exc}") from None
 
     def get(self, address: str, get: Get, deadline: float) -> tuple[TensorMeta, Segments, Any]:
         """Pull one tensor: (meta, its segments, what must outlive them)."""
-        with self._locked(address, deadline) as peer:
-            reply, frames = self._exchange(peer, get, [], _left(deadline))
+        what = (
+            f"GET {get.request_id}#{get.layer} heads "
+            f"{get.first_head}..{get.first_head + get.num_heads}"
+        )
+        with self._locked(address, deadline, what) as peer:
+            reply, frames = self._exchange(peer, get, [], deadline, what)
             if not reply.ok or reply.meta is None:
-                raise TransferError(f"{address}: {reply.error or 'no tensor meta'}")
+                raise TransferError(f"{what}: {address}: {reply.error or 'no tensor meta'}")
             meta = reply.meta
             why = self._meta_problem(meta) or self.plane.check(meta, frames)
             if why is None and (meta.request_id, meta.layer) != (get.request_id, get.layer):
                 why = f"asked {get.request_id}#{get.layer}, got {meta.request_id}#{meta.layer}"
             if why is not None:
                 self._drop(peer)
-                raise TransferError(f"{address}: bad GET reply: {why}")
+                raise TransferError(f"{what}: {address}: bad reply: {why}")
             try:
                 raw, keep = self.plane.collect(peer.identity, meta, frames)
             except PlaneError as exc:
                 self._drop(peer)
-                raise TransferError(f"{address}: {exc}") from None
+                raise TransferError(f"{what}: {address}: {exc}") from None
             return meta, raw, keep
 
     # -- shutdown -------------------------------------------------------------------------
@@ -535,8 +593,14 @@ class P2pEngine:
         self._context.term()
 
 
-def _left(deadline: float) -> float:
+def _batch(items: list[tuple[TensorMeta, Any]]) -> str:
+    """`what` of a batch of PUTs, for errors: how many, and the first."""
+    first = f" ({items[0][0].request_id}#{items[0][0].layer}, ...)" if items else ""
+    return f"PUT of {len(items)} tensors{first}"
+
+
+def _left(deadline: float, what: str) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TransferError("out of time before the exchange started")
+        raise TransferError(f"{what}: out of time before the exchange started")
     return left

@@ -142,6 +142,9 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
         self._loading: set[str] = set()
+        self._local_hits: dict[str, int] = {}
+        """D: the block-aligned local prefix hit vLLM offered with each remote prefill (where
+        its load starts)."""
         self.worker_ports: dict[tuple[int, int], int] = {}
         """(pp_rank, tp_rank) -> the port each worker listens on (from its handshake)."""
         self._announcer = start_announcer(options, config)  # xPyD discovery, if configured
@@ -201,6 +204,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._local_hits.pop(req_id, None)
         if req_id in self._loading:
             self._loading.discard(req_id)
         else:
@@ -255,13 +259,18 @@ class P2pScheduler(kvx.ConnectorScheduler):
         source = load_source(request, self.config, self.options, self.ctx)
         if source is None:
             return 0, False
-        count = max(0, request.num_prompt_tokens - num_computed_tokens)
-        return count, count > 0 and source.mode == "GET"
+        self._local_hits[request.request_id] = num_computed_tokens
+        if source.mode == "GET":  # async: vLLM recomputes the last token once the load is in
+            count = max(0, request.num_prompt_tokens - num_computed_tokens)
+            return count, count > 0
+        # A synchronous load must leave vLLM at least one prompt token to compute.
+        return max(0, request.num_prompt_tokens - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(
         self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens <= 0 or request.request_id in self._loading:
+        start = self._local_hits.pop(request.request_id, None)
+        if num_external_tokens <= 0 or start is None or request.request_id in self._loading:
             return
         source = load_source(request, self.config, self.options, self.ctx)
         if source is None:
@@ -269,14 +278,16 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self._loading.add(request.request_id)
         if request.kv_transfer_params:
             request.kv_transfer_params["do_remote_prefill"] = False  # load once
-        hashed = blocks.num_hashed_blocks[0] if blocks.num_hashed_blocks else 0
-        start = hashed * self.block_size
-        needed = -(-(start + num_external_tokens) // self.block_size) - hashed
+        # The load starts after the local hit vLLM offered (block-aligned). Not from the count
+        # of hashed blocks: a synchronous load's blocks are hashed as soon as they are
+        # allocated, which would put the load's start after its own blocks.
+        first = start // self.block_size
+        end = -(-(start + num_external_tokens) // self.block_size)
         self._loads.append(
             LoadSpec(
                 request.request_id,
                 source.remote_request_id,
-                blocks.get_unhashed_block_ids()[:needed],
+                list(blocks.get_block_ids()[0][first:end]),
                 start,
                 num_external_tokens,
                 source.mode,

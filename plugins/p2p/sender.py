@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvx.plugins.p2p.affinity import leave_compute_cores
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,6 +31,7 @@ class AsyncSender:
         self._queue.put(args)
 
     def _run(self) -> None:
+        leave_compute_cores()
         while True:
             item = self._queue.get()
             if item is None:

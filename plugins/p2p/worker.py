@@ -22,6 +22,7 @@ import torch
 import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.p2p.addresses import format_address
+from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, RecvKey, SendStore
 from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
 from kvx.plugins.p2p.engine import P2pEngine, TransferError
@@ -357,7 +358,9 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
 
     def _start_fetch(self, spec: LoadSpec) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-p2p-get")
+            self._pool = ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="kvx-p2p-get", initializer=leave_compute_cores
+            )
         self._fetching[spec.request_id] = (spec, self._pool.submit(self._fetch, spec))
 
     def _fetch(self, spec: LoadSpec) -> Fetched:
@@ -420,9 +423,17 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             )
 
     def _fail(self, spec: LoadSpec, why: str) -> None:
+        blocks = spec.block_ids
+        shown = ", ".join(map(str, blocks[:8])) + (", ..." if len(blocks) > 8 else "")
         logger.error(
-            "request %s: loading its KV failed: %s; its blocks are load errors",
+            "request %s (P's %s, tokens %d..%d, %d blocks [%s]): loading its KV failed: %s; "
+            "its blocks are load errors",
             spec.request_id,
+            spec.remote_request_id,
+            spec.start_token,
+            spec.start_token + spec.num_tokens,
+            len(blocks),
+            shown,
             why,
         )
         self.stats.count("failed_loads")

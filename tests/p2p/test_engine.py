@@ -4,6 +4,7 @@ receive buffer refuses a PUT, and a dead peer is a bounded error."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -121,7 +122,8 @@ def test_shared_secret_keeps_strangers_out() -> None:
     stranger, friend = _engine(None), _engine(None, SECRET)
     try:
         meta, t = _tensor(3)
-        with pytest.raises(TransferError, match="no reply"):  # never answered, never decoded
+        # never answered, never decoded; the error names the exchange that got no reply
+        with pytest.raises(TransferError, match=r"HELLO before PUT of 1 tensors \(req3#l0"):
             stranger.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
         friend.put(receiver.address or "", meta, physical(t, get_layout("NHD")))
         assert receiver.recv is not None
@@ -165,8 +167,14 @@ def test_get_serves_a_head_slice_and_a_dead_peer_is_bounded() -> None:
         address = server.address or ""
         server.close()
         start = time.monotonic()
-        with pytest.raises(TransferError, match="no reply"):
+        stuck = re.escape(f"GET req5#l0 heads 0..2: no reply from {address}")
+        with pytest.raises(TransferError, match=stuck):
             client.get(address, Get("req5", "l0", 0, 2, 1), time.monotonic() + 1)
+        assert time.monotonic() - start < 5
+        # a peer that is not running at all fails at first contact, not after the timeout
+        start = time.monotonic()
+        with pytest.raises(TransferError, match=r"GET req5#l0 heads 0\.\.2: cannot connect"):
+            client.get(address, Get("req5", "l0", 0, 2, 1), time.monotonic() + 20)
         assert time.monotonic() - start < 5
     finally:
         client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -170,6 +171,48 @@ def test_stats_cross_a_process_boundary_by_value() -> None:
     copy.count("puts")
     assert copy.data["puts"] == 4
     assert stats.data["puts"] == 0
+
+
+@pytest.mark.parametrize("send_type", ["PUT", "PUT_ASYNC", "GET"])
+def test_d_loads_from_its_local_hit_whatever_blocks_vllm_hashed(send_type: str) -> None:
+    """A synchronous load (PUT modes) leaves vLLM one prompt token to compute, and every load
+    starts at the local prefix hit vLLM offered. vLLM hashes a synchronous load's blocks as
+    soon as it allocates them, so counting hashed blocks put the start after the load's own
+    blocks (under `vllm serve`: "the peer sent 129 tokens, 256 are needed")."""
+    from kvx import EngineContext, KVCacheBlocks, KVCacheSpec, Request
+    from kvx.plugins.p2p.config import P2pConfig
+    from kvx.plugins.p2p.scheduler import P2pScheduler
+
+    config = KVTransferConfig.from_dict(
+        {"kv_connector": "P2pNcclConnector", "kv_role": "kv_consumer", "kv_port": 0}
+    )
+    ctx = EngineContext("d", "m", KVCacheSpec(("l0",), 2, 4, 16))
+    scheduler = P2pScheduler(P2pConfig(send_type=send_type), config, ctx)
+    params = {
+        "do_remote_prefill": True,
+        "remote_request_id": "p-req",
+        "remote_address": "127.0.0.1:21001",
+        "remote_tp_size": 1,
+        "remote_pp_size": 1,
+        "remote_num_tokens": 129,
+        "send_type": send_type,
+    }
+    request = Request("d-req", list(range(4, 133)), kv_transfer_params=params)  # 129 tokens
+    sync = send_type != "GET"
+    want = 129 - 32 - (1 if sync else 0)  # two blocks (32 tokens) were a local prefix hit
+    assert scheduler.get_num_new_matched_tokens(request, 32) == (want, not sync)
+    blocks = list(range(100, 109))  # 9 blocks of 16 hold 129 tokens
+    hashed = 8 if sync else 2  # vLLM hashes every full block of a synchronous load at once
+    scheduler.update_state_after_alloc(request, KVCacheBlocks((blocks,), (hashed,)), want)
+    (load,) = scheduler.build_connector_meta(_empty_step()).loads
+    assert (load.start_token, load.num_tokens) == (32, want)
+    assert load.block_ids == blocks[2 : -(-(32 + want) // 16)]
+
+
+def _empty_step() -> Any:
+    from kvx import SchedulerOutput
+
+    return SchedulerOutput()
 
 
 def test_async_sender_cancel_drops_what_has_not_started() -> None:

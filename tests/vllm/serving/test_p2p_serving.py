@@ -1,17 +1,18 @@
 """P2pNcclConnector (CPU data plane) through `vllm serve` and `kvx proxy`, xPyD as in vLLM's P2P
 NCCL example: two P and two D servers announce themselves to the proxy's discovery listener with
-their KV addresses. With `send_type` GET (the default here) D pulls each prompt's KV from the P
-named in P's answer; `KVX_P2P_SEND_TYPE=PUT_ASYNC` makes P push it to the D the proxy chose
-(`decode_address`).
+their KV addresses. P0 sends with PUT_ASYNC (the default send type: it pushes each prompt's KV
+to the D the proxy chose, `decode_address`), P1 with GET (D pulls the KV from the P named in P's
+answer); both Ds listen for pushes and load the way P's answer says.
+`KVX_P2P_P1_SEND_TYPE=PUT` runs P1 with the synchronous PUT instead of GET.
 
 One fleet serves every test (a vLLM-CPU server takes 30-60 s to start): 1P1D is P0 and D0
-behind a proxy that names them (P0's `default_decode_address` is D0, for the PUT modes), 2P2D is
-all four behind a proxy that only knows what was announced. Each completes its requests with
-exactly one plain engine's tokens, and the Ds' logged stats prove they received the KV. Then D1
-is killed: the requests the proxy gives it before it knows fail (naming it: the proxy told P to
-send their KV to D1, so it gives them to no other D), the others are right, D1 leaves the
-rotation (its first refused connection, its heartbeats stopping) and every later request
-succeeds."""
+behind a proxy that names them (P0's `default_decode_address` is D0), so PUT_ASYNC; 2P2D is all
+four behind a proxy that only knows what was announced, so both send types. Each completes its
+requests with exactly one plain engine's tokens, and the Ds' logged stats prove they received the
+KV each way. Then D1 is killed: the requests the proxy gives it before it knows fail (naming it:
+the proxy told P to send their KV to D1, so it gives them to no other D; P0's push to it fails
+at once on the refused connection), the others are right, D1 leaves the rotation (its first
+refused connection, its heartbeats stopping) and every later request succeeds."""
 
 from __future__ import annotations
 
@@ -23,22 +24,28 @@ from typing import Any
 
 import httpx
 import pytest
+import serving_checks as checks
 import serving_cluster as cluster
 import serving_kit as kit
 from serving_client import Request, run
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    # Known open bug (issue 14), reported as xfail/xpass in every run, never hidden: under
-    # `vllm serve`, D's GET to a live P sometimes gets no reply within the transfer timeout
-    # ("no reply from <P> within 30.0s"); the cause is not found yet.
-    pytest.mark.xfail(
-        reason="issue 14: a GET to a live P under vllm serve sometimes gets no reply",
-        strict=False,
-    ),
-]
+pytestmark = pytest.mark.timeout(600)
 
-SEND_TYPE = os.environ.get("KVX_P2P_SEND_TYPE", "GET")
+SEND_TYPES = {
+    "P0": "PUT_ASYNC",
+    "P1": os.environ.get("KVX_P2P_P1_SEND_TYPE", "GET"),  # PUT: the synchronous push instead
+    "D0": "PUT_ASYNC",
+    "D1": "PUT_ASYNC",
+}
+"""A D's own send type only makes it listen for pushes (every PUT mode does); it loads the way
+each request's `kv_transfer_params` from P say."""
+WAYS = {"received_bytes" if SEND_TYPES[p] != "GET" else "get_bytes" for p in ("P0", "P1")}
+"""How KV reaches the Ds in 2P2D: pushed to them, pulled by them, or both."""
+CORES = {"P": "0", "D": "1"}
+"""Every P on core 0, every D on core 1. Never a P and a D on one core: a D waiting for KV
+busy-polls between its engine steps (vLLM's worker loop spins on `sched_yield`), and a P bound
+to the same core then got no CPU at all, its listener included, until the D's GET timed out
+after 30 s (issue 14's "no reply from P")."""
 
 
 @dataclass
@@ -65,13 +72,13 @@ def xpyd(fleet: kit.Fleet, long_tiny_model: Path) -> Iterator[Xpyd]:
     names = ["P0", "P1", "D0", "D1"]
     kv = {name: f"127.0.0.1:{cluster.free_port()}" for name in names}
     engines: dict[str, cluster.HttpServer] = {}
-    for n, name in enumerate(names):
+    for name in names:
         http_port = cluster.free_port()
         extra: dict[str, Any] = {
             "proxy_ip": "127.0.0.1",
             "proxy_port": discovery_port,
             "http_port": http_port,
-            "send_type": SEND_TYPE,
+            "send_type": SEND_TYPES[name],
         }
         if name == "P0":
             extra["default_decode_address"] = kv["D0"]
@@ -84,7 +91,7 @@ def xpyd(fleet: kit.Fleet, long_tiny_model: Path) -> Iterator[Xpyd]:
             long_tiny_model,
             fleet.log_dir,
             kv_config,
-            str(n % 2),
+            CORES[name[0]],
             kit.MAX_MODEL_LEN,
             port=http_port,
         )
@@ -121,11 +128,12 @@ def burst(workload: list[Request], reference: list[list[int]], n: int) -> tuple[
     return [r for r, _ in picked], [t for _, t in picked]
 
 
-def check_d_received(server: cluster.HttpServer) -> None:
-    """D's logged stats: KV came in (pulled with GET, pushed to it with PUT), none failed."""
-    stats = kit.logged_stats(server)
-    came = stats.get("get_bytes", 0) + stats.get("received_bytes", 0)
-    assert came > 0, f"{server.name} received no KV: {stats}"
+def check_d_received(server: cluster.HttpServer, *ways: str) -> None:
+    """D's logged stats: KV came in one of `ways` (`get_bytes`: pulled with GET,
+    `received_bytes`: pushed to it; default either), none failed."""
+    stats = checks.logged_stats(server)
+    came = sum(stats.get(way, 0) for way in ways or ("received_bytes", "get_bytes"))
+    assert came > 0, f"{server.name} received no KV ({' or '.join(ways) or 'any way'}): {stats}"
     assert stats.get("failed_loads", 0) == stats.get("failed_transfers", 0) == 0, stats
 
 
@@ -136,7 +144,7 @@ def test_1p1d_gives_one_engines_tokens(
     results = run(xpyd.pair_proxy.url, xpyd.model.name, requests)
     bad = kit.mismatches(requests, results, want)
     assert not bad, "1P1D:\n" + "\n".join(bad)
-    kit.eventually(lambda: check_d_received(xpyd.decodes[0]))
+    kit.eventually(lambda: check_d_received(xpyd.decodes[0], "received_bytes"))
 
 
 def test_2p2d_discovered_servers_give_one_engines_tokens(
@@ -153,6 +161,9 @@ def test_2p2d_discovered_servers_give_one_engines_tokens(
     assert all(served[s.url] >= 2 for s in every), f"a server took no share: {served}"
     for d in xpyd.decodes:
         kit.eventually(lambda d=d: check_d_received(d))
+    stats = [checks.logged_stats(d) for d in xpyd.decodes]
+    for way in sorted(WAYS):  # P0's pushes and P1's pulls (or pushes)
+        assert any(s.get(way, 0) > 0 for s in stats), f"no D has {way}: {stats}"
 
 
 def test_killed_d_fails_only_its_requests_and_later_ones_succeed(
