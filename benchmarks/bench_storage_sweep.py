@@ -8,7 +8,10 @@ interleaved rounds on the same bytes:
   `bench_storage.py` drives it), values batched into segment files (the default);
 - `kvx per-value files`: the same connector writing one file per value, as block-format-3
   stores did before segment files (reads are the same);
-- `raw file`: one plain file per layer, written from / read into one contiguous tensor.
+- `raw file`: one plain file per layer, written from / read into one contiguous tensor;
+- `kvx offload CPU`: the OffloadingConnector's CPU tier storing every block into CPU slots
+  and loading them back, against `copy_ (memcpy)`: one `Tensor.copy_` of the same bytes per
+  layer (both take milliseconds: 5 timed calls per round).
 
 By default everything runs on one thread (`torch.set_num_threads(1)`, `io_threads: 1`) and the
 ratios are taken on CPU time (this process, all threads): on a machine shared with other jobs
@@ -17,6 +20,7 @@ rounds (range beside it); the load average is recorded before and after each sha
 
     python benchmarks/bench_storage_sweep.py --quick     # 8 and 32 layers, 16-token blocks, 8 MiB
     python benchmarks/bench_storage_sweep.py             # 8/32/80 layers x 16/128 tokens x sizes
+    nice python benchmarks/bench_storage_sweep.py --huge --only 1024MiB   # 1 GiB, alone
     python benchmarks/bench_storage_sweep.py --plot sweep.png
 """
 
@@ -40,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_lmcache
-from bench_storage import StorageCase
-from storage_baselines import KV, Case, RawFiles, drop_files, make_kv, measure_rounds
+from bench_storage import OffloadCase, StorageCase
+from storage_baselines import KV, Case, Memcpy, RawFiles, drop_files, make_kv, measure_rounds
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
 MIB = 1 << 20
@@ -66,7 +70,11 @@ class Shape:
         return f"{self.layers}L b{self.block_size} {self.mib}MiB {self.mix}"
 
 
-def shapes(quick: bool) -> Iterator[Shape]:
+HUGE = Shape(8, 16, 1024, "short")
+"""1 GiB of KV (about 5 GiB of memory with its caches, copies and files): only with --huge."""
+
+
+def shapes(quick: bool, huge: bool = False) -> Iterator[Shape]:
     if quick:
         yield from (Shape(8, 16, 8, "short"), Shape(32, 16, 8, "long"))
         return
@@ -75,7 +83,8 @@ def shapes(quick: bool) -> Iterator[Shape]:
             for mib in (8, 64, 256):
                 yield Shape(layers, block_size, mib, "short")
         yield Shape(layers, 16, 64, "long")
-    yield Shape(8, 16, 1024, "short")
+    if huge:
+        yield HUGE
 
 
 def per_value_files(case: StorageCase) -> None:
@@ -91,7 +100,9 @@ def per_value_files(case: StorageCase) -> None:
     backend._write_hashed = write
 
 
-def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) -> dict[str, Any]:
+def run_shape(
+    shape: Shape, repeat: int, threads: int, root: Path, peers: bool, offload: bool = True
+) -> dict[str, Any]:
     kv = shape.kv()
     extra = {"io_threads": threads}
     seg = StorageCase(kv, f"file://{root}/seg", partial(drop_files, root / "seg"), **extra)  # type: ignore[arg-type]
@@ -103,14 +114,21 @@ def run_shape(shape: Shape, repeat: int, threads: int, root: Path, peers: bool) 
         Case("kvx file://", seg.save, seg.load, "raw file", "", seg.fresh, seg.plan_load),
         Case("kvx per-value files", one.save, one.load, "raw file", "", one.fresh, one.plan_load),
     ]
+    tier = OffloadCase(kv) if offload else None
+    if tier is not None:
+        memcpy = Memcpy(kv, raw.data, raw.back)  # the raw file's tensors: no more memory
+        cases.append(Case("copy_ (memcpy)", memcpy.save, memcpy.load, None, "", inner=5))
+        cases.append(Case("kvx offload CPU", tier.save, tier.load, "copy_ (memcpy)", "", inner=5))
     load_before = os.getloadavg()[0]
     try:
         results = measure_rounds(cases, repeat)
         kv.clear_dst()
         seg.fresh(), seg.save(), seg.plan_load(), seg.load()
         kv.check(kv.dst, kv.all_dst, "kvx file://")
+        if tier is not None:
+            tier.check()  # every block loaded back from the CPU tier, compared
     finally:
-        for case in (seg, one):
+        for case in (seg, one, *([tier] if tier else [])):
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
     peer = example_connector(kv, repeat, threads) if peers else None
@@ -137,24 +155,35 @@ def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float
     return times
 
 
-def ratios(times: dict[str, dict[str, list[float]]], case: str, kind: str) -> list[float]:
-    """Per round, raw file time / case time (> 1: the case is faster)."""
-    return [r / c for r, c in zip(times["raw file"][kind], times[case][kind], strict=True)]
+def ratios(
+    times: dict[str, dict[str, list[float]]], case: str, kind: str, base: str = "raw file"
+) -> list[float]:
+    """Per round, `base` time / case time (> 1: the case is faster)."""
+    return [r / c for r, c in zip(times[base][kind], times[case][kind], strict=True)]
 
 
 def report(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| shape | MiB | load avg | raw save / load CPU ms | kvx save / load CPU ms | "
         "kvx vs raw save (CPU) | kvx vs raw load (CPU) | per-value files vs raw save (CPU) | "
-        "kvx vs raw save / load (wall) | kvx vs vLLM ExampleConnector save / load (CPU) |",
-        "|---|---:|---|---|---|---|---|---|---|---|",
+        "kvx vs raw save / load (wall) | kvx vs vLLM ExampleConnector save / load (CPU) | "
+        "offload vs memcpy save (CPU) | offload vs memcpy load (CPU) |",
+        "|---|---:|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         t = row["results"]
 
-        def cell(case: str, kind: str, t: dict[str, dict[str, list[float]]] = t) -> str:
-            r = ratios(t, case, kind)
+        def cell(
+            case: str, kind: str, t: dict[str, dict[str, list[float]]] = t, base: str = "raw file"
+        ) -> str:
+            if case not in t:
+                return "-"
+            r = ratios(t, case, kind, base)
             return f"**{median(r):.2f}** ({min(r):.2f}-{max(r):.2f})"
+
+        tier = [
+            cell("kvx offload CPU", f"{k} cpu", base="copy_ (memcpy)") for k in ("save", "load")
+        ]
 
         ms = {c: "/".join(f"{median(t[c][k]) * 1e3:.1f}" for k in ("save cpu", "load cpu"))
               for c in t}  # fmt: skip
@@ -163,7 +192,8 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"| {row['shape'].label} | {row['bytes'] / MIB:.0f} | "
             f"{row['load'][0]:.1f}-{row['load'][1]:.1f} | {ms['raw file']} | {ms['kvx file://']} | "
             f"{cell('kvx file://', 'save cpu')} | {cell('kvx file://', 'load cpu')} | "
-            f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} |"
+            f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} | "
+            f"{tier[0]} | {tier[1]} |"
         )
     return "\n".join(lines)
 
@@ -179,26 +209,48 @@ def peer_cell(row: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Bar charts of the medians: `path` for file:// against the raw file and, when the CPU
+    tier ran, `<path stem>-offload.png` for it against memcpy."""
+    file_series = [
+        ("kvx save", "kvx file://", "save cpu", "raw file"),
+        ("kvx load", "kvx file://", "load cpu", "raw file"),
+        ("per-value files save", "kvx per-value files", "save cpu", "raw file"),
+    ]
+    _bars(rows, file_series, "x raw file", "file:// vs one plain file per layer", path)
+    if all("kvx offload CPU" in row["results"] for row in rows):
+        tier_series = [
+            ("offload save", "kvx offload CPU", "save cpu", "copy_ (memcpy)"),
+            ("offload load", "kvx offload CPU", "load cpu", "copy_ (memcpy)"),
+        ]
+        stem = path.removesuffix(".png")
+        _bars(
+            rows,
+            tier_series,
+            "x memcpy",
+            "OffloadingConnector CPU tier vs memcpy",
+            f"{stem}-offload.png",
+        )
+
+
+def _bars(
+    rows: list[dict[str, Any]], series: list[tuple[str, str, str, str]], unit: str, title: str,
+    path: str,
+) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [row["shape"].label for row in rows]
-    series = [
-        ("kvx save", "kvx file://", "save cpu"),
-        ("kvx load", "kvx file://", "load cpu"),
-        ("per-value files save", "kvx per-value files", "save cpu"),
-    ]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4.5))
     width = 0.8 / len(series)
-    for k, (name, case, kind) in enumerate(series):
-        values = [median(ratios(row["results"], case, kind)) for row in rows]
+    for k, (name, case, kind, base) in enumerate(series):
+        values = [median(ratios(row["results"], case, kind, base)) for row in rows]
         ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
     ax.axhline(0.8, color="red", linestyle="--", linewidth=1, label="target 0.8x")
     ax.set_xticks([i + width for i in range(len(rows))], labels, rotation=60, ha="right")
-    ax.set_ylabel("x raw file (CPU time, 1 thread; higher is faster)")
-    ax.set_title("file:// vs one plain file per layer, medians")
+    ax.set_ylabel(f"{unit} (CPU time, 1 thread; higher is faster)")
+    ax.set_title(f"{title}, medians")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -216,15 +268,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--no-peers", action="store_true",
         help="skip vLLM's ExampleConnector and LMCache (peer_*.py, run in .venv-vllm)",
     )  # fmt: skip
+    parser.add_argument("--no-offload", action="store_true", help="skip the CPU tier and memcpy")
+    parser.add_argument(
+        "--huge", action="store_true", help="add the 1 GiB shape (run it alone, nice'd)"
+    )
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    for shape in shapes(args.quick):
+    for shape in shapes(args.quick, args.huge):
         if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
             continue
         with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
-            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), not args.no_peers))
+            peers, offload = not args.no_peers, not args.no_offload
+            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), peers, offload))
         print(report(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
     print(report(rows))

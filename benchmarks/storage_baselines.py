@@ -354,9 +354,18 @@ class SafetensorsPerLayer:
 
 
 class Memcpy:
-    def __init__(self, kv: KV) -> None:
-        self.a = payload(kv)
-        self.b = {n: torch.empty_like(t) for n, t in self.a.items()}
+    """One `copy_` per layer between two contiguous copies of the bytes (`a`, `b`: the caller's
+    own, such as RawFiles' `data` and `back`, to share their memory; a load writes `a` back
+    with the same bytes)."""
+
+    def __init__(
+        self,
+        kv: KV,
+        a: dict[str, torch.Tensor] | None = None,
+        b: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.a = payload(kv) if a is None else a
+        self.b = {n: torch.empty_like(t) for n, t in self.a.items()} if b is None else b
 
     def save(self) -> None:
         for name, t in self.a.items():

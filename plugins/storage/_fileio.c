@@ -1,20 +1,19 @@
-/* Write or read stored values between files and the KV cache, checksumming them in the same
- * pass, without the GIL.
+/* Read stored values from files into the KV cache, checksumming them in the same pass, without
+ * the GIL; the module's method table (writes: `_filewrite.c`).
  *
  * A stored value (header, then every layer's K and V of one block) lives in the engine's KV
  * cache as many scattered regions. `write_blocks` / `read_blocks` take a batch of values as
- * paths and block ids plus a small table saying where a block's regions lie, and create (to
- * a temporary name, renamed into place) or open, move and close every file of the batch
- * without the GIL and without a Python object per region. Moving the regions with one
- * pwritev / preadv and hashing them in a separate pass would go over every byte twice, once
- * from memory: here they move about 256 KiB at a time and each piece is hashed (XXH3-64)
- * right before it is written or right after it is read, while it is in the cache.
- * `hash_buffers` hashes regions moved some other way (Redis). Digests equal
+ * paths and block ids plus a small table saying where a block's regions lie (held here for
+ * both: `kvx_hold_call`), and create (to a temporary name, renamed into place) or open, move
+ * and close every file of the batch without the GIL and without a Python object per region.
+ * Moving the regions with one pwritev / preadv and hashing them in a separate pass would go
+ * over every byte twice, once from memory: here they move about 256 KiB at a time and each
+ * piece is hashed (XXH3-64) right before it is written or right after it is read, while it is
+ * in the cache. `hash_buffers` hashes regions moved some other way (Redis). Digests equal
  * `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the vendored xxhash header
  * (vendor/xxhash/), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
  * that have it.
  */
-#define _GNU_SOURCE /* fallocate() */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -22,7 +21,6 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <stdio.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -31,16 +29,14 @@
 #define CHUNK_BYTES (256 * 1024) /* read, then hashed while in the L2 cache */
 #define CHUNK_IOVS 64
 
-typedef void (*update_fn)(XXH3_state_t *, const void *, size_t);
-
-static void update_baseline(XXH3_state_t *state, const void *data, size_t len) {
+void kvx_update_baseline(XXH3_state_t *state, const void *data, size_t len) {
     XXH3_64bits_update(state, data, len);
 }
 
-static update_fn best_update = update_baseline;
+kvx_update_fn kvx_best_update = kvx_update_baseline;
 
 /* Hash `len` bytes of the stream at offset `at` from `data`, leaving out [s0, s1). */
-static void hash_piece(update_fn update, XXH3_state_t *state, const char *data, Py_ssize_t at,
+static void hash_piece(kvx_update_fn update, XXH3_state_t *state, const char *data, Py_ssize_t at,
                        Py_ssize_t len, Py_ssize_t s0, Py_ssize_t s1) {
     Py_ssize_t end = at + len;
     if (end <= s0 || at >= s1) {
@@ -55,7 +51,7 @@ static void hash_piece(update_fn update, XXH3_state_t *state, const char *data, 
  * ends, about CHUNK_BYTES per preadv, hashing each chunk right after it is read (while it is
  * in the cache; `s0`, `s1` count from `base`); the bytes read, or -1 with errno set. */
 static Py_ssize_t read_hashed_impl(int fd, Py_ssize_t base, Py_buffer *views, Py_ssize_t n,
-                                   update_fn update, XXH3_state_t *state, Py_ssize_t s0,
+                                   kvx_update_fn update, XXH3_state_t *state, Py_ssize_t s0,
                                    Py_ssize_t s1) {
     struct iovec iov[CHUNK_IOVS];
     Py_ssize_t index = 0, offset_in = 0, done = 0;
@@ -116,50 +112,6 @@ static Py_buffer *hold_buffers(PyObject *seq, Py_ssize_t n, int flags, Py_ssize_
     return views;
 }
 
-/* Write the buffers to `fd` from `offset` on, about CHUNK_BYTES per pwritev, hashing each
- * chunk right before it is written (the write then copies it from the cache); the bytes
- * written, or -1 with errno set. */
-static Py_ssize_t write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, update_fn update,
-                                    XXH3_state_t *state, Py_ssize_t offset) {
-    struct iovec iov[CHUNK_IOVS];
-    Py_ssize_t index = 0, start = offset;
-    while (index < n) {
-        int count = 0;
-        Py_ssize_t batch = 0;
-        for (; index < n && count < CHUNK_IOVS && batch < CHUNK_BYTES; index++) {
-            if (views[index].len == 0) continue;
-            iov[count].iov_base = views[index].buf;
-            iov[count].iov_len = (size_t)views[index].len;
-            update(state, views[index].buf, (size_t)views[index].len);
-            batch += views[index].len;
-            count++;
-        }
-        struct iovec *rest = iov;
-        while (count > 0) { /* a short write: go on from where it stopped */
-            ssize_t put = pwritev(fd, rest, count, (off_t)offset);
-            if (put < 0) {
-                if (errno == EINTR) continue;
-                return -1;
-            }
-            if (put == 0) { /* no progress: never loop on it */
-                errno = EIO;
-                return -1;
-            }
-            offset += put;
-            while (count > 0 && (size_t)put >= rest->iov_len) {
-                put -= (ssize_t)rest->iov_len;
-                rest++;
-                count--;
-            }
-            if (count > 0) {
-                rest->iov_base = (char *)rest->iov_base + put;
-                rest->iov_len -= (size_t)put;
-            }
-        }
-    }
-    return offset - start;
-}
-
 /* hash_buffers(buffers) -> XXH3-64 of their bytes in order, without the GIL. */
 static PyObject *hash_buffers(PyObject *self, PyObject *args) {
     PyObject *parts;
@@ -173,7 +125,7 @@ static PyObject *hash_buffers(PyObject *self, PyObject *args) {
     XXH3_state_t state;
     Py_BEGIN_ALLOW_THREADS
     XXH3_64bits_reset(&state);
-    for (Py_ssize_t i = 0; i < n; i++) best_update(&state, views[i].buf, (size_t)views[i].len);
+    for (Py_ssize_t i = 0; i < n; i++) kvx_best_update(&state, views[i].buf, (size_t)views[i].len);
     Py_END_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
@@ -183,17 +135,7 @@ static PyObject *hash_buffers(PyObject *self, PyObject *args) {
 /* Block values: a value is a header, then one region of the KV cache per table entry for one
  * engine block, so the regions of every value of a batch follow from a small table and the
  * block ids; a whole batch of files is then opened, moved, hashed and closed without the GIL
- * and without a Python object per region. */
-
-typedef struct {
-    Py_buffer view;
-    Py_ssize_t start, size, step; /* block b's region: view.buf[start + b * step, + size) */
-} region_t;
-
-typedef struct {
-    Py_ssize_t n;
-    region_t *regions;
-} table_t;
+ * and without a Python object per region (held here, for reads and writes alike). */
 
 static void release_table(table_t *table) {
     for (Py_ssize_t i = 0; i < table->n; i++) PyBuffer_Release(&table->regions[i].view);
@@ -265,14 +207,7 @@ static Py_ssize_t *block_ids(PyObject *blocks, Py_ssize_t n, const table_t *tabl
     return ids;
 }
 
-/* Per value: its path (a bytes object from PyUnicode_FSConverter) and a held buffer. */
-typedef struct {
-    Py_ssize_t n;
-    PyObject **paths;
-    Py_buffer *buffers;
-} batch_t;
-
-static void release_batch(batch_t *batch) {
+void kvx_release_batch(batch_t *batch) {
     for (Py_ssize_t i = 0; i < batch->n; i++) {
         Py_XDECREF(batch->paths[i]);
         if (batch->buffers[i].obj != NULL) PyBuffer_Release(&batch->buffers[i]);
@@ -286,12 +221,12 @@ static void release_batch(batch_t *batch) {
 
 /* Hold per value a path (unless `paths` is NULL) and a buffer (`flags`, unless `buffers` is
  * NULL); 0, or -1 with an exception. */
-static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flags, batch_t *batch) {
+int kvx_hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flags, batch_t *batch) {
     batch->n = 0;
     batch->paths = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(PyObject *));
     batch->buffers = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_buffer));
     if (batch->paths == NULL || batch->buffers == NULL) {
-        release_batch(batch);
+        kvx_release_batch(batch);
         PyErr_NoMemory();
         return -1;
     }
@@ -302,7 +237,7 @@ static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flag
             (buffers != NULL &&
              PyObject_GetBuffer(PySequence_Fast_GET_ITEM(buffers, i), &batch->buffers[i],
                                 flags | PyBUF_C_CONTIGUOUS) < 0)) {
-            release_batch(batch);
+            kvx_release_batch(batch);
             return -1;
         }
     }
@@ -310,7 +245,7 @@ static int hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flag
 }
 
 /* The regions of `block` as views (only .buf and .len are used). */
-static void fill_parts(Py_buffer *parts, const table_t *table, Py_ssize_t block) {
+void kvx_fill_parts(Py_buffer *parts, const table_t *table, Py_ssize_t block) {
     for (Py_ssize_t k = 0; k < table->n; k++) {
         const region_t *r = &table->regions[k];
         parts[k].buf = (char *)r->view.buf + r->start + block * r->step;
@@ -338,139 +273,31 @@ static int same_length(PyObject **seqs, const int *where, PyObject **out, int co
     return 0;
 }
 
-/* What write_blocks and read_blocks share, held: per value a path and a checksum seed
- * (`named`), the block ids, the region table, and the fast sequences of the arguments (paths,
- * the caller's own per-value sequence, seeds, blocks). */
-typedef struct {
-    Py_ssize_t n, payload; /* values; bytes of a block's regions */
-    PyObject *fast[4];
-    table_t table;
-    batch_t named;
-    Py_ssize_t *ids;
-} call_t;
-
-static void release_call(call_t *call) {
+void kvx_release_call(call_t *call) {
     PyMem_Free(call->ids);
     call->ids = NULL;
-    release_batch(&call->named);
+    kvx_release_batch(&call->named);
     release_table(&call->table);
     for (int i = 0; i < 4; i++) Py_CLEAR(call->fast[i]);
 }
 
 /* Hold the shared arguments (`where`: their positions, for errors); 0, or -1 with an
  * exception. Release with release_call either way. */
-static int hold_call(PyObject *paths, PyObject *own, PyObject *seeds, PyObject *blocks,
+int kvx_hold_call(PyObject *paths, PyObject *own, PyObject *seeds, PyObject *blocks,
                      PyObject *spec, int table_flags, const int *where, call_t *call) {
     PyObject *seqs[4] = {paths, own, seeds, blocks};
     *call = (call_t){0, 0, {NULL, NULL, NULL, NULL}, {0, NULL}, {0, NULL, NULL}, NULL};
     if (same_length(seqs, where, call->fast, 4, &call->n) < 0 ||
         hold_table(spec, table_flags, &call->table) < 0 ||
-        hold_batch(call->fast[0], call->fast[2], call->n, PyBUF_SIMPLE, &call->named) < 0 ||
+        kvx_hold_batch(call->fast[0], call->fast[2], call->n, PyBUF_SIMPLE, &call->named) < 0 ||
         (call->ids = block_ids(call->fast[3], call->n, &call->table)) == NULL)
         return -1;
     for (Py_ssize_t k = 0; k < call->table.n; k++) call->payload += call->table.regions[k].size;
     return 0;
 }
 
-/* Allocate a new file's `size` bytes in one go: on ext4 one extent instead of a delayed
- * allocation per 4 KiB block as the data goes in, 10-20% of a write's time. 0, or the errno of
- * a real failure (a filesystem without fallocate is not one). */
-static int preallocate(int fd, Py_ssize_t size) {
-#ifdef __linux__
-    if (size > 0 && fallocate(fd, 0, 0, (off_t)size) < 0)
-        return errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL ? 0 : errno;
-#endif
-    return 0;
-}
-
-/* pwrite all `len` bytes at `offset`; 0, or -1 with errno set. */
-static int write_all(int fd, const unsigned char *data, Py_ssize_t len, Py_ssize_t offset) {
-    Py_ssize_t put = 0;
-    while (put < len) {
-        ssize_t got = pwrite(fd, data + put, (size_t)(len - put), (off_t)(offset + put));
-        if (got < 0 && errno == EINTR) continue;
-        if (got <= 0) {
-            if (got == 0) errno = EIO; /* no progress: never loop on it */
-            return -1;
-        }
-        put += got;
-    }
-    return 0;
-}
-
-static PyObject *write_blocks(PyObject *self, PyObject *args) {
-    PyObject *paths, *tmps, *seeds, *spec, *blocks;
-    Py_buffer prefix;
-    int baseline = 0;
-    int mode = 0600; /* new files are their owner's unless the caller says otherwise */
-    if (!PyArg_ParseTuple(args, "OOOy*OO|pi:write_blocks", &paths, &tmps, &seeds, &prefix, &spec,
-                          &blocks, &baseline, &mode))
-        return NULL;
-    update_fn update = baseline ? update_baseline : best_update;
-    static const int where[4] = {1, 2, 3, 6};
-    PyObject *result = NULL;
-    call_t call;
-    batch_t temps = {0, NULL, NULL};
-    int *errors = NULL;
-    Py_buffer *parts = NULL;
-    if (hold_call(paths, tmps, seeds, blocks, spec, PyBUF_SIMPLE, where, &call) < 0 ||
-        hold_batch(call.fast[1], NULL, call.n, PyBUF_SIMPLE, &temps) < 0)
-        goto done;
-    Py_ssize_t n = call.n;
-    const table_t *table = &call.table;
-    errors = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
-    parts = PyMem_Calloc(table->n > 0 ? (size_t)table->n : 1, sizeof(Py_buffer));
-    unsigned char *head = PyMem_Malloc((size_t)prefix.len + 8);
-    if (errors == NULL || parts == NULL || head == NULL) {
-        PyMem_Free(head);
-        PyErr_NoMemory();
-        goto done;
-    }
-    memcpy(head, prefix.buf, (size_t)prefix.len);
-    Py_ssize_t head_len = prefix.len + 8;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *tmp = PyBytes_AS_STRING(temps.paths[i]);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (mode_t)mode);
-        if (fd < 0) {
-            errors[i] = errno;
-            continue;
-        }
-        fill_parts(parts, table, call.ids[i]);
-        int error = preallocate(fd, head_len + call.payload);
-        XXH3_state_t state;
-        XXH3_64bits_reset(&state);
-        XXH3_64bits_update(&state, call.named.buffers[i].buf, (size_t)call.named.buffers[i].len);
-        if (!error && write_hashed_impl(fd, parts, table->n, update, &state, head_len) < 0)
-            error = errno;
-        if (!error) {
-            XXH64_hash_t digest = XXH3_64bits_digest(&state);
-            for (int b = 0; b < 8; b++) head[prefix.len + b] = (unsigned char)(digest >> (8 * b));
-            if (write_all(fd, head, head_len, 0) < 0) error = errno;
-        }
-        if (close(fd) < 0 && !error) error = errno;
-        if (!error && rename(tmp, PyBytes_AS_STRING(call.named.paths[i])) < 0) error = errno;
-        if (error) {
-            unlink(tmp);
-            errors[i] = error;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyMem_Free(head);
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
-done:
-    PyMem_Free(parts);
-    PyMem_Free(errors);
-    release_batch(&temps);
-    release_call(&call);
-    PyBuffer_Release(&prefix);
-    return result;
-}
-
 /* XXH3-64 of each of `n` keys (bytes-like), as a PyMem array; NULL with an exception. */
-static uint64_t *key_hashes(PyObject *keys, Py_ssize_t n) {
+uint64_t *kvx_key_hashes(PyObject *keys, Py_ssize_t n) {
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
     if (seq == NULL) return NULL;
     uint64_t *hashes = NULL;
@@ -494,106 +321,6 @@ static uint64_t *key_hashes(PyObject *keys, Py_ssize_t n) {
     return hashes;
 }
 
-/* Write values i (header: `head` with its checksum; payload: the regions in `parts` of block
- * ids[i]) back to back into `fd` after a segment header; 0 or an errno. Without the GIL. */
-static int write_segment_values(int fd, const call_t *call, unsigned char *head,
-                                Py_ssize_t prefix_len, update_fn update, Py_buffer *parts,
-                                Py_ssize_t first) {
-    Py_ssize_t head_len = prefix_len + 8, value_len = head_len + call->payload;
-    for (Py_ssize_t i = 0; i < call->n; i++) {
-        Py_ssize_t at = first + i * value_len;
-        fill_parts(parts, &call->table, call->ids[i]);
-        XXH3_state_t state;
-        XXH3_64bits_reset(&state);
-        XXH3_64bits_update(&state, call->named.buffers[i].buf, (size_t)call->named.buffers[i].len);
-        if (write_hashed_impl(fd, parts, call->table.n, update, &state, at + head_len) < 0)
-            return errno;
-        XXH64_hash_t digest = XXH3_64bits_digest(&state);
-        for (int b = 0; b < 8; b++) head[prefix_len + b] = (unsigned char)(digest >> (8 * b));
-        if (write_all(fd, head, head_len, at) < 0) return errno;
-    }
-    return 0;
-}
-
-/* write_segment: see the method table. */
-static PyObject *write_segment(PyObject *self, PyObject *args) {
-    PyObject *paths, *keys, *tmp_obj, *seeds, *spec, *blocks;
-    Py_buffer prefix;
-    int baseline = 0, mode = 0600;
-    if (!PyArg_ParseTuple(args, "OOO&Oy*OO|pi:write_segment", &paths, &keys, PyUnicode_FSConverter,
-                          &tmp_obj, &seeds, &prefix, &spec, &blocks, &baseline, &mode))
-        return NULL;
-    update_fn update = baseline ? update_baseline : best_update;
-    static const int where[4] = {1, 2, 4, 7};
-    PyObject *result = NULL;
-    call_t call;
-    int *errors = NULL;
-    Py_buffer *parts = NULL;
-    uint64_t *hashes = NULL;
-    unsigned char *head = NULL, *header = NULL;
-    char *alt = NULL;
-    if (hold_call(paths, keys, seeds, blocks, spec, PyBUF_SIMPLE, where, &call) < 0 ||
-        (hashes = key_hashes(call.fast[1], call.n)) == NULL)
-        goto done;
-    Py_ssize_t n = call.n;
-    if (n > KVX_SEG_MAX_VALUES) {
-        PyErr_Format(PyExc_ValueError, "%zd values; a segment holds at most %d", n,
-                     KVX_SEG_MAX_VALUES);
-        goto done;
-    }
-    const char *tmp = PyBytes_AS_STRING(tmp_obj);
-    size_t tmp_len = (size_t)PyBytes_GET_SIZE(tmp_obj);
-    Py_ssize_t first = kvx_segment_header_len(n), value_len = prefix.len + 8 + call.payload;
-    errors = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
-    parts = PyMem_Calloc(call.table.n > 0 ? (size_t)call.table.n : 1, sizeof(Py_buffer));
-    head = PyMem_Malloc((size_t)prefix.len + 8);
-    header = PyMem_Malloc((size_t)first);
-    alt = PyMem_Malloc(tmp_len + 24);
-    if (errors == NULL || parts == NULL || head == NULL || header == NULL || alt == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    memcpy(head, prefix.buf, (size_t)prefix.len);
-    kvx_segment_header(header, n, hashes, value_len);
-    Py_BEGIN_ALLOW_THREADS
-    int error = 0;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (mode_t)mode);
-    if (fd < 0) error = errno;
-    if (!error) error = preallocate(fd, first + n * value_len);
-    if (!error) error = write_segment_values(fd, &call, head, prefix.len, update, parts, first);
-    if (!error && write_all(fd, header, first, 0) < 0) error = errno;
-    if (fd >= 0 && close(fd) < 0 && !error) error = errno;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *path = PyBytes_AS_STRING(call.named.paths[i]);
-        if (error) {
-            errors[i] = error;
-        } else if (link(tmp, path) < 0) { /* already stored: replaced, atomically */
-            snprintf(alt, tmp_len + 24, "%s.%zd", tmp, i);
-            if (errno != EEXIST || link(tmp, alt) < 0) errors[i] = errno;
-            else if (rename(alt, path) < 0) {
-                errors[i] = errno;
-                unlink(alt);
-            }
-        }
-    }
-    if (fd >= 0) unlink(tmp);
-    Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
-done:
-    PyMem_Free(alt);
-    PyMem_Free(header);
-    PyMem_Free(head);
-    PyMem_Free(hashes);
-    PyMem_Free(parts);
-    PyMem_Free(errors);
-    release_call(&call);
-    Py_DECREF(tmp_obj);
-    PyBuffer_Release(&prefix);
-    return result;
-}
-
 static PyObject *read_blocks(PyObject *self, PyObject *args) {
     PyObject *paths, *seeds, *heads, *spec, *blocks, *keys = Py_None;
     Py_ssize_t s0, s1;
@@ -601,7 +328,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOnnOOO|pO:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
                           &blocks, &baseline, &keys))
         return NULL;
-    update_fn update = baseline ? update_baseline : best_update;
+    kvx_update_fn update = baseline ? kvx_update_baseline : kvx_best_update;
     static const int where[4] = {1, 5, 2, 7};
     PyObject *result = NULL;
     call_t call;
@@ -611,9 +338,9 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     Py_buffer *parts = NULL;
     uint64_t *hashes = NULL; /* per value its key's hash, to find it in a segment file */
     kvx_segment_cache_t segment = {0, 0, 0, NULL};
-    if (hold_call(paths, heads, seeds, blocks, spec, PyBUF_WRITABLE, where, &call) < 0 ||
-        hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0 ||
-        (keys != Py_None && (hashes = key_hashes(keys, call.n)) == NULL))
+    if (kvx_hold_call(paths, heads, seeds, blocks, spec, PyBUF_WRITABLE, where, &call) < 0 ||
+        kvx_hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0 ||
+        (keys != Py_None && (hashes = kvx_key_hashes(keys, call.n)) == NULL))
         goto done;
     Py_ssize_t n = call.n;
     const table_t *table = &call.table;
@@ -635,7 +362,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         }
         parts[0].buf = tops.buffers[i].buf;
         parts[0].len = tops.buffers[i].len;
-        fill_parts(parts + 1, table, call.ids[i]);
+        kvx_fill_parts(parts + 1, table, call.ids[i]);
         Py_ssize_t total = tops.buffers[i].len + call.payload, base = 0;
         sizes[i] = (Py_ssize_t)st.st_size;
         if (hashes != NULL && sizes[i] > total) { /* a segment file holding several values? */
@@ -673,20 +400,20 @@ done:
     PyMem_Free(parts);
     PyMem_Free(digests);
     PyMem_Free(sizes);
-    release_batch(&tops);
-    release_call(&call);
+    kvx_release_batch(&tops);
+    kvx_release_call(&call);
     return result;
 }
 
 static PyObject *vector(PyObject *self, PyObject *unused) {
-    return PyUnicode_FromString(best_update == update_baseline ? "baseline" : "avx2");
+    return PyUnicode_FromString(kvx_best_update == kvx_update_baseline ? "baseline" : "avx2");
 }
 
 static PyMethodDef methods[] = {
     {"hash_buffers", hash_buffers, METH_VARARGS,
      "hash_buffers(buffers) -> digest: XXH3-64 of the buffers' bytes in order, computed "
      "without the GIL (for values read or written some other way)."},
-    {"write_blocks", write_blocks, METH_VARARGS,
+    {"write_blocks", kvx_write_blocks, METH_VARARGS,
      "write_blocks(paths, tmp_paths, seeds, prefix, regions, blocks, baseline=False, mode=0o600) -> errnos: per value i, "
      "create tmp_paths[i] (which must not exist), write the regions of blocks[i] after a "
      "header of len(prefix) + 8 bytes, then the header: prefix and XXH3-64 (little-endian) of "
@@ -703,7 +430,7 @@ static PyMethodDef methods[] = {
      "Without the GIL; `baseline` as for write_blocks. With `keys` (bytes, one per value), a "
      "file longer than the value that is a segment (write_segment) is read from the value of "
      "keys[i] in it, and a segment without that key counts as absent (ENOENT)."},
-    {"write_segment", write_segment, METH_VARARGS,
+    {"write_segment", kvx_write_segment, METH_VARARGS,
      "write_segment(paths, keys, tmp_path, seeds, prefix, regions, blocks, baseline=False, "
      "mode=0o600) -> errnos: write every value as write_blocks would, back to back into one new "
      "file tmp_path after a segment header indexing them by XXH3-64 of keys[i] (`_segment.c`), "
@@ -721,7 +448,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__fileio(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) best_update = kvx_xxh3_update_avx2;
+    if (__builtin_cpu_supports("avx2")) kvx_best_update = kvx_xxh3_update_avx2;
 #endif
     return PyModule_Create(&module);
 }

@@ -1,5 +1,6 @@
-/* Shared by `_fileio.c`, `_fileio_avx2.c` and `_segment.c`: XXH3-64 streaming updates, one
- * build per instruction set (the same result from either), and the segment-file format. */
+/* Shared by `_fileio.c` (reads, the module), `_filewrite.c` (writes), `_fileio_avx2.c` and
+ * `_segment.c`: XXH3-64 streaming updates, one build per instruction set (the same result from
+ * either), the held arguments of a batch of values, and the segment-file format. */
 #ifndef KVX_STORAGE_FILEIO_H
 #define KVX_STORAGE_FILEIO_H
 #define PY_SSIZE_T_CLEAN
@@ -14,6 +15,57 @@
 
 /* XXH3_64bits_update built for AVX2 (only called on CPUs that have it). */
 void kvx_xxh3_update_avx2(XXH3_state_t *state, const void *data, size_t len);
+
+typedef void (*kvx_update_fn)(XXH3_state_t *, const void *, size_t);
+void kvx_update_baseline(XXH3_state_t *state, const void *data, size_t len);
+extern kvx_update_fn kvx_best_update; /* the AVX2 build where the CPU has it */
+
+/* Block values: a value is a header, then one region of the KV cache per table entry for one
+ * engine block (`_fileio.c` holds the arguments of a batch, `_filewrite.c` writes it). */
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t start, size, step; /* block b's region: view.buf[start + b * step, + size) */
+} region_t;
+
+typedef struct {
+    Py_ssize_t n;
+    region_t *regions;
+} table_t;
+
+/* Per value: its path (a bytes object from PyUnicode_FSConverter) and a held buffer. */
+typedef struct {
+    Py_ssize_t n;
+    PyObject **paths;
+    Py_buffer *buffers;
+} batch_t;
+
+/* What write_blocks and read_blocks share, held: per value a path and a checksum seed
+ * (`named`), the block ids, the region table, and the fast sequences of the arguments (paths,
+ * the caller's own per-value sequence, seeds, blocks). */
+typedef struct {
+    Py_ssize_t n, payload; /* values; bytes of a block's regions */
+    PyObject *fast[4];
+    table_t table;
+    batch_t named;
+    Py_ssize_t *ids;
+} call_t;
+
+/* Hold the arguments shared by reads and writes (`where`: their positions, for errors); 0, or
+ * -1 with an exception. Release with kvx_release_call either way. */
+int kvx_hold_call(PyObject *paths, PyObject *own, PyObject *seeds, PyObject *blocks,
+                  PyObject *spec, int table_flags, const int *where, call_t *call);
+void kvx_release_call(call_t *call);
+/* Hold per value a path (unless `paths` is NULL) and a buffer (`flags`, unless `buffers` is
+ * NULL); 0, or -1 with an exception. */
+int kvx_hold_batch(PyObject *paths, PyObject *buffers, Py_ssize_t n, int flags, batch_t *batch);
+void kvx_release_batch(batch_t *batch);
+/* The regions of `block` as views (only .buf and .len are used). */
+void kvx_fill_parts(Py_buffer *parts, const table_t *table, Py_ssize_t block);
+/* XXH3-64 of each of `n` keys (bytes-like), as a PyMem array; NULL with an exception. */
+uint64_t *kvx_key_hashes(PyObject *keys, Py_ssize_t n);
+/* write_blocks / write_segment (`_filewrite.c`; see the method table in `_fileio.c`). */
+PyObject *kvx_write_blocks(PyObject *self, PyObject *args);
+PyObject *kvx_write_segment(PyObject *self, PyObject *args);
 
 /* Segment files (`_segment.c`). */
 #define KVX_SEG_VERSION 1
@@ -31,10 +83,14 @@ typedef struct { /* the index of the segment file last looked into */
 
 /* Bytes before the first value of a segment of `count` values. */
 Py_ssize_t kvx_segment_header_len(Py_ssize_t count);
-/* Fill `out` (kvx_segment_header_len(count) bytes): values of `value_len` bytes each, back to
- * back after the header, value i under key hash key_hashes[i]. */
+/* Where value i of a segment of `count` values of `value_len` bytes (a header of `head_len`
+ * bytes, then the payload) begins: its payload starts on a KVX_SEG_ALIGN boundary. */
+Py_ssize_t kvx_segment_value_at(Py_ssize_t count, Py_ssize_t i, Py_ssize_t head_len,
+                                Py_ssize_t value_len);
+/* Fill `out` (kvx_segment_header_len(count) bytes): value i (kvx_segment_value_at) under key
+ * hash key_hashes[i]. */
 void kvx_segment_header(unsigned char *out, Py_ssize_t count, const uint64_t *key_hashes,
-                        Py_ssize_t value_len);
+                        Py_ssize_t head_len, Py_ssize_t value_len);
 /* Where the value of key hash `key_hash` lies in the file `fd` (`st` its fstat): 1 with
  * `offset` and `length` set; 0 if the file is not a well-formed segment or has no such key;
  * -1 with errno set when it cannot be read. Without the GIL; keeps the index in `cache`. */

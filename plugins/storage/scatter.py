@@ -1,5 +1,6 @@
 """Loads through buffers: values read into a buffer (another layout, block size, head shard or
-stage than the engine's own) are converted into the paged KV cache with `convert_blocks`."""
+stage than the engine's own) and checked (`fetch_into`), then converted into the paged KV cache
+with `convert_blocks` (`scatter`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,48 @@ from dataclasses import replace
 
 import torch
 
+from kvx import StorageBackend
 from kvx.layouts import Layout, convert_blocks
-from kvx.plugins.storage.blockformat import KV_ORDER, BlockShape
+from kvx.plugins.storage.blockformat import KV_ORDER, BlockFormatError, BlockShape, check_value
+from kvx.plugins.storage.buffers import row_views
+from kvx.plugins.storage.direct import Fetched, check_size
 from kvx.plugins.storage.keys import Geometry, Stage
 from kvx.plugins.storage.load_plan import Segment, Unit, scatter_moves
 from kvx.plugins.storage.values import converted, layer_view, token_slice
+
+
+def fetch_into(
+    unit: Unit,
+    names: list[str],
+    flat: torch.Tensor,
+    backend: StorageBackend,
+    per: int,
+    verify: bool,
+    mac_key: bytes | None,
+) -> Fetched:
+    """Read a unit's values (`names`, per row) into rows of `flat`, `per` values per backend
+    call, and check each (an IO thread); a failed read is returned, not raised."""
+    shape = unit.shape
+    values = row_views(flat, len(unit.keys), shape.value_bytes)
+    rows = [memoryview(row.numpy()) for row in values]
+    try:
+        sizes: list[int | None] = []
+        for at in range(0, len(names), per):
+            sizes.extend(backend.get_into(names[at : at + per], rows[at : at + per]))
+    except Exception as exc:  # an unreachable store fails these loads, not the engine step
+        return Fetched(unit, flat, values, [], error=exc)
+    errors: list[BlockFormatError | None] = []
+    shapes: list[BlockShape | None] = []
+    for name, row, size in zip(names, rows, sizes, strict=True):
+        try:
+            check_size(name, size, len(row))
+            stored, _ = check_value(name, row, shape, verify=verify, mac_key=mac_key)
+            errors.append(None)
+            shapes.append(stored)
+        except BlockFormatError as exc:
+            errors.append(exc)
+            shapes.append(None)
+    return Fetched(unit, flat, values, errors, shapes)
 
 
 def scatter(

@@ -10,12 +10,13 @@ the layer's blocks into per-block value buffers and loads scatter them back, bot
 `kvx.layouts.convert_blocks`, which converts between the engine's layout / block size / TP
 shard and the stored form.
 
-Saves: after the stage's last `save_kv_layer` the IO threads checksum and write the step's
-values, a group of blocks per backend round trip, while the forward pass goes on;
-`wait_for_save` returns when they are durable, so no write reads an engine block after the
-step. Loads are synchronous (all in `start_load_kv`): the IO threads read groups of values and
-check them a few groups ahead, while this thread scatters the groups that need converting;
-which values a load reads and where they land is planned without IO (`load_plan.py`).
+Saves (planned without IO: `save_plan.py`): after the stage's last `save_kv_layer` the IO
+threads checksum and write the step's values, a group of blocks per backend round trip, while
+the forward pass goes on; `wait_for_save` returns when they are durable, so no write reads an
+engine block after the step. Loads are synchronous (all in `start_load_kv`): the IO threads
+read groups of values and check them a few groups ahead (a lone group is read on this thread),
+while this thread scatters the groups that need converting; which values a load reads and
+where they land is planned without IO (`load_plan.py`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ from kvx import ConnectorWorker, StorageBackend
 from kvx.layouts import convert_blocks, get_layout
 from kvx.plugins.storage.blockformat import (
     KV_ORDER,
-    BlockFormatError,
     BlockShape,
     block_order,
-    check_value,
     seal,
 )
 from kvx.plugins.storage.buffers import Budget, BufferPool, row_views
@@ -43,7 +42,6 @@ from kvx.plugins.storage.direct import (
     CacheBlocks,
     DirectIO,
     Fetched,
-    check_size,
     splits_by_tokens,
 )
 from kvx.plugins.storage.keys import Geometry, Stage, block_key_of, medium_of
@@ -57,7 +55,8 @@ from kvx.plugins.storage.load_plan import (
     valid_tokens,
 )
 from kvx.plugins.storage.metadata import StorageMetadata, StorageWorkerMeta, StoreSpec
-from kvx.plugins.storage.scatter import scatter
+from kvx.plugins.storage.save_plan import Item, SavePlan, buffered_plan, buffered_rows, direct_plan
+from kvx.plugins.storage.scatter import fetch_into, scatter
 from kvx.plugins.storage.stats import StorageStats, Tally
 from kvx.plugins.storage.values import layer_view, token_slice, unify_orders
 from kvx.topology import is_primary_holder, physical_head_range
@@ -116,13 +115,9 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._read_bytes = min(READ_BYTES, max_inflight_bytes // (io_threads + 1))
         self._read_buffers = BufferPool((io_threads + 1) * self._read_bytes)
         self._writing: list[torch.Tensor] = []  # buffers of the writes not yet waited for
-        # this step's value buffers (one row per stored block), until the stage's last layer
-        self._step_values: torch.Tensor | None = None
-        self._step_pieces: list[tuple[slice, list[int], list[int]]] = []  # see _new_saves
+        self._plan = SavePlan()  # this step's values to write, until the stage's last layer
         self._saves_meta: StorageMetadata | None = None
         self._saved_layers: set[str] = set()
-        # this step's values to write: (name, value buffer) or, direct, (name, engine block)
-        self._items: list[tuple[str, memoryview | int]] = []
         self._pending: list[Future[None]] = []
         self._load_errors: set[int] = set()
         self._tally = Tally()
@@ -197,6 +192,9 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
     def _load_units(self, units: list[Unit]) -> None:
         """Units are read and checked (`_fetch`) on the IO threads, a few ahead, while this
         thread applies the finished ones in order (`_apply`)."""
+        if len(units) == 1 and self._is_direct(units[0]):  # nothing to overlap: no hand-off
+            self._settle(self._fetch_direct(units[0]))
+            return
         window = self._io_threads + 1
         fetches: deque[Future[Fetched] | None] = deque()
         try:
@@ -209,19 +207,23 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                     fetches.append(None if skip else self._pool.submit(fetch, ahead))
                 future = fetches.popleft()
                 if future is not None:
-                    fetched = future.result()
-                    if fetched.foreign:  # stored by an engine of another layout: convert
-                        self._foreign.add(unit_key(fetched.unit))
-                        fetched = self._fetch(fetched.unit)
-                    self._apply(fetched)
-                    if fetched.flat is not None:
-                        self._read_buffers.give(fetched.flat)
+                    self._settle(future.result())
         finally:
             for pending in fetches:  # after an unexpected error: no read outlives the call
                 if pending is not None:
                     pending.cancel()
                     with contextlib.suppress(Exception):
                         pending.result()
+
+    def _settle(self, fetched: Fetched) -> None:
+        """Apply a fetched unit (read again through a buffer when it was stored by an engine of
+        another layout) and give its buffer back."""
+        if fetched.foreign:
+            self._foreign.add(unit_key(fetched.unit))
+            fetched = self._fetch(fetched.unit)
+        self._apply(fetched)
+        if fetched.flat is not None:
+            self._read_buffers.give(fetched.flat)
 
     def _is_direct(self, unit: Unit) -> bool:
         """Whether the unit's values can be read straight into the engine's blocks: this
@@ -236,32 +238,11 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         )
 
     def _fetch(self, unit: Unit) -> Fetched:
-        """Read and check a unit's values into a buffer (an IO thread); a failed read is
-        returned, not raised."""
-        shape = unit.shape
-        flat = self._read_buffers.take(len(unit.keys) * shape.value_bytes)
-        values = row_views(flat, len(unit.keys), shape.value_bytes)
-        rows = [memoryview(row.numpy()) for row in values]
+        """Read and check a unit's values into a pooled buffer (an IO thread)."""
+        flat = self._read_buffers.take(len(unit.keys) * unit.shape.value_bytes)
         names = [self.geo.value_key(key, unit.stage, unit.heads) for key in unit.keys]
-        try:
-            per = max(1, GROUP_BYTES // shape.value_bytes)  # big pipelines are slower
-            sizes: list[int | None] = []
-            for at in range(0, len(names), per):
-                sizes.extend(self.backend.get_into(names[at : at + per], rows[at : at + per]))
-        except Exception as exc:  # an unreachable store fails these loads, not the engine step
-            return Fetched(unit, flat, values, [], error=exc)
-        errors: list[BlockFormatError | None] = []
-        shapes: list[BlockShape | None] = []
-        for name, row, size in zip(names, rows, sizes, strict=True):
-            try:
-                check_size(name, size, len(row))
-                stored, _ = check_value(name, row, shape, verify=self.verify, mac_key=self.mac_key)
-                errors.append(None)
-                shapes.append(stored)
-            except BlockFormatError as exc:
-                errors.append(exc)
-                shapes.append(None)
-        return Fetched(unit, flat, values, errors, shapes)
+        per = max(1, GROUP_BYTES // unit.shape.value_bytes)  # big pipelines are slower
+        return fetch_into(unit, names, flat, self.backend, per, self.verify, self.mac_key)
 
     def _apply(self, fetched: Fetched) -> None:
         """Settle each load's first bad block; scatter the good blocks of a buffered unit,
@@ -326,10 +307,10 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                     f"save_kv_layer({layer!r}): the tensor is not the layer's registered KV cache"
                 )
         else:
-            assert self._step_values is not None
+            assert self._plan.values is not None
             position = self.geo.layer_names.index(layer) - self.stage.layers.start
-            view = layer_view(self._step_values, self._own_shape(), position, self.dtype)
-            for tokens, src, dst in self._step_pieces:
+            view = layer_view(self._plan.values, self._own_shape(), position, self.dtype)
+            for tokens, src, dst in self._plan.gathers:
                 convert_blocks(
                     kv_layer,
                     token_slice(view, self._own_shape(), tokens),
@@ -343,59 +324,22 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             self._submit_writes()
 
     def _new_saves(self, stores: list[StoreSpec]) -> None:
-        """The step's values to write. Direct: per complete stored block its name and engine
-        block. Otherwise value buffers (one reused flat buffer, a row per stored block from each
-        spec's first engine block on) and the gather plan: per engine-block-sized piece of a
-        row, the engine blocks and the rows they go to (all specs in one convert_blocks call
-        per layer and piece)."""
+        """Plan the step's values (`save_plan.py`); buffered saves take their value buffer."""
         assert self.stage is not None
-        bs, ebs = self.geo.block_size, self.geo.engine_block_size
-        shape = self._own_shape()
-        self._items = []
-        if self.direct:  # stored block = engine block, or a piece of one (`_pieces`)
-            k = self._pieces
-            for spec in stores:
-                for r, name in self._complete_rows(spec, len(spec.block_ids) * k):
-                    self._items.append((name, spec.block_ids[r // k] * k + r % k))
+        if self.direct:
+            self._plan = direct_plan(stores, self.geo, self.stage, self.heads, self._pieces)
             return
-        rows = [-(-len(spec.block_ids) * ebs // bs) for spec in stores]
-        self._budget.acquire(sum(rows) * shape.value_bytes)
-        flat = self._save_buffers.take(sum(rows) * shape.value_bytes)
+        rows, value_bytes = buffered_rows(stores, self.geo), self._own_shape().value_bytes
+        self._budget.acquire(rows * value_bytes)
+        flat = self._save_buffers.take(rows * value_bytes)
         self._writing.append(flat)
-        values = row_views(flat, sum(rows), shape.value_bytes)
-        k = bs // ebs if bs > ebs else 1  # engine block `r * k + s` is piece `s` of row `r`
-        pieces: list[tuple[slice, list[int], list[int]]] = [
-            (slice(s * ebs, (s + 1) * ebs) if k > 1 else slice(None), [], []) for s in range(k)
-        ]
-        first_row = 0
-        for spec, n in zip(stores, rows, strict=True):
-            for s, (_, src, dst) in enumerate(pieces):
-                ids = spec.block_ids[s::k]
-                src.extend(ids)
-                dst.extend(range(first_row, first_row + len(ids)) if k > 1 else [])
-            if k == 1:  # engine blocks fill whole rows in order
-                pieces[0][2].extend(range(first_row, first_row + n))
-            for r, name in self._complete_rows(spec, n):
-                self._items.append((name, values[first_row + r].numpy().data))
-            first_row += n
-        self._step_values = values
-        self._step_pieces = [piece for piece in pieces if piece[1]]
-
-    def _complete_rows(self, spec: StoreSpec, rows: int) -> list[tuple[int, str]]:
-        """(row, value name) of each of a store's first `rows` rows (stored blocks from its
-        first engine block on) that is a complete stored block of its keys."""
-        assert self.stage is not None
-        first = spec.block_ids_start // self.geo.block_size - spec.first_block
-        return [
-            (r, self.geo.value_key(spec.keys[first + r], self.stage, self.heads))
-            for r in range(rows)
-            if 0 <= first + r < len(spec.keys)
-        ]
+        values = row_views(flat, rows, value_bytes)
+        self._plan = buffered_plan(stores, self.geo, self.stage, self.heads, values)
 
     def _submit_writes(self) -> None:
         """Write the step's complete stored blocks, a group of values per IO-thread job."""
-        values, self._step_values, self._saves_meta = self._step_values, None, None
-        items, self._items = self._items, []
+        plan, self._plan, self._saves_meta = self._plan, SavePlan(), None
+        values, items = plan.values, plan.items
         self._saved_layers = set()
         shape = self._own_shape()
         per = max(1, GROUP_BYTES // shape.value_bytes)
@@ -410,7 +354,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 raise
             self._pending.append(future)
 
-    def _write(self, items: list[tuple[str, memoryview | int]], shape: BlockShape) -> None:
+    def _write(self, items: list[Item], shape: BlockShape) -> None:
         """Checksum and write a group of values (an IO thread)."""
         direct = bool(items) and isinstance(items[0][1], int)
         try:
@@ -439,11 +383,10 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         missing = sorted(set(self.caches) - self._saved_layers)
         logger.warning("kvx storage: blocks not stored, layers %s were never saved", missing)
         self._tally.add(save_errors=1)
-        self._tally.failed([name for name, _ in self._items], f"layers {missing} never saved")
-        if self._step_values is not None:
-            self._budget.release(self._step_values.numel())
-        self._step_values, self._saves_meta, self._saved_layers = None, None, set()
-        self._items = []
+        self._tally.failed([name for name, _ in self._plan.items], f"layers {missing} never saved")
+        if self._plan.values is not None:
+            self._budget.release(self._plan.values.numel())
+        self._plan, self._saves_meta, self._saved_layers = SavePlan(), None, set()
         if not self._pending:  # nothing of it is being written: its buffer is free
             for flat in self._writing:
                 self._save_buffers.give(flat)
@@ -463,7 +406,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                     type(exc).__name__,
                     exc,
                 )
-        if self._step_values is None:  # every write of the buffers has finished: reuse them
+        if self._plan.values is None:  # every write of the buffers has finished: reuse them
             for flat in self._writing:
                 self._save_buffers.give(flat)
             self._writing = []

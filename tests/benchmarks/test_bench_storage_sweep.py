@@ -20,5 +20,9 @@ def test_bench_storage_sweep_quick_run(tmp_path: Path) -> None:
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
-    rows = re.findall(r"^\| (\d+L b\d+ \d+MiB \w+) \| .*\*\*[\d.]+\*\* \(.*\| - \|$", out, re.M)
+    ratio = r"\*\*[\d.]+\*\* \([\d.]+-[\d.]+\)"  # a median and its range
+    # every row: ratios to the raw file, no ExampleConnector (no peers), the CPU tier's ratios
+    rows = re.findall(
+        rf"^\| (\d+L b\d+ \d+MiB \w+) \| .*{ratio}.*\| - \| {ratio} \| {ratio} \|$", out, re.M
+    )
     assert rows[-2:] == ["8L b16 8MiB short", "32L b16 8MiB long"], out

@@ -257,7 +257,13 @@ def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
     assert len({st.st_ino for st in stats}) == 1 and stats[0].st_nlink == 3  # one inode
     assert not list((tmp_path / "ns").rglob("*.tmp-*"))
     value = 64 + 6000
-    assert stats[0].st_size == segments.header_len(3) + 3 * value
+    with open(tmp_path / keys[0], "rb") as f:
+        where = [segments.locate(f.fileno(), stats[0].st_size, key) for key in keys]
+    # each payload starts on a page (a write never begins inside one), values in batch order
+    slot = 4096 + 8192  # the header's page, then the payload's pages
+    first = segments.header_len(3) + 4096 - 64
+    assert where == [(first + i * slot, value) for i in range(3)]
+    assert stats[0].st_size == first + 2 * slot + value
     dst, dst_table = _cache(5, 3000)
     dst[:] = bytes(len(dst))
     heads = [bytearray(64) for _ in keys]
@@ -284,6 +290,44 @@ def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
     os.link(tmp_path / "ns/x/c", tmp_path / "ns/x/e")  # a name its segment does not index
     out = backend.get_blocks_hashed(["ns/x/e"], [b""], (0, 0), [bytearray(64)], dst_table, [0])
     assert out == [(None, None)]
+
+
+def test_segments_written_back_to_back_still_load(tmp_path: Path) -> None:
+    """Segments from before page-aligned payloads (values back to back after the index) are
+    found through their index and read whole, by the native and the Python read paths."""
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    src, table = _cache(3, 3000)
+    keys = ["ns/a", "ns/b", "ns/c"]
+    seeds = [k.encode() + b"p" * 56 for k in keys]
+    backend.put_blocks_hashed(keys, seeds, b"p" * 56, table, [2, 0, 1])
+    value, data = 64 + 6000, (tmp_path / keys[0]).read_bytes()
+    with open(tmp_path / keys[0], "rb") as f:
+        spans = [segments.locate(f.fileno(), len(data), key) for key in keys]
+    values = [data[at : at + n] for at, n in spans]  # type: ignore[misc]
+    hlen = segments.header_len(3)
+    index = segments.FIXED.pack(segments.MAGIC, segments.VERSION, 0, 0, 3, hlen) + b"".join(
+        segments.ENTRY.pack(xxhash.xxh3_64_intdigest(key.encode()), hlen + i * value, value)
+        for i, key in enumerate(keys)
+    )
+    old = index + xxhash.xxh3_64_intdigest(index).to_bytes(8, "little")
+    old = old.ljust(hlen, b"\0") + b"".join(values)
+    for key in keys:  # one old segment, linked under every key
+        (tmp_path / key).unlink()
+    (tmp_path / keys[0]).write_bytes(old)
+    for key in keys[1:]:
+        os.link(tmp_path / keys[0], tmp_path / key)
+    dst, dst_table = _cache(3, 3000)
+    dst[:] = bytes(len(dst))
+    heads = [bytearray(64) for _ in keys]
+    out = backend.get_blocks_hashed(
+        keys, [k.encode() for k in keys], (56, 64), heads, dst_table, [0, 1, 2]
+    )
+    assert [size for size, _ in out] == [value] * 3
+    assert [digest for _, digest in out] == [int.from_bytes(h[56:], "little") for h in heads]
+    for got, want in ((0, 2), (1, 0), (2, 1)):
+        for half in (0, 3):
+            assert dst[(half + got) * 3000 :][:3000] == src[(half + want) * 3000 :][:3000]
+    assert backend.get_many(keys, value) == values
 
 
 def test_damaged_segment_headers_are_not_trusted(tmp_path: Path) -> None:
