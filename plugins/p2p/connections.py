@@ -35,6 +35,12 @@ CONNECT_S = 5.0
 """How long first contact waits for a TCP connection before the peer counts as down."""
 
 
+RECHECK_S = 0.5
+"""While it waits for a reply, how often a connection checks that the peer's port still accepts:
+a peer that died (its port refuses) fails its exchanges at once; a slow one (its kernel still
+accepts) gets the whole timeout."""
+
+
 class TransferError(RuntimeError):
     """An exchange with a peer failed: no reply in time, a refusal or a bad reply."""
 
@@ -161,11 +167,20 @@ class Connections:
         """The reply to `what`, or a `TransferError` naming it (the peer is dropped)."""
         try:
             timeout_s = left(deadline, what)
-            if not peer.socket.poll(max(1, int(timeout_s * 1000))):
-                raise TransferError(
-                    f"{what}: no reply from {peer.address} within {timeout_s:.1f}s "
-                    "(is it running? is its listener thread getting CPU?)"
-                )
+            start = time.monotonic()
+            while not peer.socket.poll(max(1, int(min(RECHECK_S, timeout_s) * 1000))):
+                waited = time.monotonic() - start
+                if waited >= timeout_s:
+                    raise TransferError(
+                        f"{what}: no reply from {peer.address} within {timeout_s:.1f}s "
+                        "(is it running? is its listener thread getting CPU?)"
+                    )
+                gone = _refused(peer.address, timeout_s - waited)
+                if gone is not None:
+                    raise TransferError(
+                        f"{what}: no reply from {peer.address} after {waited:.1f}s: its port "
+                        f"refuses connections ({gone}); it went away"
+                    )
             parts = peer.socket.recv_multipart(copy=False)
             return open_reply(self.secret, nonce, parts[0].buffer), parts[1:]
         except TransferError as exc:
@@ -221,3 +236,16 @@ def left(deadline: float, what: str) -> float:
     if remaining <= 0:
         raise TransferError(f"{what}: out of time before the exchange started")
     return remaining
+
+
+def _refused(address: str, within_s: float) -> str | None:
+    """Why `address` refuses a TCP connection (nothing listens there any more), or None if it
+    accepts or cannot be told within `within_s` (at most a second)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(within_s, 1.0)).close()
+    except ConnectionRefusedError as exc:
+        return str(exc)
+    except OSError:
+        return None
+    return None
