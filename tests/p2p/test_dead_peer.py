@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -73,8 +74,10 @@ def _wait_stopped(pid: int) -> None:
     raise AssertionError(f"process {pid} did not stop within 10s of SIGSTOP")
 
 
-def _prefill(timeout_s: float) -> P2pEngine:
-    return P2pEngine(
+@contextmanager
+def _prefill(address: str, timeout_s: float) -> Iterator[P2pEngine]:
+    """P, paired with the D at `address` (the connection stays open), closed afterwards."""
+    prefill = P2pEngine(
         "dead-peer-p",
         None,
         CpuPlane(),
@@ -83,16 +86,29 @@ def _prefill(timeout_s: float) -> P2pEngine:
         timeout_s=timeout_s,
         max_tensor_bytes=1 << 20,
     )
+    try:
+        assert prefill.geometry_of(address) == GEOMETRY
+        yield prefill
+    finally:
+        prefill.close()
 
 
 @pytest.mark.timeout(60)
-def test_a_killed_decode_fails_its_puts_at_once(
+def test_a_killed_decode_fails_at_once_a_stopped_one_gets_the_whole_timeout(
     decode: tuple[subprocess.Popen[str], str],
 ) -> None:
     child, address = decode
-    prefill = _prefill(timeout_s=20)
-    try:
-        assert prefill.geometry_of(address) == GEOMETRY  # paired, the connection stays open
+    with _prefill(address, timeout_s=3) as prefill:
+        os.kill(child.pid, signal.SIGSTOP)  # alive but not answering: its kernel still accepts
+        _wait_stopped(child.pid)
+        start = time.monotonic()
+        failed = prefill.put_many(address, _put(4))
+        elapsed = time.monotonic() - start
+        os.kill(child.pid, signal.SIGCONT)
+        assert [m.request_id for m, _ in failed] == ["req4"]
+        assert "within" in failed[0][1] and "refuses" not in failed[0][1]
+        assert elapsed >= 2.5, f"a stopped D failed after {elapsed:.1f}s of the 3s timeout"
+    with _prefill(address, timeout_s=20) as prefill:
         assert prefill.send_puts(address, _put(1)) == [] and prefill.settle() == []
         child.kill()  # SIGKILL
         child.wait(timeout=10)
@@ -108,25 +124,3 @@ def test_a_killed_decode_fails_its_puts_at_once(
         failed = prefill.put_many(address, _put(3))
         assert [m.request_id for m, _ in failed] == ["req3"] and "connect" in failed[0][1]
         assert time.monotonic() - start < 5
-    finally:
-        prefill.close()
-
-
-@pytest.mark.timeout(60)
-def test_a_stopped_decode_gets_the_whole_timeout(
-    decode: tuple[subprocess.Popen[str], str],
-) -> None:
-    child, address = decode
-    prefill = _prefill(timeout_s=3)
-    try:
-        assert prefill.geometry_of(address) == GEOMETRY
-        os.kill(child.pid, signal.SIGSTOP)  # alive but not answering: its kernel still accepts
-        _wait_stopped(child.pid)
-        start = time.monotonic()
-        failed = prefill.put_many(address, _put(4))
-        elapsed = time.monotonic() - start
-        assert [m.request_id for m, _ in failed] == ["req4"]
-        assert "within" in failed[0][1] and "refuses" not in failed[0][1]
-        assert elapsed >= 2.5, f"a stopped D failed after {elapsed:.1f}s of the 3s timeout"
-    finally:
-        prefill.close()
