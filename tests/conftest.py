@@ -19,7 +19,9 @@ from kvx.registry import Registry
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 TESTS_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS_DIR))  # helper modules shared across folders (_services)
+# Helper modules shared across test folders (kvx_test_services). Only that folder goes on
+# sys.path: the test folders themselves are named like the packages they test (lmcache, vllm).
+sys.path.insert(0, str(TESTS_DIR / "helpers"))
 PLUGIN_SOURCE = TESTS_DIR / "plugin_pkg"
 TEST_PLUGIN_MODULE = "kvx_test_plugin"
 

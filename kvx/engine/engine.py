@@ -17,7 +17,7 @@ from kvx.contract import KVConnectorBase_V1, KVConnectorRole
 from kvx.engine.aggregator import KVOutputAggregator
 from kvx.engine.diagnosis import diagnose
 from kvx.engine.metadata_wire import decode_metadata, encode_metadata
-from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
+from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from kvx.engine.worker import Worker
 from kvx.events import KVConnectorKVEvents
@@ -110,6 +110,15 @@ class EngineConfig:
         )
 
 
+@dataclass
+class _ExpectedKV:
+    """One request's model KV for its first `len(tokens)` positions, per (worker, layer)."""
+
+    tokens: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    kv: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+
 class Engine:
     """Add requests, step, read outputs; `shutdown()` when done."""
 
@@ -176,6 +185,7 @@ class Engine:
         self.steps = 0
         self.kv_stats: list[KVConnectorStats] = []  # aggregated per step, for inspection
         self.kv_events: list[KVConnectorKVEvents] = []
+        self._expected: dict[str, _ExpectedKV] = {}  # check_kv's model KV, per request
 
     def add_request(
         self,
@@ -273,15 +283,17 @@ class Engine:
             if computed and req.status is not RequestStatus.FINISHED_ABORTED:
                 targets.append((req, blocks, computed))
         problems = []
+        expected = {}
         for req, blocks, n in targets:
-            hashes = prefix_hashes(req.all_token_ids[:n], self.config.seed)
-            for worker in self.workers:
-                for name, layer in worker.layers.items():
-                    want = self.model.token_kv(hashes, layer, worker.heads, worker.cache.dtype)
+            entry = self._expected_kv(req.request_id, req.all_token_ids, n)
+            expected[req.request_id] = entry
+            for w, worker in enumerate(self.workers):
+                for name in worker.layers:
+                    want = entry.kv[(w, name)][:n]
                     got = worker.cache.read(name, blocks, n)
                     same = (
                         got.contiguous().view(torch.uint8).view(n, -1)
-                        == want.contiguous().view(torch.uint8).view(n, -1)
+                        == want.view(torch.uint8).view(n, -1)
                     ).all(dim=1)
                     if not bool(same.all()):
                         first = int((~same).nonzero()[0])
@@ -290,7 +302,26 @@ class Engine:
                             f"tp{worker.parallel.tp_rank} {name}: request {req.request_id} "
                             f"position {first} (of {n}) differs from what the model wrote"
                         )
+        self._expected = expected  # forget requests no longer checked
         return problems
+
+    def _expected_kv(self, req_id: str, tokens: list[int], n: int) -> _ExpectedKV:
+        """What the model wrote for `tokens[:n]` on every worker and layer, computed once per
+        position: a cached entry is reused while its tokens are still a prefix of `tokens`."""
+        entry = self._expected.get(req_id)
+        if entry is None or tokens[: len(entry.tokens)] != entry.tokens:
+            entry = _ExpectedKV()
+        have = len(entry.tokens)
+        if n <= have:
+            return entry
+        entry.tokens.extend(tokens[have:n])
+        new = extend_prefix_hashes(entry.hashes, entry.tokens, self.config.seed)[have:]
+        for w, worker in enumerate(self.workers):
+            for name, layer in worker.layers.items():
+                kv = self.model.token_kv(new, layer, worker.heads, worker.cache.dtype)
+                old = entry.kv.get((w, name))
+                entry.kv[(w, name)] = kv if old is None else torch.cat([old, kv])
+        return entry
 
     def shutdown(self) -> None:
         """Shut every connector down (workers first), even if one of them fails."""

@@ -29,12 +29,17 @@ def _mix64(x: int) -> int:
 
 def prefix_hashes(token_ids: Sequence[int], seed: int = 0) -> list[int]:
     """One 64-bit hash per position, chained over every token up to and including it."""
-    h = _mix64(seed & MASK64)
-    out = []
-    for token in token_ids:
+    return extend_prefix_hashes([], token_ids, seed)
+
+
+def extend_prefix_hashes(hashes: list[int], token_ids: Sequence[int], seed: int = 0) -> list[int]:
+    """`hashes` (those of `token_ids[:len(hashes)]`) extended in place to every position of
+    `token_ids`, hashing only the new tokens; returns `hashes`."""
+    h = hashes[-1] if hashes else _mix64(seed & MASK64)
+    for token in token_ids[len(hashes) :]:
         h = _mix64((h ^ (token * 0x9E3779B97F4A7C15)) & MASK64)
-        out.append(h)
-    return out
+        hashes.append(h)
+    return hashes
 
 
 @dataclass(frozen=True)

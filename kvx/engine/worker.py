@@ -15,7 +15,7 @@ import torch
 from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
 from kvx.engine.hooks import LayerHooks, run_connector_step
 from kvx.engine.kv_cache import PagedKVCache
-from kvx.engine.model import SCORE_PRIME, ToyModel, prefix_hashes
+from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.topology import pp_layer_range
 from kvx.types import ForwardContext, KVCacheSpec, ParallelInfo, SchedulerOutput
 
@@ -100,8 +100,8 @@ class Worker:
         work = []
         for req_id, num in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
-            if len(state.hashes) < len(state.token_ids):
-                state.hashes = prefix_hashes(state.token_ids, self.model.seed)
+            # Tokens only grow while a request's state lives (a resumed request gets a new one).
+            extend_prefix_hashes(state.hashes, state.token_ids, self.model.seed)
             start = starts[req_id]
             work.append((req_id, state, start, start + num, start + num == len(state.token_ids)))
         dtype = self.cache.dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvx.plugins.nixl.handshake import AgentMetadata, Region
@@ -45,6 +46,10 @@ class ReadPoster:
     device: int
     mem_type: str
     _local_dlists: dict[tuple[int, int], Any] = field(default_factory=dict, init=False)
+    _index: dict[tuple[str, int], int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self._index = {(r.layer, r.kv): i for i, r in enumerate(self.regions)}
 
     def _local_dlist(self, head_offset: int, num_heads: int) -> Any:
         key = (head_offset, num_heads)
@@ -68,10 +73,10 @@ class ReadPoster:
         self,
         job: ReadJob,
         local_dlist: Any,
-        local_ids: list[int],
+        local_ids: list[int] | np.ndarray,
         key: RankKey,
         remote_dlist: Any,
-        remote_ids: list[int],
+        remote_ids: list[int] | np.ndarray,
         nbytes: int,
     ) -> None:
         handle = self.agent.make_prepped_xfer(
@@ -92,9 +97,11 @@ class ReadPoster:
             raise ValueError(
                 f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
             )
-        my_index = {(r.layer, r.kv): i for i, r in enumerate(self.regions)}
+        local_blocks = np.asarray(job.local_block_ids, dtype=np.int64)
+        remote_blocks = np.asarray(remote_ids, dtype=np.int64)
         for read in remote.plan.reads:
-            full = read.num_heads == self.heads
+            num_heads = read.num_heads
+            full = num_heads == self.heads
             lo, nh = (0, 0) if full else (read.local_head_offset, read.num_heads)
             local_dlist = self._local_dlist(lo, nh)
             for stage in sorted(set(remote.stage_of_layer.values())):
@@ -103,16 +110,18 @@ class ReadPoster:
                 remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
                 whole = read.num_heads == remote_heads and full
                 ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
-                local_ids, rids, nbytes = [], [], 0
+                local_firsts, remote_firsts, nbytes = [], [], 0
                 for ri, region in enumerate(meta.regions):
-                    li = my_index.get((region.layer, region.kv))
+                    li = self._index.get((region.layer, region.kv))
                     if li is None:
                         continue
                     mine = self.regions[li]
-                    local_ids += [li * mine.num_blocks + b for b in job.local_block_ids]
-                    rids += [ri * region.num_blocks + b for b in remote_ids]
-                    nbytes += len(remote_ids) * mine.block_len * read.num_heads // self.heads
-                if local_ids:
+                    local_firsts.append(li * mine.num_blocks)
+                    remote_firsts.append(ri * region.num_blocks)
+                    nbytes += len(remote_ids) * mine.block_len * num_heads // self.heads
+                if local_firsts:  # region-major ids: every block of region 0, then region 1...
+                    local_ids = _ids(local_firsts, local_blocks)
+                    rids = _ids(remote_firsts, remote_blocks)
                     remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
                     self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
 
@@ -151,3 +160,9 @@ class ReadPoster:
         for dlist in self._local_dlists.values():
             self.agent.release_dlist_handle(dlist)
         self._local_dlists.clear()
+
+
+def _ids(firsts: list[int], blocks: np.ndarray) -> np.ndarray:
+    """Descriptor ids `first + block` for every first (region) and block, region-major, as
+    the int32 array NIXL takes without converting a Python list."""
+    return (np.asarray(firsts, dtype=np.int64)[:, None] + blocks[None, :]).ravel().astype(np.int32)

@@ -95,10 +95,14 @@ class Get(msgspec.Struct, tag="get", forbid_unknown_fields=True):
     readers: Positive
 
 
+Request = Hello | Put | Get
+"""What a DEALER asks a listener."""
+
+
 class Envelope(msgspec.Struct, forbid_unknown_fields=True):
     nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
     timestamp: float
-    message: Hello | Put | Get
+    message: Request
 
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True):
@@ -111,7 +115,7 @@ class Reply(msgspec.Struct, forbid_unknown_fields=True):
     meta: TensorMeta | None = None
 
 
-def seal_request(secret: str | None, message: Hello | Put | Get) -> tuple[bytes, bytes]:
+def seal_request(secret: str | None, message: Request) -> tuple[bytes, bytes]:
     """(sealed envelope, its nonce)."""
     nonce = os.urandom(NONCE_BYTES)
     body = encode(Envelope(nonce, time.time(), message))

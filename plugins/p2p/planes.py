@@ -1,9 +1,9 @@
 """The data plane: how a KV tensor's bytes travel once the control plane agreed on them.
 
-One interface, two implementations, driven by the same engine code (`engine.py`): a DEALER
-pairs with a ROUTER once (HELLO, which carries the NCCL unique id), then every transfer is
-"announce (PUT header, or GET request) -> the receiver admits or refuses -> bytes move". What
-differs is only where the bytes go:
+One interface, two implementations, driven by the same engine code (`connections.py` and
+`listener.py`): a DEALER pairs with a ROUTER once (HELLO, which carries the NCCL unique id),
+then every transfer is "announce (PUT header, or GET request) -> the receiver admits or refuses
+-> bytes move". What differs is only where the bytes go:
 
 - `CpuPlane`: the bytes ride as zero-copy ZMQ frames behind the announcement (pyzmq
   `copy=False`), on the same TCP connection, so ordering is the connection's order. A slice may

@@ -117,6 +117,20 @@ def expected_nbytes(meta: TensorMeta) -> int:
     return count * torch.empty((), dtype=getattr(torch, meta.dtype)).element_size()
 
 
+def meta_problem(meta: TensorMeta, max_tensor_bytes: int) -> str | None:
+    """Why a peer's tensor meta cannot be taken (too big, unusable, bytes that do not match its
+    shape), or None."""
+    if meta.nbytes > max_tensor_bytes:
+        return f"{meta.nbytes} bytes exceed max_tensor_bytes {max_tensor_bytes}"
+    try:
+        expected = expected_nbytes(meta)
+    except (LookupError, ValueError, TypeError, AttributeError) as exc:
+        return f"unusable tensor meta: {exc}"
+    if expected != meta.nbytes:
+        return f"meta announces {meta.nbytes} bytes, its shape makes {expected}"
+    return None
+
+
 def from_wire(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     """The layout view of `raw` (uint8, memory order), checked against `meta`."""
     layout = get_layout(meta.layout)

@@ -1,5 +1,6 @@
 """Real services for the LMCache connector tests: a redis-server and LMCache's own `lm://`
-server, each a child process on a free loopback port, killed at the end (tests/_services.py)."""
+server, each a child process on a free loopback port, killed at the end
+(tests/helpers/kvx_test_services.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from _services import RedisProcess, lmcache_server
+from kvx_test_services import RedisProcess, lmcache_server
 
 # LMCache phones home usage statistics unless told not to (the connector sets this too; the
 # servers started here inherit it).

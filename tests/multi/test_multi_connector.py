@@ -205,7 +205,7 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
             "connectors": [
                 {
                     "kv_connector": "ExamplePDConnector",
-                    "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 15},
+                    "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 5},
                 },
                 scripted("passive"),
             ]

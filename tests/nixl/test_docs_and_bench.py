@@ -61,5 +61,5 @@ def test_benchmark_quick_run() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "raw NIXL" in result.stdout
-    assert re.search(r"1:1 .* \d+\.\d\d .*>= 0\.9", result.stdout)
-    assert re.search(r"2:1 .* \d+\.\d\d .*>= 0\.8", result.stdout)
+    assert re.search(r"1:1 .* \d+\.\d\d .*>= 1\.0", result.stdout)
+    assert re.search(r"2:1 .* \d+\.\d\d .*>= 0\.9", result.stdout)

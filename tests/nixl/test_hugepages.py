@@ -20,7 +20,9 @@ from kvx import (
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.hugepages import huge_range
 
-LAYERS, HEADS, HEAD_SIZE, BLOCK, BLOCKS = 2, 4, 128, 16, 512  # 16 MiB per layer (bfloat16)
+# 40 MiB per layer (bfloat16): above glibc's largest mmap threshold, so every tensor is a fresh
+# mapping (a reused one may carry an earlier test's huge pages)
+LAYERS, HEADS, HEAD_SIZE, BLOCK, BLOCKS = 2, 4, 128, 16, 1280
 
 
 def huge_bytes_at(address: int) -> int:

@@ -75,7 +75,8 @@ def test_put_lands_byte_for_byte(receiver: P2pEngine) -> None:
 @pytest.mark.timeout(60)
 def test_hostile_bytes_are_refused_and_the_listener_survives(receiver: P2pEngine) -> None:
     counts: dict[str, int] = {}
-    receiver.count = lambda key, n: counts.__setitem__(key, counts.get(key, 0) + n)
+    assert receiver.listener is not None
+    receiver.listener.count = lambda key, n: counts.__setitem__(key, counts.get(key, 0) + n)
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
@@ -192,7 +193,8 @@ def test_geometry_of_a_paired_peer_does_not_wait_for_a_send_in_flight(
     try:
         address = receiver.address or ""
         assert sender.geometry_of(address) == GEOMETRY  # paired
-        peer = sender._peers[address]
+        peer = sender._connections.known(address)
+        assert peer is not None
         answered = threading.Event()
         with peer.lock:  # a send in flight
             thread = threading.Thread(

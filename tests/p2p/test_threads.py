@@ -39,7 +39,7 @@ cpus = {"get pool": pool.submit(lambda: os.sched_getaffinity(0)).result(10)}
 deadline = time.monotonic() + 10
 while True:  # the listener and the sender move themselves as they start
     cpus["main"] = os.sched_getaffinity(0)
-    cpus["listener"] = os.sched_getaffinity(engine._thread.native_id)
+    cpus["listener"] = os.sched_getaffinity(engine.listener.thread.native_id)
     cpus["sender"] = os.sched_getaffinity(sender._thread.native_id)
     moved = len(cpus["listener"]) > 1 and len(cpus["sender"]) > 1
     if moved or time.monotonic() > deadline:

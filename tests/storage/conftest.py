@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import redis
 import torch
-from _services import RedisProcess
+from kvx_test_services import RedisProcess
 
 import kvx
 from kvx import (

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _services import RedisProcess
+from kvx_test_services import RedisProcess
 
 from kvx import StorageBackendOptions
 from kvx.cli import main

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _services import lmcache_server
+from kvx_test_services import lmcache_server
 
 from kvx.plugins.lmcache.metadata import LMCacheMetadata
 
@@ -54,7 +54,7 @@ _STORE = textwrap.dedent(
 @pytest.fixture(scope="module")
 def lm_url() -> Iterator[str]:
     """LMCache's own KV server on loopback, shared by this module's tests."""
-    with lmcache_server(start_timeout_s=120) as url:
+    with lmcache_server() as url:
         yield url
 
 

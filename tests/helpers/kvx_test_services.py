@@ -45,9 +45,9 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def lmcache_server(start_timeout_s: float = 30) -> Iterator[str]:
+def lmcache_server(start_timeout_s: float = 120) -> Iterator[str]:
     """LMCache's own KV server (`python -m lmcache.v1.server HOST PORT cpu`) on loopback: its
-    `lm://` URL."""
+    `lm://` URL. Importing LMCache takes seconds, and far longer on a loaded machine."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
