@@ -17,54 +17,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#define MAX_DIMS 16
-#define MAX_JOINT (2 * MAX_DIMS)
-#define MAX_THREADS 64
-
-/* One side of a call: blocks selected by id, each a strided grid of elements. */
-typedef struct {
-    char *base;            /* address of block 0's first element */
-    int64_t block_stride;  /* bytes between consecutive blocks */
-    const int64_t *idx;    /* block ids, `per * units` of them */
-    int64_t per;           /* blocks per unit */
-    int ndim;              /* dims of one block */
-    int64_t shape[MAX_DIMS], stride[MAX_DIMS]; /* strides in bytes */
-} side_t;
-
-/* A walk over two grids of the same shape, `from` and `to`, each with its own byte strides
- * (outermost dim first). */
-typedef struct {
-    int ndim;
-    int64_t shape[MAX_JOINT], from_stride[MAX_JOINT], to_stride[MAX_JOINT];
-} walk_t;
-
-/* The direct copy: a unit is `pieces` pieces, each one whole block of the side with more blocks
- * per unit and one slice (along its first dim) of the other side's single block. */
-typedef struct {
-    walk_t walk;
-    int64_t pieces;
-    int split_dst;         /* the pieces slice the destination block (else the source block) */
-    int64_t piece_offset;  /* bytes between consecutive slices of the sliced block */
-} direct_t;
-
-/* One call's work, shared by the calling thread and the pool's workers: each takes the next
- * `chunk` units until none are left, so a worker the OS runs late just does less. */
-typedef struct {
-    const side_t *src, *dst;
-    const direct_t *direct;         /* or else, through the scratch: */
-    const walk_t *gather, *scatter; /* a source block -> scratch, scratch -> a destination block */
-    int64_t units, chunk;
-    size_t elem, src_block_bytes, dst_block_bytes;
-    atomic_llong next;              /* first unit not yet taken */
-    atomic_int failed;              /* a scratch could not be allocated */
-} job_t;
+#include "_native.h"
 
 /* Append dim (size, from, to) to `w` (outermost first), merged into the previous dim when it is
  * contiguous with it on both sides; size-1 dims are dropped. */
@@ -236,7 +192,7 @@ static void run_scratch(job_t *job, char *scratch, int64_t first, int64_t last) 
 }
 
 /* Take chunks of units until none are left. */
-static void run_job(job_t *job) {
+void run_job(job_t *job) {
     char *scratch = NULL;
     if (!job->direct) {
         /* cache-line aligned: with malloc's 16-byte alignment every row of the scratch
@@ -261,114 +217,6 @@ static void run_job(job_t *job) {
     free(scratch);
 }
 
-/* A small persistent pool helps the calling thread: creating threads per call costs as much as
- * moving a few MiB. A call opens one slot per helper it wants (tagged with its generation); a
- * worker that wakes in time claims its slot and takes chunks. When the caller runs out of
- * work it closes the slots still open, so it never waits for a worker the OS has not run yet,
- * only for those that joined to finish their chunk. Idle workers spin briefly (back-to-back
- * per-layer calls find them awake, as PyTorch's own pool does), then sleep on a condition
- * variable. One call uses the pool at a time; a concurrent call works alone. */
-#define SPINS 4000
-
-static struct {
-    pthread_mutex_t call, mu;
-    pthread_cond_t wake, done;
-    atomic_long generation;
-    atomic_long slot[MAX_THREADS]; /* the generation worker i may join, or 0 */
-    atomic_int finished;           /* joined workers done with this call's job */
-    job_t *job;
-    int workers;
-    pid_t pid;
-} pool = {.call = PTHREAD_MUTEX_INITIALIZER,
-          .mu = PTHREAD_MUTEX_INITIALIZER,
-          .wake = PTHREAD_COND_INITIALIZER,
-          .done = PTHREAD_COND_INITIALIZER};
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static void *worker(void *arg) {
-    const int me = (int)(intptr_t)arg;
-    long seen = 0;
-    for (;;) {
-        long gen = atomic_load(&pool.generation);
-        for (int i = 0; gen == seen && i < SPINS; i++) {
-            cpu_relax();
-            gen = atomic_load(&pool.generation);
-        }
-        if (gen == seen) {
-            pthread_mutex_lock(&pool.mu);
-            while ((gen = atomic_load(&pool.generation)) == seen)
-                pthread_cond_wait(&pool.wake, &pool.mu);
-            pthread_mutex_unlock(&pool.mu);
-        }
-        seen = gen;
-        long open = gen;
-        if (!atomic_compare_exchange_strong(&pool.slot[me], &open, 0))
-            continue; /* not wanted, or the caller already finished without us */
-        run_job(pool.job);
-        atomic_fetch_add(&pool.finished, 1);
-        pthread_mutex_lock(&pool.mu);
-        pthread_cond_signal(&pool.done);
-        pthread_mutex_unlock(&pool.mu);
-    }
-    return NULL;
-}
-
-/* Workers 1..n-1 exist (a forked child has none of its parent's). Called with `call` held. */
-static void grow_pool(int n) {
-    if (pool.pid != getpid()) { /* first call, or a child forked while a worker held `mu` */
-        pool.pid = getpid();
-        pool.workers = 1;
-        pthread_mutex_init(&pool.mu, NULL);
-        pthread_cond_init(&pool.wake, NULL);
-        pthread_cond_init(&pool.done, NULL);
-    }
-    while (pool.workers < n) {
-        pthread_t tid;
-        atomic_store(&pool.slot[pool.workers], 0);
-        if (pthread_create(&tid, NULL, worker, (void *)(intptr_t)pool.workers) != 0)
-            return;
-        pthread_detach(tid);
-        pool.workers++;
-    }
-}
-
-static void run_pooled(job_t *job, int threads) {
-    if (threads < 2 || pthread_mutex_trylock(&pool.call) != 0) {
-        run_job(job);
-        return;
-    }
-    grow_pool(threads);
-    int helpers = (pool.workers < threads ? pool.workers : threads) - 1;
-    long gen = atomic_load(&pool.generation) + 1;
-    pool.job = job;
-    atomic_store(&pool.finished, 0);
-    for (int i = 1; i <= helpers; i++)
-        atomic_store(&pool.slot[i], gen);
-    pthread_mutex_lock(&pool.mu);
-    atomic_store(&pool.generation, gen);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.mu);
-    run_job(job);
-    int joined = 0;
-    for (int i = 1; i <= helpers; i++) {
-        long open = gen;
-        joined += !atomic_compare_exchange_strong(&pool.slot[i], &open, 0);
-    }
-    for (int i = 0; atomic_load(&pool.finished) < joined && i < SPINS; i++)
-        cpu_relax();
-    pthread_mutex_lock(&pool.mu);
-    while (atomic_load(&pool.finished) < joined)
-        pthread_cond_wait(&pool.done, &pool.mu);
-    pthread_mutex_unlock(&pool.mu);
-    pthread_mutex_unlock(&pool.call);
-}
 
 /* Parse one side: address of its first element, shape and strides (in elements) of the whole
  * tensor with blocks on dim 0, address of its int64 block ids, blocks per unit; check the ids. */
