@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -301,15 +302,8 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         self._load_pushed([spec for spec in metadata.loads if spec.mode != "GET"])
 
     def _prefill_geometry(self, spec: LoadSpec) -> KVGeometry:
-        g = self.kv
-        return KVGeometry(
-            spec.remote_tp_size,
-            g.num_kv_heads,
-            g.block_size,
-            g.layout,
-            g.is_mla,
-            spec.remote_pp_size,
-        )
+        """P's geometry as D sees it: D's own, with P's parallel sizes."""
+        return replace(self.kv, tp_size=spec.remote_tp_size, pp_size=spec.remote_pp_size)
 
     def _load_pushed(self, specs: list[LoadSpec]) -> None:
         """Wait for every pushed slice of `specs`, writing each into its blocks as soon as it
