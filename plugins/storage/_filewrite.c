@@ -89,6 +89,20 @@ int kvx_write_all(int fd, const unsigned char *data, Py_ssize_t len, Py_ssize_t 
     return 0;
 }
 
+/* Each value's errno (0: written) as a list of ints; NULL with an exception set. */
+static PyObject *error_list(const int *errors, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list != NULL && i < n; i++) {
+        PyObject *code = PyLong_FromLong(errors[i]);
+        if (code == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, code);
+    }
+    return list;
+}
+
 PyObject *kvx_write_blocks(PyObject *self, PyObject *args) {
     PyObject *paths, *tmps, *seeds, *spec, *blocks;
     Py_buffer prefix;
@@ -148,9 +162,7 @@ PyObject *kvx_write_blocks(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(head);
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+    result = error_list(errors, n);
 done:
     PyMem_Free(parts);
     PyMem_Free(errors);
@@ -244,9 +256,7 @@ PyObject *kvx_write_segment(PyObject *self, PyObject *args) {
     }
     if (fd >= 0) unlink(tmp);
     Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++)
-        PyList_SET_ITEM(result, i, PyLong_FromLong(errors[i]));
+    result = error_list(errors, n);
 done:
     PyMem_Free(alt);
     PyMem_Free(header);
