@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from unittest.mock import patch
 
 import pytest
@@ -27,133 +27,19 @@ from kvx.layouts import (
     convert_blocks,
     copy_kv_blocks,
     kv_postprocess_blksize_and_layout_on_receive,
-    kv_postprocess_blksize_on_receive,
-    kv_postprocess_layout_on_receive,
 )
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.uint8,
-]
-WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-FAMILIES = [
-    ("NHD", "HND", "FLASHINFER_NHD", "FLASHINFER_HND", "CPU_PACKED"),
-    ("MLA",),
-    ("CROSS_NHD", "CROSS_HND", "CROSS_FLASHINFER_NHD", "CROSS_FLASHINFER_HND"),
-    ("CROSS_MLA",),
-]
-CHUNKS = [1, 100, _kernels.CPU_CHUNK_BYTES]  # 1 byte: one gather/scatter step per block
-THREAD_BYTES = [1, _kernels.NATIVE_BYTES_PER_THREAD]  # 1 byte: native splits any call in threads
-
-
-@pytest.fixture(scope="module", autouse=True, params=["native", "torch"])
-def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run the module's tests on the native kernel (it must be built), then on PyTorch."""
-    module = _kernels.load_native("1") if request.param == "native" else None
-    with patch.object(_kernels, "native", module):
-        yield request.param
-
-
-@contextlib.contextmanager
-def staging(data: st.DataObject) -> Iterator[None]:
-    """Drawn staging: PyTorch's chunk bytes; the native kernel's bytes per thread and whether
-    it may copy directly (else through its scratch)."""
-    chunk = data.draw(st.sampled_from(CHUNKS), "chunk bytes")
-    per_thread = data.draw(st.sampled_from(THREAD_BYTES), "bytes per thread")
-    direct = data.draw(st.booleans(), "native direct copy")
-    with (
-        patch.object(_kernels, "CPU_CHUNK_BYTES", chunk),
-        patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", per_thread),
-        patch.object(_kernels, "NATIVE_DIRECT", direct),
-    ):
-        yield
-
-
-def pos(name: str, layer: int, b: int, kv: int, t: int, h: int, d: int, n: int, hd: int) -> tuple:
-    """Logical index of element (layer, block, kv, token, head, dim) in a tensor of `name`."""
-    if name in ("NHD", "HND"):
-        return (kv, b, t, h, d)
-    if name in ("FLASHINFER_NHD", "FLASHINFER_HND"):
-        return (b, kv, t, h, d)
-    if name == "MLA":
-        return (b, t, d)
-    if name == "CPU_PACKED":  # slab of (block, head): K as [hd, n], then V as [n, hd]
-        flat = d * n + t if kv == 0 else n * hd + t * hd + d
-        return (b, h, flat // (2 * hd), flat % (2 * hd))
-    if name in ("CROSS_NHD", "CROSS_HND"):
-        return (layer, kv, b, t, h, d)
-    if name in ("CROSS_FLASHINFER_NHD", "CROSS_FLASHINFER_HND"):
-        return (layer, b, kv, t, h, d)
-    assert name == "CROSS_MLA"
-    return (layer, b, t, d)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(WORDS[t.element_size()])
-
-
-def random_fill(t: torch.Tensor, seed: int) -> torch.Tensor:
-    w = bits(t)
-    info = torch.iinfo(w.dtype)
-    gen = torch.Generator().manual_seed(seed)
-    w.copy_(torch.randint(info.min, info.max, w.shape, generator=gen, dtype=w.dtype))
-    return t
-
-
-def get(nested: list, index: tuple) -> int:
-    for i in index:
-        nested = nested[i]
-    return nested  # type: ignore[return-value]
-
-
-def put(nested: list, index: tuple, value: int) -> None:
-    for i in index[:-1]:
-        nested = nested[i]
-    nested[index[-1]] = value
-
-
-def dims(name: str, layers: int, heads: int) -> tuple[range, range, range]:
-    layout = BUILTIN_LAYOUTS[name]
-    return (
-        range(layers if layout.is_cross_layer else 1),
-        range(2 if "kv" in layout.dims else 1),
-        range(heads if "heads" in layout.dims else 1),
-    )
-
-
-def ref_convert(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    names: tuple[str, str],
-    ids: tuple[Sequence[int], Sequence[int]],
-    block_sizes: tuple[int, int],
-    total: int,
-    heads: tuple[Sequence[int], Sequence[int]],
-    layers: int,
-    head_size: int,
-) -> torch.Tensor:
-    """dst's bits after copying `total` tokens of src's blocks into dst's blocks, elementwise."""
-    s, out = bits(src).tolist(), bits(dst).tolist()
-    (sn, dn), (sids, dids), (ns, nd) = names, ids, block_sizes
-    layer_range, kv_range, _ = dims(sn, layers, 1)
-    for tok in range(total):
-        sb, st_, db, dt = sids[tok // ns], tok % ns, dids[tok // nd], tok % nd
-        for layer in layer_range:
-            for kv in kv_range:
-                for hs, hdst in zip(*heads):
-                    for d in range(head_size):
-                        value = get(s, pos(sn, layer, sb, kv, st_, hs, d, ns, head_size))
-                        put(out, pos(dn, layer, db, kv, dt, hdst, d, nd, head_size), value)
-    return torch.tensor(out, dtype=bits(dst).dtype).reshape(dst.shape)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
+from ._transform_kit import (
+    DTYPES,
+    FAMILIES,
+    WORDS,
+    bits,
+    ceil_div,
+    kernel,  # noqa: F401 (autouse fixture: every test runs on both kernels)
+    random_fill,
+    ref_convert,
+    staging,
+)
 
 # -- convert_blocks ----------------------------------------------------------------------------
 
@@ -307,125 +193,6 @@ def test_convert_blocks_bad_input_names_the_argument(call: dict, message: str) -
         convert_blocks(src, dst, src_ids, dst_ids, **kwargs)
 
 
-# -- vLLM's receive-side post-processing -------------------------------------------------------
-
-
-def cache_4d(memory: str, b: int, n: int, h: int, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """A per-layer K or V cache `[B, N, H, D]` with the given memory order and block stride."""
-    if memory == "NHD":
-        return torch.empty(b, n, h, d, dtype=dtype)
-    if memory == "HND":
-        return torch.empty(b, h, n, d, dtype=dtype).transpose(1, 2)
-    if memory == "NHD, block stride 2x":  # e.g. the V half of a blocks-first tensor
-        return torch.empty(b, 2, n, h, d, dtype=dtype)[:, 1]
-    assert memory == "HND, block stride 2x"
-    return torch.empty(b, 2, h, n, d, dtype=dtype)[:, 1].transpose(1, 2)
-
-
-def ref_regroup(cache: torch.Tensor, ids: Sequence[int], r: int, hnd_input: bool) -> torch.Tensor:
-    """Each block's elements, flattened in [H, N, D] (or [N, H, D]) logical order, are r
-    sub-blocks [H, N/r, D]; token j*N/r + t of the result is sub-block j's token t."""
-    x = bits(cache).tolist()
-    _, big_n, heads, hd = cache.shape
-    n = big_n // r
-    for b in set(ids):
-        block = x[b]
-        order = (
-            [(t, h, d) for h in range(heads) for t in range(big_n) for d in range(hd)]
-            if hnd_input
-            else [(t, h, d) for t in range(big_n) for h in range(heads) for d in range(hd)]
-        )
-        flat = [get(block, i) for i in order]
-        for j in range(r):
-            for h in range(heads):
-                for t in range(n):
-                    for d in range(hd):
-                        put(block, (j * n + t, h, d), flat[((j * heads + h) * n + t) * hd + d])
-    return torch.tensor(x, dtype=bits(cache).dtype).reshape(cache.shape)
-
-
-def vllm_style(fn: str, cache: torch.Tensor, idx: torch.Tensor, r: int) -> None:
-    """The straightforward index_select -> reshape/permute -> index_copy_ of reference 7.3."""
-    blocks = cache.index_select(0, idx)
-    _, big_n, heads, hd = blocks.shape
-    if fn == "layout":
-        new = blocks.reshape(-1, heads, big_n, hd).permute(0, 2, 1, 3)
-    elif fn == "blksize":
-        hnd = blocks.permute(0, 2, 1, 3)
-        merged = hnd.reshape(-1, r, heads, big_n // r, hd).permute(0, 2, 1, 3, 4).flatten(2, 3)
-        new = merged.permute(0, 2, 1, 3)
-    else:
-        new = blocks.reshape(-1, r, heads, big_n // r, hd).permute(0, 1, 3, 2, 4).flatten(1, 2)
-    cache.index_copy_(0, idx, new)
-
-
-POSTPROCESS: dict[str, tuple[Callable[..., None], bool]] = {
-    "layout": (kv_postprocess_layout_on_receive, False),
-    "blksize": (kv_postprocess_blksize_on_receive, True),
-    "blksize_and_layout": (kv_postprocess_blksize_and_layout_on_receive, False),
-}
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("fn", sorted(POSTPROCESS))
-@settings(max_examples=70, deadline=None)
-@given(data=st.data())
-def test_postprocess_matches_reference_and_vllm(fn: str, data: st.DataObject) -> None:
-    transform, hnd_input = POSTPROCESS[fn]
-    r = 1 if fn == "layout" else data.draw(st.sampled_from([1, 2, 4, 8]), "ratio")
-    n = data.draw(st.integers(1, 3), "remote block size") * r
-    heads, hd = data.draw(st.integers(1, 3), "heads"), data.draw(st.sampled_from([1, 2, 4, 8]))
-    num_blocks = data.draw(st.integers(1, 6), "blocks")
-    memory = data.draw(
-        st.sampled_from(["NHD", "HND", "NHD, block stride 2x", "HND, block stride 2x"])
-    )
-    dtype = data.draw(st.sampled_from(DTYPES))
-    ids = data.draw(st.permutations(range(num_blocks)))[: data.draw(st.integers(0, num_blocks))]
-    if ids and data.draw(st.booleans(), "repeat an id"):
-        ids = [*ids, ids[0]]
-    cache = random_fill(
-        cache_4d(memory, num_blocks, n, heads, hd, dtype), data.draw(st.integers(0, 2**16))
-    )
-    expected = ref_regroup(cache, ids, r, hnd_input)
-    straightforward = bits(cache).clone()
-    vllm_style(fn, straightforward, torch.tensor(ids, dtype=torch.long), r)
-    assert torch.equal(straightforward, expected)  # the reference reads vLLM like we do
-    with staging(data):
-        if fn == "layout":
-            transform(cache, torch.tensor(ids, dtype=torch.long))
-        else:
-            transform(cache, ids, r)
-    assert torch.equal(bits(cache), expected)
-
-
-def test_blksize_example_from_the_reference() -> None:
-    # Local 16 tokens, remote 4, 4 heads: h0b0|h1b0|h2b0|h3b0|h0b1|... becomes h0(b0..b3)|...
-    cache = cache_4d("HND", 3, 16, 4, 1, torch.float32)
-    memory = cache.permute(0, 2, 1, 3)  # [B, H, N, D]: the bytes in memory order
-    received = torch.tensor(
-        [100 * b + 10 * h + t for b in range(4) for h in range(4) for t in range(4)]
-    )
-    memory[1].copy_(received.view(4, 16, 1).float())
-    kv_postprocess_blksize_on_receive(cache, torch.tensor([1]), 4)
-    want = [100 * b + 10 * h + t for h in range(4) for b in range(4) for t in range(4)]
-    assert memory[1].flatten().long().tolist() == want
-
-
-@pytest.mark.parametrize(
-    ("call", "message"),
-    [
-        (lambda c: kv_postprocess_layout_on_receive(c[0], [0]), "cache must be 4-d"),
-        (lambda c: kv_postprocess_blksize_on_receive(c, [0], 3), "ratio 3 does not divide"),
-        (lambda c: kv_postprocess_blksize_on_receive(c, [0], 0), "must be an int >= 1, got 0"),
-        (lambda c: kv_postprocess_blksize_on_receive(c, [4], 2), "block id 4 is out of range"),
-        (lambda c: kv_postprocess_layout_on_receive(c, [[0]]), "must be a 1-d list or tensor"),
-    ],
-)
-def test_postprocess_bad_input(call: Callable[[torch.Tensor], None], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        call(torch.zeros(4, 8, 2, 4))
-
-
 # -- copy_kv_blocks ----------------------------------------------------------------------------
 
 
@@ -509,7 +276,7 @@ def counted(calls: list[str], name: str, real: Callable[..., object]) -> Callabl
     return counting
 
 
-def test_no_python_loop_over_blocks(kernel: str) -> None:
+def test_no_python_loop_over_blocks(kernel: str) -> None:  # noqa: F811 (the fixture)
     # One native call, or one gather and one scatter, however many blocks move (CPU chunking
     # aside); the native path never falls back to PyTorch's indexing kernels.
     calls: list[str] = []
