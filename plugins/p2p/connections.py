@@ -212,10 +212,8 @@ class Connections:
         """A plain TCP connect before first contact: a peer that is not running fails at once
         (its port refuses) instead of after the whole timeout, which on P would hold the
         engine's step. A live peer's kernel accepts even while the peer itself is busy."""
-        host, port = peer.address.rsplit(":", 1)
-        timeout = min(left(deadline, what), CONNECT_S)
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+            _tcp_connect(peer.address, min(left(deadline, what), CONNECT_S))
         except OSError as exc:
             self.drop(peer)
             raise TransferError(
@@ -238,12 +236,17 @@ def left(deadline: float, what: str) -> float:
     return remaining
 
 
+def _tcp_connect(address: str, timeout: float) -> None:
+    """Open and close a plain TCP connection to `host:port` (raises OSError)."""
+    host, port = address.rsplit(":", 1)
+    socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+
+
 def _refused(address: str, within_s: float) -> str | None:
     """Why `address` refuses a TCP connection (nothing listens there any more), or None if it
     accepts or cannot be told within `within_s` (at most a second)."""
-    host, port = address.rsplit(":", 1)
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=min(within_s, 1.0)).close()
+        _tcp_connect(address, min(within_s, 1.0))
     except ConnectionRefusedError as exc:
         return str(exc)
     except OSError:
