@@ -176,7 +176,9 @@ def test_client_leaving_mid_stream_releases_the_decode_server(
     d.behaviour.hold_after_first_chunk = threading.Event()
     proxy = start_proxy([p.url], [d.url])
     with client.stream("POST", f"{proxy.url}/v1/completions", json={"stream": True}) as answer:
-        next(answer.iter_raw())
+        # Keep the iterator: a dropped one is closed at once, and closes the connection with it.
+        chunks = answer.iter_raw()
+        next(chunks)
         assert proxy.pool.servers()[1].outstanding == 1
     wait_until(lambda: proxy.pool.servers()[1].outstanding == 0, 10, "D's request to be closed")
 
