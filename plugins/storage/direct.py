@@ -126,6 +126,12 @@ class DirectIO:
         checksummed in the same pass."""
         return self.verify and self.backend.hashed_io and self.mac_key is None
 
+    @property
+    def segments(self) -> bool:
+        """Whether a `write` of several values makes one segment file of them (local files,
+        checksummed natively) rather than a round trip per group."""
+        return self.backend.hashed_io and self.mac_key is None
+
     def fetch(
         self, unit: Unit, targets: list[int | None], name_of: Callable[[str], str]
     ) -> Fetched:
@@ -185,7 +191,7 @@ class DirectIO:
         """Write values straight from the engine's blocks (an IO thread): local files in one
         native call, checksummed as they are written; otherwise as many per call as are worth
         a round trip."""
-        if self.backend.hashed_io and self.mac_key is None:
+        if self.segments:
             seeds = [checksum_seed(name, shape) for name in names]
             self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self.table, blocks)
             return

@@ -343,6 +343,10 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._saved_layers = set()
         shape = self._own_shape()
         per = max(1, GROUP_BYTES // shape.value_bytes)
+        if values is None and self._direct_io.segments:
+            # a job per IO thread: each is one segment file, and on ext4 a new file's inode
+            # can cost milliseconds (the allocator steps over recently deleted inodes)
+            per = max(per, -(-len(items) // self._io_threads))
         if values is not None:  # the budget is given back per group as it is written
             self._budget.release(values.numel() - len(items) * shape.value_bytes)
         for at in range(0, len(items), per):

@@ -374,3 +374,26 @@ def test_token_major_engine_blocks_move_straight_in_stored_block_pieces(
     expected = min(144, (len(tokens) - 1) // consumer.block_size * consumer.block_size)
     assert run.num_external == expected and run.errors == [set()]
     consumer.check(tokens, run.block_ids, expected)
+
+
+def test_a_direct_save_is_one_segment_per_io_thread(
+    tmp_path: Path, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one IO thread, a step's values go into one segment file (one new inode) even
+    when they span several write groups; every value loads back byte for byte."""
+    from kvx.plugins.storage import worker
+
+    monkeypatch.setattr(worker, "GROUP_BYTES", 1)  # a group per value without one job a thread
+    url = f"file://{tmp_path}"
+    tokens = prompt(100, seed=11)
+    producer = make_rig(url, extra={"io_threads": 1})
+    run = producer.prefill("p", tokens)
+    files = sorted(tmp_path.rglob(f"*.{VALUE}"))
+    assert len(files) == 6  # six full blocks
+    inodes = {f.stat().st_ino for f in files}
+    assert len(inodes) == 1 and files[0].stat().st_nlink == 6
+    producer.check(tokens, run.block_ids, len(tokens))
+    consumer = make_rig(url, extra={"io_threads": 1})
+    loaded = consumer.prefill("d", tokens, compute=False)
+    assert loaded.num_external == 96 and loaded.errors == [set()]
+    consumer.check(tokens, loaded.block_ids, 96)
