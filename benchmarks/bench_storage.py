@@ -59,6 +59,7 @@ from storage_baselines import (
     SafetensorsPerLayer,
     drop_files,
     drop_keys,
+    make_fan_out,
     make_kv,
     measure_rounds,
     redis_server,
@@ -115,6 +116,8 @@ class StorageCase:
                 "kv_connector_extra_config": {"storage_url": url, "namespace": "bench", **extra},
             }
         )
+        if url.startswith("file://"):
+            make_fan_out(Path(url.removeprefix("file://")), "bench", kv.block_size)
         ctx = kv.context()
         self.kv = kv
         self.scheduler = kvx.create_connector(config, KVConnectorRole.SCHEDULER, ctx)
