@@ -116,14 +116,15 @@ class StorageCase:
                 "kv_connector_extra_config": {"storage_url": url, "namespace": "bench", **extra},
             }
         )
-        if url.startswith("file://"):
-            make_fan_out(Path(url.removeprefix("file://")), "bench", kv.block_size)
         ctx = kv.context()
         self.kv = kv
         self.scheduler = kvx.create_connector(config, KVConnectorRole.SCHEDULER, ctx)
         self.producer = kvx.create_connector(config, KVConnectorRole.WORKER, ctx)
         self.consumer = kvx.create_connector(config, KVConnectorRole.WORKER, ctx)
         self.producer.register_kv_caches(kv.src)
+        if url.startswith("file://"):  # stored blocks may be smaller than the engine's
+            stored = self.producer.worker.geo.block_size  # type: ignore[attr-defined]
+            make_fan_out(Path(url.removeprefix("file://")), "bench", stored)
         self.consumer.register_kv_caches(kv.dst)
         self.drop, self.round = drop, 0
 
