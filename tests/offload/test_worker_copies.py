@@ -20,7 +20,7 @@ import kvx
 from kvx import EngineContext, KVCacheSpec, KVConnectorRole, KVTransferConfig, ParallelInfo
 from kvx.layouts import NHD
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
-from kvx.plugins.offload.worker import OffloadWorker
+from kvx.plugins.offload.worker import OffloadWorker, by_source
 
 LAYERS = [f"model.layers.{i}.self_attn" for i in range(4)]
 BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 16, 4, 2, 8
@@ -168,3 +168,8 @@ def test_a_step_s_stores_share_one_copy_and_fail_alone(make_worker: Any) -> None
     assert isinstance(meta, OffloadWorkerMeta)
     assert meta.stored == {"k5": 1} and meta.failed == {"k9": 1}
     expect_copied(cpu_before, worker.cpu, {**moved, 7: blocks(caches, 5)})
+
+
+def test_pairs_are_copied_in_source_order() -> None:
+    assert by_source([9, 2, 5, 2], [0, 1, 2, 3]) == ([2, 2, 5, 9], [1, 3, 2, 0])
+    assert by_source([], []) == ([], [])
