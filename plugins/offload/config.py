@@ -38,8 +38,8 @@ class OffloadingConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_tracker_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 64_000
     disk_url: str | None = None  # fsspec URL of a second tier for chunks evicted from CPU
     disk_bytes_to_use: Annotated[int, msgspec.Meta(gt=0, le=1 << 60)] | None = None
-    # Copies of at most this many bytes run on the engine's thread when the copy thread is idle
-    # (no hand-off to another core); 0: every copy on the copy thread.
+    # With host (CPU) caches, copies of at most this many bytes run on the engine's thread when
+    # the copy thread is idle (no hand-off to another core); 0: every copy on the copy thread.
     inline_copy_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = INLINE_COPY_BYTES
 
     def __post_init__(self) -> None:

@@ -1,14 +1,14 @@
 """Worker side of the OffloadingConnector: asynchronous block copies to and from the CPU tier.
 
 One background thread runs copy jobs in submission order, so a store into a slot always runs
-after the jobs that read that slot's previous content. A copy of at most `inline_bytes` runs on
-the calling thread instead when that thread has nothing queued (the order is the same): handing
-a few MiB to another core costs as much CPU as copying them where the caches already hold them.
-A step's stores go to the block copy together (one native call for all its requests). Stores
+after the jobs that read that slot's previous content. With the engine's caches in host memory,
+a copy of at most `inline_bytes` runs on the calling thread instead when the copy thread has
+nothing queued (the order is the same): handing a few MiB to another core costs more CPU than
+copying them where the caches already hold them. A step's stores go to one block copy. Stores
 are submitted in `wait_for_save` (after the forward wrote the blocks), loads in `start_load_kv`;
 `handle_preemptions` waits for every queued store before the engine may overwrite preempted
-blocks. With a disk tier, chunks
-evicted from a CPU slot are written to a file before anything else may reuse the slot.
+blocks. With a disk tier, chunks evicted from a CPU slot are written to a file before anything
+else may reuse the slot.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         # The same caches every step: checks, views and addresses once, not per copy.
         self._to_cpu = KVBlockCopier(self.gpu, self.cpu, "d2h", layout=self.layout)
         self._from_cpu = KVBlockCopier(self.cpu, self.gpu, "h2d", layout=self.layout)
+        if any(t.device.type != "cpu" for t in kv_caches.values()):
+            self.inline_bytes = -1  # device copies stay off the engine's thread
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """Wait for every submitted store: preempted blocks may be overwritten next."""
