@@ -11,18 +11,18 @@ straight into place when both sides share layout, block size and heads (one copy
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import torch
 
 from kvx.layouts import HEAD_SIZE, HEADS, Layout, convert_blocks, get_layout
-from kvx.plugins.p2p.messages import TensorMeta
+from kvx.plugins.p2p.messages import MAX_SEGMENTS, TensorMeta
 
 Segments = list[torch.Tensor]
 """uint8 tensors whose concatenation is a slice's memory-order bytes."""
-MAX_SEGMENTS = 256
-"""Segments one slice may travel in; a more fragmented slice is sent as one gathered copy."""
+# MAX_SEGMENTS (messages): segments one slice may travel in; more: one gathered copy
 
 
 def has_heads(layout: Layout) -> bool:
@@ -109,12 +109,22 @@ def physical(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def expected_nbytes(meta: TensorMeta) -> int:
-    layout = get_layout(meta.layout)
-    shape = layout.logical_shape(meta.num_blocks, meta.block_size, meta.num_heads, meta.head_size)
+    """The bytes `meta`'s shape makes (per geometry, cached: D checks every slice it is sent)."""
+    return _expected_nbytes(
+        meta.layout, meta.num_blocks, meta.block_size, meta.num_heads, meta.head_size, meta.dtype
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_nbytes(
+    layout_name: str, num_blocks: int, block_size: int, num_heads: int, head_size: int, dtype: str
+) -> int:
+    layout = get_layout(layout_name)
+    shape = layout.logical_shape(num_blocks, block_size, num_heads, head_size)
     count = 1
     for n in shape:
         count *= n
-    return count * torch.empty((), dtype=getattr(torch, meta.dtype)).element_size()
+    return count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def meta_problem(meta: TensorMeta, max_tensor_bytes: int) -> str | None:
