@@ -71,7 +71,12 @@ def block_rows(cache: torch.Tensor, layout: Layout) -> torch.Tensor | None:
 
 def block_runs(block_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
     """`block_ids` as [start, stop) runs of consecutive ids, in order (ValueError if one is out
-    of range)."""
+    of range). Cached: P and D ask it for the same blocks once per layer."""
+    return list(_block_runs(tuple(block_ids), num_blocks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_runs(block_ids: tuple[int, ...], num_blocks: int) -> tuple[tuple[int, int], ...]:
     runs: list[tuple[int, int]] = []
     for b in block_ids:
         if not 0 <= b < num_blocks:
@@ -80,18 +85,23 @@ def block_runs(block_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
             runs[-1] = (runs[-1][0], b + 1)
         else:
             runs.append((b, b + 1))
-    return runs
+    return tuple(runs)
 
 
 def block_segments(
-    cache: torch.Tensor, layout: Layout, block_ids: list[int], heads: range | None
+    cache: torch.Tensor,
+    layout: Layout,
+    block_ids: list[int],
+    heads: range | None,
+    rows: torch.Tensor | None = None,
 ) -> Segments | None:
     """The bytes `physical(gather(cache, layout, block_ids, heads, ...))` would hold, as views
     into `cache` (no copy): one segment per outer index and run of consecutive blocks. None
-    when they are not whole blocks of a dense cache (a head subset) or too fragmented."""
+    when they are not whole blocks of a dense cache (a head subset) or too fragmented. `rows`:
+    `block_rows(cache, layout)` if the caller has it (once per layer, not per slice)."""
     if heads is not None and (heads.start != 0 or len(heads) != layout.sizes_of(cache)[HEADS]):
         return None
-    rows = block_rows(cache, layout)
+    rows = block_rows(cache, layout) if rows is None else rows
     if rows is None:
         return None
     runs = block_runs(block_ids, rows.shape[1])
@@ -152,7 +162,9 @@ def from_wire(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 
 def frombuffer(buffer: memoryview) -> torch.Tensor:
-    """A uint8 tensor over a received frame (read-only: we only ever copy out of it)."""
+    """A uint8 tensor over a received frame (we only ever copy out of it)."""
+    if not buffer.readonly:  # ZMQ's frames: no warning to silence (catch_warnings costs ~7 us)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
         return torch.frombuffer(buffer, dtype=torch.uint8)
@@ -181,14 +193,15 @@ def scatter(
 ) -> None:
     """Write tokens `start_token..start_token+num_tokens` of the received slice (which starts at
     token 0) into `block_ids` of `cache`; `start_token` is a multiple of the cache's block size."""
-    bd, rb = layout.block_size_of(cache), meta.block_size
+    sizes = layout.sizes_of(cache)
+    bd, rb = sizes["tokens"], meta.block_size
     end = start_token + num_tokens
     if end > meta.num_tokens:
         raise ValueError(
             f"{meta.request_id}#{meta.layer}: the peer sent {meta.num_tokens} tokens, "
             f"{end} are needed"
         )
-    if _same_blocks(meta, cache, layout, dst_heads) and _place(
+    if _same_blocks(meta, sizes, cache, layout, dst_heads) and _place(
         segments, meta, cache, layout, block_ids, start_token, num_tokens
     ):
         return
@@ -211,7 +224,6 @@ def scatter(
         return
     # D's prefix hit ends inside one of P's (larger) blocks: convert from token 0 into a
     # scratch tensor in D's geometry, then copy the blocks D lacks.
-    sizes = layout.sizes_of(cache)
     nblocks = -(-end // bd)
     scratch = layout.allocate(
         nblocks, bd, sizes.get(HEADS, 1), sizes["head_size"], dtype=cache.dtype, device=cache.device
@@ -242,11 +254,14 @@ def scatter(
 
 
 def _same_blocks(
-    meta: TensorMeta, cache: torch.Tensor, layout: Layout, dst_heads: range | None
+    meta: TensorMeta,
+    sizes: dict[str, int],
+    cache: torch.Tensor,
+    layout: Layout,
+    dst_heads: range | None,
 ) -> bool:
     """True if the slice's blocks are byte for byte blocks of `cache` (same layout, block size,
-    dtype and head size, every head of this rank)."""
-    sizes = layout.sizes_of(cache)
+    dtype and head size, every head of this rank; `sizes`: `layout.sizes_of(cache)`)."""
     if (meta.layout, meta.block_size, meta.dtype) != (
         layout.name,
         sizes["tokens"],
@@ -285,8 +300,11 @@ def _place(
         raise ValueError(
             f"{len(block_ids)} destination blocks for {num_tokens} tokens of {bs} per block"
         )
-    runs = block_runs(block_ids[:full], rows.shape[1])  # also the range check
-    if len(set(block_ids)) != len(block_ids) or not all(0 <= b < rows.shape[1] for b in block_ids):
+    num_blocks = rows.shape[1]
+    runs = block_runs(block_ids[:full], num_blocks)  # also the range check
+    if block_ids and (
+        len(set(block_ids)) != len(block_ids) or min(block_ids) < 0 or max(block_ids) >= num_blocks
+    ):
         raise ValueError(f"the destination blocks {block_ids} repeat or leave the cache")
     dst_runs, at = [], first  # (first wire block, first destination block, count)
     for a, b in runs:
