@@ -159,8 +159,12 @@ class P2pEngine:
         failed: list[tuple[TensorMeta, str]] = []
         try:
             with self._connections.locked(address, deadline, _batch(items)) as peer:
-                for envelope, _, _, frames in sealed:
-                    peer.socket.send_multipart([envelope, *frames], copy=False)
+                try:
+                    for envelope, _, _, frames in sealed:
+                        peer.socket.send_multipart([envelope, *frames], copy=False)
+                except zmq.ZMQError as exc:  # replies to what went out would confuse the next
+                    self._connections.drop(peer, str(exc))
+                    raise TransferError(f"{_batch(items)}: {address}: {exc}") from None
                 for index, (_, nonce, metas, _) in enumerate(sealed):
                     try:
                         reply, _ = self._connections.reply(peer, nonce, deadline, _what(metas))

@@ -315,3 +315,29 @@ def test_a_batch_of_slices_gets_one_ack_and_wrong_frames_are_refused_by_slice() 
         context.term()
         sender.close()
         receiver.close()
+
+
+def test_batches_stay_within_the_slice_count_and_header_size_bounds() -> None:
+    """300 slices with 500-character request ids: no batch over MAX_BATCH slices or a sealed
+    header over MAX_CONTROL_BYTES (D would refuse it), every slice once, in order."""
+    engine = _engine(None, secret=SECRET)
+    try:
+        layout = get_layout("NHD")
+        meta, t = _tensor(40)
+        items = [
+            (
+                msgspec.structs.replace(meta, request_id=f"{i:03d}" + "r" * 497),
+                [physical(t, layout)],
+            )
+            for i in range(300)
+        ]
+        batches = engine._seal_batches(items)
+        assert len(batches) > 2
+        assert all(len(m) <= messages.MAX_BATCH for _, _, m, _ in batches)
+        assert all(len(e) <= messages.MAX_CONTROL_BYTES for e, _, _, _ in batches)
+        sent = [m.request_id for _, _, metas, _ in batches for m in metas]
+        assert sent == [m.request_id for m, _ in items]
+        envelope = messages.open_request(SECRET, batches[0][0])
+        assert isinstance(envelope.message, messages.PutBatch)
+    finally:
+        engine.close()
