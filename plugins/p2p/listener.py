@@ -253,7 +253,11 @@ class Listener:
                 if problem is None:
                     admitted = self.recv.admit(meta)
                     if admitted in (None, "spill"):
-                        raw, keep = self.plane.collect(identity, meta, frames)
+                        try:
+                            raw, keep = self.plane.collect(identity, meta, frames)
+                        except PlaneError:
+                            self.recv.unreserve(meta.nbytes, admitted == "spill")
+                            raise
                         kept.append((meta, raw, admitted == "spill", keep))
                         continue
                     self.count("refused_puts", 1)
@@ -261,7 +265,9 @@ class Listener:
                 else:
                     self._refused(f"slice {index} ({meta.request_id}#{meta.layer}): {problem}")
                 why = f"slice {index} ({meta.request_id}#{meta.layer}): {problem}"
-                refused.append(Refusal(index, why[:REFUSAL_CHARS]))
+                # cut in bytes: 256 refusals of any text fit one reply (MAX_CONTROL_BYTES)
+                cut = why.encode()[:REFUSAL_CHARS].decode(errors="ignore")
+                refused.append(Refusal(index, cut))
             self.recv.put_many(
                 [
                     ((m.request_id, m.layer, m.first_head), m, raw, spill, keep)

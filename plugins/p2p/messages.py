@@ -29,7 +29,8 @@ MAX_BATCH = 256
 MAX_SEGMENTS = 256
 """Data frames one slice may travel in (tensors.MAX_SEGMENTS)."""
 REFUSAL_CHARS = 200
-"""Length of one slice's refusal in a batch reply (all of them fit MAX_CONTROL_BYTES)."""
+"""Length of one slice's refusal in a batch reply, in UTF-8 bytes as the listener cuts it (all
+of them fit MAX_CONTROL_BYTES)."""
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8_e4m3fn")
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
