@@ -37,7 +37,7 @@ from kvx.layouts.descriptor import (
 
 if TYPE_CHECKING:
     from kvx.layouts.convert import convert_blocks
-    from kvx.layouts.copy_blocks import copy_kv_blocks
+    from kvx.layouts.copy_blocks import KVBlockCopier, copy_kv_blocks
     from kvx.layouts.postprocess import (
         kv_postprocess_blksize_and_layout_on_receive,
         kv_postprocess_blksize_on_receive,
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "convert_blocks": "kvx.layouts.convert",
+    "KVBlockCopier": "kvx.layouts.copy_blocks",
     "copy_kv_blocks": "kvx.layouts.copy_blocks",
     "kv_postprocess_blksize_and_layout_on_receive": "kvx.layouts.postprocess",
     "kv_postprocess_blksize_on_receive": "kvx.layouts.postprocess",
@@ -79,6 +80,7 @@ __all__ = [
     "MLA",
     "NHD",
     "TOKENS",
+    "KVBlockCopier",
     "Layout",
     "convert_blocks",
     "copy_kv_blocks",

@@ -44,68 +44,111 @@ def copy_kv_blocks(
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
     n_src, n_dst = len(src_block_ids), len(dst_block_ids)
     if n_src != n_dst:
-        raise ValueError(
-            f"src_block_ids has {n_src} ids but dst_block_ids has {n_dst}; they must pair up "
-            "one to one (vLLM ignores this silently, kvx refuses to drop blocks)"
-        )
+        _refuse_unpaired(n_src, n_dst)
     if not src_kv_caches or not dst_kv_caches or n_src == 0:
         return
-    spec = get_layout(layout)
-    host_side = "src" if direction == "h2d" else "dst"
-    indices: dict[tuple[str, torch.device], torch.Tensor] = {}
+    KVBlockCopier(src_kv_caches, dst_kv_caches, direction, layout=layout)(
+        src_block_ids, dst_block_ids
+    )
 
-    def index(arg: str, ids: BlockIdsLike, cache: torch.Tensor, blocks: int) -> torch.Tensor:
-        key = (arg, cache.device)
-        if key not in indices or int(indices[key].max()) >= blocks:
-            indices[key] = block_index(ids, blocks, cache.device, arg)
-        return indices[key]
 
-    groups: dict[tuple[object, ...], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-    for name, src in src_kv_caches.items():
-        if name not in dst_kv_caches:
-            raise ValueError(f"layer {name!r} of src_kv_caches is missing from dst_kv_caches")
-        dst = dst_kv_caches[name]
-        host = src if host_side == "src" else dst
-        if host.device.type != "cpu":
-            raise ValueError(
-                f"direction {direction!r}: the {host_side} caches must be on the host (cpu), "
-                f"layer {name!r} is on {host.device}"
+class KVBlockCopier:
+    """`copy_kv_blocks` between two fixed sets of caches, with the per-layer work (checks, word
+    views, grouping, addresses) done once here instead of on every call: for a connector that
+    copies between the same registered caches every step. The caches must stay allocated (this
+    keeps them referenced) and in place."""
+
+    def __init__(
+        self,
+        src_kv_caches: Mapping[str, torch.Tensor],
+        dst_kv_caches: Mapping[str, torch.Tensor],
+        direction: Literal["h2d", "d2h"],
+        *,
+        layout: str | Layout = "NHD",
+    ) -> None:
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        spec = get_layout(layout)
+        host_side = "src" if direction == "h2d" else "dst"
+        groups: dict[tuple[object, ...], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        for name, src in src_kv_caches.items():
+            if name not in dst_kv_caches:
+                raise ValueError(f"layer {name!r} of src_kv_caches is missing from dst_kv_caches")
+            dst = dst_kv_caches[name]
+            host = src if host_side == "src" else dst
+            if host.device.type != "cpu":
+                raise ValueError(
+                    f"direction {direction!r}: the {host_side} caches must be on the host (cpu), "
+                    f"layer {name!r} is on {host.device}"
+                )
+            if src.dtype != dst.dtype:
+                raise ValueError(f"layer {name!r}: src dtype {src.dtype} != dst dtype {dst.dtype}")
+            geometry = (  # all that `_word_views` and the kernel read, except the address
+                *(t.shape for t in (src, dst)),
+                *(t.stride() for t in (src, dst)),
+                *(t.storage_offset() * t.element_size() % 16 for t in (src, dst)),
+                src.dtype,
+                src.device,
+                dst.device,
             )
-        if src.dtype != dst.dtype:
-            raise ValueError(f"layer {name!r}: src dtype {src.dtype} != dst dtype {dst.dtype}")
-        geometry = (  # all that `_word_views` and the kernel read, except the address
-            *(t.shape for t in (src, dst)),
-            *(t.stride() for t in (src, dst)),
-            *(t.storage_offset() * t.element_size() % 16 for t in (src, dst)),
-            src.dtype,
-            src.device,
-            dst.device,
-        )
-        groups.setdefault(geometry, []).append((name, src, dst))
-    for pairs in groups.values():  # layers of one geometry share their views and one call
-        first, src, dst = pairs[0]
-        views = _word_views(spec, first, src, dst)
-        if len(pairs) > 1 and all(native_layers(ws, wd) for ws, wd in views):
-            for ws, wd in views:
-                src_offset = ws.data_ptr() - src.data_ptr()
-                dst_offset = wd.data_ptr() - dst.data_ptr()
-                gather_scatter_layers(
-                    ws,
-                    [s.data_ptr() + src_offset for _, s, _ in pairs],
-                    index("src_block_ids", src_block_ids, src, ws.shape[0]),
-                    wd,
-                    [d.data_ptr() + dst_offset for _, _, d in pairs],
-                    index("dst_block_ids", dst_block_ids, dst, wd.shape[0]),
-                )
-            continue
-        for name, s, d in pairs:  # one layer at a time (the PyTorch path, or a lone layer)
-            for ws, wd in views if s is src else _word_views(spec, name, s, d):
-                gather_scatter(
-                    ws,
-                    index("src_block_ids", src_block_ids, s, ws.shape[0]),
-                    wd,
-                    index("dst_block_ids", dst_block_ids, d, wd.shape[0]),
-                )
+            groups.setdefault(geometry, []).append((name, src, dst))
+        # Per group of layers: (word views of the first, every layer's src and dst addresses)
+        # for one native call, or None and each layer's own word views (the PyTorch path).
+        self._layers: list[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]] = []
+        self._single: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for pairs in groups.values():
+            first, src, dst = pairs[0]
+            views = _word_views(spec, first, src, dst)
+            if len(pairs) > 1 and all(native_layers(ws, wd) for ws, wd in views):
+                for ws, wd in views:
+                    src_offset = ws.data_ptr() - src.data_ptr()
+                    dst_offset = wd.data_ptr() - dst.data_ptr()
+                    src_addrs = [s.data_ptr() + src_offset for _, s, _ in pairs]
+                    dst_addrs = [d.data_ptr() + dst_offset for _, _, d in pairs]
+                    self._layers.append((ws, src_addrs, wd, dst_addrs))
+                continue
+            for name, s, d in pairs:  # one layer at a time (the PyTorch path, or a lone layer)
+                self._single += views if s is src else _word_views(spec, name, s, d)
+        self._caches = (dict(src_kv_caches), dict(dst_kv_caches))  # keeps the addresses valid
+
+    def __call__(self, src_block_ids: BlockIdsLike, dst_block_ids: BlockIdsLike) -> None:
+        """Copy block `src_block_ids[i]` to `dst_block_ids[i]` in every layer."""
+        n_src, n_dst = len(src_block_ids), len(dst_block_ids)
+        if n_src != n_dst:
+            _refuse_unpaired(n_src, n_dst)
+        if n_src == 0:
+            return
+        indices: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+
+        def index(arg: str, ids: BlockIdsLike, view: torch.Tensor) -> torch.Tensor:
+            key = (arg, view.device, view.shape[0])
+            if key not in indices:
+                indices[key] = block_index(ids, view.shape[0], view.device, arg)
+            return indices[key]
+
+        for ws, src_addrs, wd, dst_addrs in self._layers:
+            gather_scatter_layers(
+                ws,
+                src_addrs,
+                index("src_block_ids", src_block_ids, ws),
+                wd,
+                dst_addrs,
+                index("dst_block_ids", dst_block_ids, wd),
+            )
+        for ws, wd in self._single:
+            gather_scatter(
+                ws,
+                index("src_block_ids", src_block_ids, ws),
+                wd,
+                index("dst_block_ids", dst_block_ids, wd),
+            )
+
+
+def _refuse_unpaired(n_src: int, n_dst: int) -> None:
+    raise ValueError(
+        f"src_block_ids has {n_src} ids but dst_block_ids has {n_dst}; they must pair up "
+        "one to one (vLLM ignores this silently, kvx refuses to drop blocks)"
+    )
 
 
 def _word_views(

@@ -7,6 +7,9 @@ import msgspec
 from kvx import ConfigProblem, url_problem
 
 CPU_SPEC = "CPUOffloadingSpec"
+INLINE_COPY_BYTES = 16 << 20
+"""Default `inline_copy_bytes`: below this, handing a copy to the copy thread costs more CPU
+than the copy (docs/performance.md, "Storage and offloading")."""
 MAX_CPU_BYTES = 1 << 50
 """1 PiB: more than any machine's memory (construction also checks this machine's)."""
 
@@ -35,6 +38,9 @@ class OffloadingConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_tracker_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 64_000
     disk_url: str | None = None  # fsspec URL of a second tier for chunks evicted from CPU
     disk_bytes_to_use: Annotated[int, msgspec.Meta(gt=0, le=1 << 60)] | None = None
+    # With host (CPU) caches, copies of at most this many bytes run on the engine's thread when
+    # the copy thread is idle (no hand-off to another core); 0: every copy on the copy thread.
+    inline_copy_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = INLINE_COPY_BYTES
 
     def __post_init__(self) -> None:
         if self.spec_name is not None and self.spec_name != CPU_SPEC:

@@ -29,4 +29,6 @@ class OffloadingConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker]):
     def build_worker(self) -> OffloadWorker:
         options = self.options
         per_chunk, slots, _ = chunk_geometry(options, self.engine_context)
-        return OffloadWorker(self.engine_context, per_chunk, slots, options.disk_url)
+        return OffloadWorker(
+            self.engine_context, per_chunk, slots, options.disk_url, options.inline_copy_bytes
+        )

@@ -1,25 +1,39 @@
 """Worker side of the OffloadingConnector: asynchronous block copies to and from the CPU tier.
 
 One background thread runs copy jobs in submission order, so a store into a slot always runs
-after the jobs that read that slot's previous content. Stores are submitted in `wait_for_save`
-(after the forward wrote the blocks), loads in `start_load_kv`; `handle_preemptions` waits for
-every queued store before the engine may overwrite preempted blocks. With a disk tier, chunks
-evicted from a CPU slot are written to a file before anything else may reuse the slot.
+after the jobs that read that slot's previous content. With the engine's caches in host memory,
+a copy of at most `inline_bytes` runs on the calling thread instead when the copy thread has
+nothing queued (the order is the same): handing a few MiB to another core costs more CPU than
+copying them where the caches already hold them. A step's stores go to one block copy. Stores
+are submitted in `wait_for_save` (after the forward wrote the blocks), loads in `start_load_kv`;
+`handle_preemptions` waits for every queued store before the engine may overwrite preempted
+blocks. With a disk tier, chunks evicted from a CPU slot are written to a file before anything
+else may reuse the slot.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import fsspec
 import torch
 
 import kvx
 from kvx import ConnectorWorker, KVConnectorStats
-from kvx.layouts import copy_kv_blocks, get_layout
+from kvx.layouts import KVBlockCopier, copy_kv_blocks, get_layout
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 from kvx.plugins.offload.stats import OffloadStats
+
+
+def by_source(src: list[int], dst: list[int]) -> tuple[list[int], list[int]]:
+    """The (source, destination) block pairs in ascending source order: scattered blocks read
+    in address order (writes scattered instead) copy 64 MiB of 16-token blocks ~15% faster.
+    The destinations of one copy are distinct, so the order does not change the result."""
+    order = sorted(range(len(src)), key=src.__getitem__)
+    return [src[i] for i in order], [dst[i] for i in order]
 
 
 class OffloadWorker(ConnectorWorker[OffloadMetadata]):
@@ -29,6 +43,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         blocks_per_chunk: int,
         num_slots: int,
         disk_url: str | None = None,
+        inline_bytes: int = 0,
     ) -> None:
         self.layout = get_layout("MLA" if ctx.cache.use_mla else ctx.cache.layout)
         self.dim = self.layout.blocks_dim
@@ -36,7 +51,12 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self.num_slots = num_slots
         self.gpu: dict[str, torch.Tensor] = {}
         self.cpu: dict[str, torch.Tensor] = {}
+        self._to_cpu = KVBlockCopier({}, {}, "d2h")  # until the caches are registered
+        self._from_cpu = KVBlockCopier({}, {}, "h2d")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvx-offload")
+        self._last: Future[None] | None = None  # the copy thread's last job: idle once it is done
+        self.inline_bytes = inline_bytes
+        self._block_nbytes = 0
         self._stores: dict[str, list[tuple[Future[None], list[str]]]] = {}
         self._loads: dict[str, Future[None]] = {}
         self._held: set[str] = set()
@@ -67,6 +87,14 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
             self.cpu[name] = torch.empty(
                 shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
             )
+        self._block_nbytes = sum(
+            t.numel() // t.shape[self.dim] * t.element_size() for t in self.cpu.values()
+        )
+        # The same caches every step: checks, views and addresses once, not per copy.
+        self._to_cpu = KVBlockCopier(self.gpu, self.cpu, "d2h", layout=self.layout)
+        self._from_cpu = KVBlockCopier(self.cpu, self.gpu, "h2d", layout=self.layout)
+        if any(t.device.type != "cpu" for t in kv_caches.values()):
+            self.inline_bytes = -1  # device copies stay off the engine's thread
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """Wait for every submitted store: preempted blocks may be overwritten next."""
@@ -78,29 +106,75 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._held.update(meta.held)
         self._pending_stores = list(meta.stores)
         for key, slot in meta.spills:  # before any store may overwrite the slot
-            self._spills.append((key, self._pool.submit(self._spill, key, slot)))
+            self._spills.append((key, self._submit(self._spill, key, slot)))
         for key in meta.disk_drops:
-            self._pool.submit(self._drop_from_disk, key)
+            self._submit(self._drop_from_disk, key)
         for load in meta.loads:
             self._load_blocks[load.req_id] = load.gpu_blocks
-            self._loads[load.req_id] = self._pool.submit(self._load, load)
+            nbytes = -1 if min(load.slots, default=0) < 0 else len(load.slots) * self._block_bytes()
+            self._loads[load.req_id] = self._run(nbytes, self._load, load)
 
     def wait_for_save(self) -> None:
-        for store in self._pending_stores:
-            future = self._pool.submit(self._store, store)
+        stores, self._pending_stores = self._pending_stores, []
+        if not stores:
+            return
+        futures: list[Future[None]] = [Future() for _ in stores]
+        for store, future in zip(stores, futures, strict=True):
             self._stores.setdefault(store.req_id, []).append((future, store.keys))
-        self._pending_stores = []
+        nbytes = sum(len(s.gpu_blocks) for s in stores) * self._block_bytes()
+        self._run(nbytes, self._store_step, stores, futures)
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """Queue `fn(*args)` on the copy thread, after every job queued before it."""
+        self._last = self._pool.submit(fn, *args)
+        return self._last
+
+    def _run(self, nbytes: int, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """`fn(*args)` on this thread when it copies at most `inline_bytes` (`nbytes` >= 0) and
+        the copy thread is idle (nothing may run out of order), else queued on the copy thread;
+        a future either way."""
+        if not 0 <= nbytes <= self.inline_bytes or not (self._last is None or self._last.done()):
+            return self._submit(fn, *args)
+        future: Future[None] = Future()
+        try:
+            fn(*args)
+        except Exception as exc:  # reported like a failed job of the copy thread
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+        return future
 
     def _block_bytes(self) -> int:
         """Bytes of one engine block over every layer."""
-        return sum(t.numel() // t.shape[self.dim] * t.element_size() for t in self.cpu.values())
+        return self._block_nbytes
 
-    def _store(self, store: StoreSpec) -> None:
-        """One gather/scatter pass per layer (kvx.layouts' block copy) into the chunks' slots."""
+    def _store_step(self, stores: list[StoreSpec], futures: list[Future[None]]) -> None:
+        """A step's stores in one block copy, settling each store's future; if that copy fails,
+        each store again on its own, so only the failing ones are reported failed."""
+        try:
+            self._store(
+                [b for s in stores for b in s.gpu_blocks],
+                [slot for s in stores for slot in s.slots],
+            )
+        except Exception:
+            for store, future in zip(stores, futures, strict=True):
+                try:
+                    self._store(store.gpu_blocks, store.slots)
+                except Exception as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+        else:
+            for future in futures:
+                future.set_result(None)
+
+    def _store(self, gpu_blocks: list[int], slots: list[int]) -> None:
+        """One gather/scatter pass (kvx.layouts' block copy) of `gpu_blocks` into the chunk
+        `slots`, `blocks_per_chunk` blocks per slot."""
         start = time.perf_counter()
         per = self.per_chunk
-        cpu_blocks = [s * per + o for s in store.slots for o in range(per)]
-        copy_kv_blocks(self.gpu, self.cpu, store.gpu_blocks, cpu_blocks, "d2h", layout=self.layout)
+        cpu_blocks = [s * per + o for s in slots for o in range(per)]
+        self._to_cpu(*by_source(gpu_blocks, cpu_blocks))
         nbytes = len(cpu_blocks) * self._block_bytes()
         self.stats.count("store", nbytes, time.perf_counter() - start)
 
@@ -108,13 +182,11 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         start = time.perf_counter()
         from_cpu = [i for i, slot in enumerate(load.slots) if slot >= 0]
         if from_cpu:
-            copy_kv_blocks(
-                self.cpu,
-                self.gpu,
-                [load.slots[i] * self.per_chunk + load.offsets[i] for i in from_cpu],
-                [load.gpu_blocks[i] for i in from_cpu],
-                "h2d",
-                layout=self.layout,
+            self._from_cpu(
+                *by_source(
+                    [load.slots[i] * self.per_chunk + load.offsets[i] for i in from_cpu],
+                    [load.gpu_blocks[i] for i in from_cpu],
+                )
             )
         by_key: dict[str, list[int]] = {}
         for i, slot in enumerate(load.slots):

@@ -71,17 +71,27 @@ class RecvBuffer:
     def put(
         self, key: RecvKey, meta: TensorMeta, segments: Segments, spill: bool, keep: Any = None
     ) -> None:
-        if spill and any(s.device.type != "cpu" for s in segments):
-            segments, keep = [s.to("cpu") for s in segments], None
-        if spill:
-            self.spilled_count += 1
+        self.put_many([(key, meta, segments, spill, keep)])
+
+    def put_many(self, items: list[tuple[RecvKey, TensorMeta, Segments, bool, Any]]) -> None:
+        """Keep admitted tensors: (key, meta, segments, spilled, what must outlive them); the
+        loader is woken once for all of them."""
+        entries = []
+        expires = time.monotonic() + self.ttl_s
+        for key, meta, segments, spill, keep in items:
+            if spill and any(s.device.type != "cpu" for s in segments):
+                segments, keep = [s.to("cpu") for s in segments], None
+            if spill:
+                self.spilled_count += 1
+            entries.append((key, Entry(meta, segments, meta.nbytes, spill, expires, keep)))
+        if not entries:
+            return
         with self._cond:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._release(old)
-            self._entries[key] = Entry(
-                meta, segments, meta.nbytes, spill, time.monotonic() + self.ttl_s, keep
-            )
+            for key, entry in entries:
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._release(old)
+                self._entries[key] = entry
             self._cond.notify_all()
 
     def unreserve(self, nbytes: int, spill: bool) -> None:

@@ -56,8 +56,8 @@ class Peer:
     busy: str = ""
     """The exchange holding `lock` (for the error of a caller that waited on it)."""
     busy_since: float = 0.0
-    unacked: deque[tuple[TensorMeta, bytes, float]] = field(default_factory=deque)
-    """PUTs sent ahead of their acks: (meta, nonce, deadline)."""
+    unacked: deque[tuple[list[TensorMeta], bytes, float]] = field(default_factory=deque)
+    """PUT batches sent ahead of their acks: (their metas, nonce, deadline)."""
 
 
 class Connections:
@@ -135,7 +135,11 @@ class Connections:
         peer.closed = True
         if peer.unacked:  # their frames are discarded with the socket: they failed
             self.lose(
-                [(meta, f"{peer.address}: {why} (before its ack)") for meta, _, _ in peer.unacked]
+                [
+                    (meta, f"{peer.address}: {why} (before its ack)")
+                    for metas, _, _ in peer.unacked
+                    for meta in metas
+                ]
             )
             peer.unacked.clear()
         with self._peers_lock:

@@ -1,6 +1,7 @@
 """One worker's P2P engine: its listener (`listener.py`) and its connections to peers
 (`connections.py`), with the exchanges a worker asks for: HELLO, PUT (one by one, pipelined, or
-unacked with `send_puts` + `settle`) and GET.
+unacked with `send_puts` + `settle`) and GET. On the CPU plane several PUTs to one peer travel
+as one `PutBatch` (one sealed header, one ack).
 
 Every exchange is "sealed request [+ data frames] -> sealed reply [+ data frames]" with a
 timeout; the data plane (`planes.py`) decides whether bytes ride as frames (CPU) or over NCCL
@@ -19,15 +20,27 @@ import zmq
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.connections import Connections, Peer, TransferError
 from kvx.plugins.p2p.listener import Listener
-from kvx.plugins.p2p.messages import Geometry, Get, Put, TensorMeta, seal_request
+from kvx.plugins.p2p.messages import (
+    MAX_BATCH,
+    MAX_CONTROL_BYTES,
+    Geometry,
+    Get,
+    Put,
+    PutBatch,
+    Reply,
+    TensorMeta,
+    seal_request,
+)
 from kvx.plugins.p2p.planes import DataPlane, PlaneError
 from kvx.plugins.p2p.tensors import Segments, meta_problem
 
 __all__ = ["P2pEngine", "TransferError"]
 
 MAX_UNACKED = 256
-"""PUTs sent ahead of their acks to one peer (`send_puts`), well under ZMQ's queue limits: a
-ROUTER drops replies to a peer whose queue is full."""
+"""PUT batches sent ahead of their acks to one peer (`send_puts`), well under ZMQ's queue
+limits: a ROUTER drops replies to a peer whose queue is full."""
+Sealed = tuple[bytes, bytes, list[TensorMeta], list[Any]]
+"""One batch ready to send: (sealed envelope, its nonce, the metas, every data frame)."""
 
 
 class P2pEngine:
@@ -100,6 +113,8 @@ class P2pEngine:
         order). Returns the ones that did not land, with why; a dead peer fails them all within
         the timeout. Once it returns, the peer holds (or refused) every byte: segments that
         view a KV cache may change again."""
+        if self.plane.sends_views:
+            return self._put_batches(address, items)
         deadline = self._deadline()
         connections = self._connections
         try:
@@ -134,6 +149,49 @@ class P2pEngine:
         except (TransferError, zmq.ZMQError) as exc:
             return [(meta, str(exc)) for meta, _ in items]
 
+    def _put_batches(
+        self, address: str, items: list[tuple[TensorMeta, Segments]]
+    ) -> list[tuple[TensorMeta, str]]:
+        """`put_many` on a plane whose frames carry the bytes: every batch goes out, then each
+        batch's one reply is read."""
+        deadline = self._deadline()
+        sealed = self._seal_batches(items)
+        failed: list[tuple[TensorMeta, str]] = []
+        try:
+            with self._connections.locked(address, deadline, _batch(items)) as peer:
+                try:
+                    for envelope, _, _, frames in sealed:
+                        peer.socket.send_multipart([envelope, *frames], copy=False)
+                except zmq.ZMQError as exc:  # replies to what went out would confuse the next
+                    self._connections.drop(peer, str(exc))
+                    raise TransferError(f"{_batch(items)}: {address}: {exc}") from None
+                for index, (_, nonce, metas, _) in enumerate(sealed):
+                    try:
+                        reply, _ = self._connections.reply(peer, nonce, deadline, _what(metas))
+                    except TransferError as exc:
+                        return failed + [(m, str(exc)) for b in sealed[index:] for m in b[2]]
+                    failed += _refused(address, metas, reply)
+                return failed
+        except (TransferError, zmq.ZMQError) as exc:
+            return [(meta, str(exc)) for meta, _ in items]
+
+    def _seal_batches(self, items: list[tuple[TensorMeta, Segments]]) -> list[Sealed]:
+        """`items` as sealed `PutBatch`es of at most `MAX_BATCH` slices whose header fits
+        `MAX_CONTROL_BYTES` (a batch over it is halved)."""
+        out: list[Sealed] = []
+        todo = [items[i : i + MAX_BATCH] for i in range(0, len(items), MAX_BATCH)]
+        while todo:
+            chunk = todo.pop(0)
+            metas = [meta for meta, _ in chunk]
+            frames = [self.plane.frames(wire) for _, wire in chunk]
+            envelope, nonce = seal_request(self.secret, PutBatch(metas, [len(f) for f in frames]))
+            if len(envelope) > MAX_CONTROL_BYTES and len(chunk) > 1:
+                half = len(chunk) // 2
+                todo[:0] = [chunk[:half], chunk[half:]]
+                continue
+            out.append((envelope, nonce, metas, [f for fs in frames for f in fs]))
+        return out
+
     def send_puts(
         self, address: str, items: list[tuple[TensorMeta, Segments]]
     ) -> list[tuple[TensorMeta, str]]:
@@ -147,19 +205,18 @@ class P2pEngine:
         what = _batch(items)
         try:
             with self._connections.locked(address, deadline, what) as peer:
-                for meta, wire in items:
+                for envelope, nonce, metas, frames in self._seal_batches(items):
                     while len(peer.unacked) >= MAX_UNACKED and not peer.closed:
                         self._read_ack(peer)
                     if peer.closed:
                         raise TransferError(f"{what}: {address}: connection dropped")
-                    envelope, nonce = seal_request(self.secret, Put(meta))
                     try:
-                        peer.socket.send_multipart([envelope, *self.plane.frames(wire)], copy=False)
+                        peer.socket.send_multipart([envelope, *frames], copy=False)
                     except zmq.ZMQError as exc:
                         self._connections.drop(peer, str(exc))
                         raise TransferError(f"{what}: {address}: {exc}") from None
-                    peer.unacked.append((meta, nonce, deadline))
-                    sent += 1
+                    peer.unacked.append((metas, nonce, deadline))
+                    sent += len(metas)
                 while peer.unacked and not peer.closed and peer.socket.poll(0):
                     self._read_ack(peer)
         except TransferError as exc:
@@ -167,22 +224,19 @@ class P2pEngine:
         return []
 
     def _read_ack(self, peer: Peer) -> None:
-        """Read the oldest unacked PUT's reply (the caller holds `peer.lock`); a refusal or a
-        broken connection goes to what `settle` reports."""
-        meta, nonce, deadline = peer.unacked[0]
+        """Read the oldest unacked batch's reply (the caller holds `peer.lock`); its refusals
+        or a broken connection go to what `settle` reports."""
+        metas, nonce, deadline = peer.unacked[0]
         try:
             # past its deadline an ack already here is still read (1 ms), never waited for
             late = max(deadline, time.monotonic() + 0.001)
-            reply, _ = self._connections.reply(
-                peer, nonce, late, f"PUT {meta.request_id}#{meta.layer}"
-            )
+            reply, _ = self._connections.reply(peer, nonce, late, _what(metas))
         except TransferError:
             return  # the peer was dropped: every unacked PUT of it is lost
         peer.unacked.popleft()
-        if not reply.ok:
-            self._connections.lose(
-                [(meta, f"{peer.address} refused {meta.request_id}#{meta.layer}: {reply.error}")]
-            )
+        refused = _refused(peer.address, metas, reply)
+        if refused:
+            self._connections.lose(refused)
 
     def settle(self) -> list[tuple[TensorMeta, str]]:
         """Read every outstanding ack of `send_puts` (each within its deadline); return the
@@ -228,6 +282,24 @@ class P2pEngine:
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
+
+
+def _what(metas: list[TensorMeta]) -> str:
+    """`what` of one sent batch, for errors."""
+    first = metas[0]
+    more = f" and {len(metas) - 1} more" if len(metas) > 1 else ""
+    return f"PUT {first.request_id}#{first.layer}{more}"
+
+
+def _refused(address: str, metas: list[TensorMeta], reply: Reply) -> list[tuple[TensorMeta, str]]:
+    """The slices of a batch that `reply` says did not land, with why."""
+    if not reply.ok:
+        return [(m, f"{address} refused {m.request_id}#{m.layer}: {reply.error}") for m in metas]
+    return [
+        (metas[r.index], f"{address} refused {r.why}")
+        for r in reply.refused
+        if r.index < len(metas)
+    ]
 
 
 def _batch(items: list[tuple[TensorMeta, Any]]) -> str:

@@ -1,8 +1,9 @@
 """The serving side of a worker's P2P engine: a ZMQ ROUTER listener on its own thread.
 
-It answers HELLO (pairing), PUT (into the receive buffer) and GET (from the send store). It
-survives anything a peer sends: bytes that do not authenticate or decode are dropped with a
-logged refusal; a request it cannot serve gets a refusal reply.
+It answers HELLO (pairing), PUT and PUT_BATCH (into the receive buffer; a batch gets one reply
+naming the slices it refused) and GET (from the send store). It survives anything a peer sends:
+bytes that do not authenticate or decode are dropped with a logged refusal; a request it cannot
+serve gets a refusal reply.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.messages import (
     MAX_CONTROL_BYTES,
+    REFUSAL_CHARS,
     Geometry,
     Get,
     Hello,
     Put,
+    PutBatch,
+    Refusal,
     Reply,
     TensorMeta,
     open_request,
@@ -165,6 +169,8 @@ class Listener:
         elif identity not in self._paired:
             self._refused("a transfer before HELLO")
             answer(Reply(False, "send HELLO first"))
+        elif isinstance(message, PutBatch):
+            self._on_put_batch(identity, message, data, answer)
         elif isinstance(message, Put):
             self._on_put(identity, message.meta, data, answer)
         else:
@@ -217,6 +223,63 @@ class Listener:
             return
         self._refused(why)
         answer(Reply(False, why))
+
+    def _on_put_batch(
+        self, identity: bytes, batch: PutBatch, data: list[Any], answer: Callable[..., None]
+    ) -> None:
+        """Check each slice against the header and its own frames, keep those that fit (one
+        hand-off to the loader for the whole batch), reply once naming those refused."""
+        why = None
+        if self.recv is None:
+            why = "this worker takes no PUTs (it is not a consumer with send_type PUT*)"
+        elif not self.plane.sends_views:
+            why = f"a PUT batch carries its bytes as frames; this plane is {self.plane.name!r}"
+        elif sum(batch.frames) != len(data):
+            why = f"{len(data)} data frames, the batch header announces {sum(batch.frames)}"
+        if why is not None:
+            self._refused(why)
+            answer(Reply(False, why))
+            return
+        assert self.recv is not None
+        refused: list[Refusal] = []
+        kept: list[tuple[TensorMeta, list[Any], bool, Any]] = []
+        start = 0
+        try:
+            for index, (meta, count) in enumerate(zip(batch.metas, batch.frames, strict=True)):
+                frames, start = data[start : start + count], start + count
+                problem = meta_problem(meta, self.max_tensor_bytes) or self.plane.check(
+                    meta, frames
+                )
+                if problem is None:
+                    admitted = self.recv.admit(meta)
+                    if admitted in (None, "spill"):
+                        try:
+                            raw, keep = self.plane.collect(identity, meta, frames)
+                        except PlaneError:
+                            self.recv.unreserve(meta.nbytes, admitted == "spill")
+                            raise
+                        kept.append((meta, raw, admitted == "spill", keep))
+                        continue
+                    self.count("refused_puts", 1)
+                    problem = admitted
+                else:
+                    self._refused(f"slice {index} ({meta.request_id}#{meta.layer}): {problem}")
+                why = f"slice {index} ({meta.request_id}#{meta.layer}): {problem}"
+                # cut in bytes: 256 refusals of any text fit one reply (MAX_CONTROL_BYTES)
+                cut = why.encode()[:REFUSAL_CHARS].decode(errors="ignore")
+                refused.append(Refusal(index, cut))
+            self.recv.put_many(
+                [
+                    ((m.request_id, m.layer, m.first_head), m, raw, spill, keep)
+                    for m, raw, spill, keep in kept
+                ]
+            )
+        except Exception:
+            for meta, _, spill, _ in kept:
+                self.recv.unreserve(meta.nbytes, spill)
+            raise
+        answer(Reply(True, refused=refused))
+        self.count("received_bytes", sum(meta.nbytes for meta, _, _, _ in kept))
 
     def _on_get(self, identity: bytes, get: Get, answer: Callable[..., None]) -> None:
         item = self.store.lookup(get.request_id, get.layer) if self.store else None

@@ -4,7 +4,9 @@ timestamp for the replay guard); a reply is sealed over the nonce of the request
 
 Multipart frames on the wire: `[sealed envelope, *data frames]` from the DEALER, and
 `[sealed reply, *data frames]` back. Data frames exist only on the CPU plane and only where the
-header announced them, with exactly the announced size.
+header announced them, with exactly the announced size. On the CPU plane P pushes a (peer,
+layer)'s slices as one `PutBatch` (up to `MAX_BATCH` slices, their frames one after another)
+answered by one reply naming the slices refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ REPLY_DOMAIN = b"kvx-p2p-reply-v1"
 MAX_CONTROL_BYTES = 64 << 10
 """Largest control frame either side decodes."""
 NONCE_BYTES = 16
+MAX_BATCH = 256
+"""Slices one `PutBatch` announces."""
+MAX_SEGMENTS = 256
+"""Data frames one slice may travel in (tensors.MAX_SEGMENTS)."""
+REFUSAL_CHARS = 200
+"""Length of one slice's refusal in a batch reply, in UTF-8 bytes as the listener cuts it (all
+of them fit MAX_CONTROL_BYTES)."""
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8_e4m3fn")
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -84,6 +93,30 @@ class Put(msgspec.Struct, tag="put", forbid_unknown_fields=True):
     meta: TensorMeta
 
 
+class PutBatch(msgspec.Struct, tag="put_batch", forbid_unknown_fields=True):
+    """P pushes several tensors (CPU plane): slice i's bytes are the next `frames[i]` data
+    frames, in order, behind the envelope."""
+
+    metas: Annotated[list[TensorMeta], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    frames: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=MAX_SEGMENTS)]],
+        msgspec.Meta(min_length=1, max_length=MAX_BATCH),
+    ]
+
+    def __post_init__(self) -> None:
+        if len(self.frames) != len(self.metas):
+            raise ValueError(
+                f"frames: {len(self.frames)} counts for {len(self.metas)} slices announced"
+            )
+
+
+class Refusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Slice `index` of a `PutBatch` did not land, and why."""
+
+    index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BATCH)]
+    why: Annotated[str, msgspec.Meta(max_length=REFUSAL_CHARS)]
+
+
 class Get(msgspec.Struct, tag="get", forbid_unknown_fields=True):
     """D pulls heads `first_head..+num_heads` (global ids) of a (request, layer) P stored;
     `readers`: how many D workers read this P worker's copy (P drops it after that many)."""
@@ -95,7 +128,7 @@ class Get(msgspec.Struct, tag="get", forbid_unknown_fields=True):
     readers: Positive
 
 
-Request = Hello | Put | Get
+Request = Hello | Put | PutBatch | Get
 """What a DEALER asks a listener."""
 
 
@@ -107,12 +140,14 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True):
 
 class Reply(msgspec.Struct, forbid_unknown_fields=True):
     """`ok` or why not (`error`); a HELLO reply carries the receiver's geometry, a GET reply
-    the meta of the tensor that follows."""
+    the meta of the tensor that follows, a `PutBatch` reply (ok: the batch was read) the slices
+    that did not land."""
 
     ok: bool
     error: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     geometry: Geometry | None = None
     meta: TensorMeta | None = None
+    refused: Annotated[list[Refusal], msgspec.Meta(max_length=MAX_BATCH)] = []
 
 
 def seal_request(secret: str | None, message: Request) -> tuple[bytes, bytes]:
@@ -136,12 +171,15 @@ def open_reply(secret: str | None, nonce: bytes, frame: bytes | memoryview) -> R
 
 
 __all__ = [
+    "MAX_BATCH",
     "MAX_CONTROL_BYTES",
     "Envelope",
     "Geometry",
     "Get",
     "Hello",
     "Put",
+    "PutBatch",
+    "Refusal",
     "Reply",
     "TensorMeta",
     "WireError",

@@ -11,18 +11,18 @@ straight into place when both sides share layout, block size and heads (one copy
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import torch
 
 from kvx.layouts import HEAD_SIZE, HEADS, Layout, convert_blocks, get_layout
-from kvx.plugins.p2p.messages import TensorMeta
+from kvx.plugins.p2p.messages import MAX_SEGMENTS, TensorMeta
 
 Segments = list[torch.Tensor]
 """uint8 tensors whose concatenation is a slice's memory-order bytes."""
-MAX_SEGMENTS = 256
-"""Segments one slice may travel in; a more fragmented slice is sent as one gathered copy."""
+# MAX_SEGMENTS (messages): segments one slice may travel in; more: one gathered copy
 
 
 def has_heads(layout: Layout) -> bool:
@@ -71,7 +71,12 @@ def block_rows(cache: torch.Tensor, layout: Layout) -> torch.Tensor | None:
 
 def block_runs(block_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
     """`block_ids` as [start, stop) runs of consecutive ids, in order (ValueError if one is out
-    of range)."""
+    of range). Cached: P and D ask it for the same blocks once per layer."""
+    return list(_block_runs(tuple(block_ids), num_blocks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_runs(block_ids: tuple[int, ...], num_blocks: int) -> tuple[tuple[int, int], ...]:
     runs: list[tuple[int, int]] = []
     for b in block_ids:
         if not 0 <= b < num_blocks:
@@ -80,18 +85,23 @@ def block_runs(block_ids: list[int], num_blocks: int) -> list[tuple[int, int]]:
             runs[-1] = (runs[-1][0], b + 1)
         else:
             runs.append((b, b + 1))
-    return runs
+    return tuple(runs)
 
 
 def block_segments(
-    cache: torch.Tensor, layout: Layout, block_ids: list[int], heads: range | None
+    cache: torch.Tensor,
+    layout: Layout,
+    block_ids: list[int],
+    heads: range | None,
+    rows: torch.Tensor | None = None,
 ) -> Segments | None:
     """The bytes `physical(gather(cache, layout, block_ids, heads, ...))` would hold, as views
     into `cache` (no copy): one segment per outer index and run of consecutive blocks. None
-    when they are not whole blocks of a dense cache (a head subset) or too fragmented."""
+    when they are not whole blocks of a dense cache (a head subset) or too fragmented. `rows`:
+    `block_rows(cache, layout)` if the caller has it (once per layer, not per slice)."""
     if heads is not None and (heads.start != 0 or len(heads) != layout.sizes_of(cache)[HEADS]):
         return None
-    rows = block_rows(cache, layout)
+    rows = block_rows(cache, layout) if rows is None else rows
     if rows is None:
         return None
     runs = block_runs(block_ids, rows.shape[1])
@@ -109,12 +119,22 @@ def physical(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def expected_nbytes(meta: TensorMeta) -> int:
-    layout = get_layout(meta.layout)
-    shape = layout.logical_shape(meta.num_blocks, meta.block_size, meta.num_heads, meta.head_size)
+    """The bytes `meta`'s shape makes (per geometry, cached: D checks every slice it is sent)."""
+    return _expected_nbytes(
+        meta.layout, meta.num_blocks, meta.block_size, meta.num_heads, meta.head_size, meta.dtype
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_nbytes(
+    layout_name: str, num_blocks: int, block_size: int, num_heads: int, head_size: int, dtype: str
+) -> int:
+    layout = get_layout(layout_name)
+    shape = layout.logical_shape(num_blocks, block_size, num_heads, head_size)
     count = 1
     for n in shape:
         count *= n
-    return count * torch.empty((), dtype=getattr(torch, meta.dtype)).element_size()
+    return count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def meta_problem(meta: TensorMeta, max_tensor_bytes: int) -> str | None:
@@ -142,7 +162,9 @@ def from_wire(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 
 def frombuffer(buffer: memoryview) -> torch.Tensor:
-    """A uint8 tensor over a received frame (read-only: we only ever copy out of it)."""
+    """A uint8 tensor over a received frame (we only ever copy out of it)."""
+    if not buffer.readonly:  # ZMQ's frames: no warning to silence (catch_warnings costs ~7 us)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
         return torch.frombuffer(buffer, dtype=torch.uint8)
@@ -171,14 +193,15 @@ def scatter(
 ) -> None:
     """Write tokens `start_token..start_token+num_tokens` of the received slice (which starts at
     token 0) into `block_ids` of `cache`; `start_token` is a multiple of the cache's block size."""
-    bd, rb = layout.block_size_of(cache), meta.block_size
+    sizes = layout.sizes_of(cache)
+    bd, rb = sizes["tokens"], meta.block_size
     end = start_token + num_tokens
     if end > meta.num_tokens:
         raise ValueError(
             f"{meta.request_id}#{meta.layer}: the peer sent {meta.num_tokens} tokens, "
             f"{end} are needed"
         )
-    if _same_blocks(meta, cache, layout, dst_heads) and _place(
+    if _same_blocks(meta, sizes, cache, layout, dst_heads) and _place(
         segments, meta, cache, layout, block_ids, start_token, num_tokens
     ):
         return
@@ -201,7 +224,6 @@ def scatter(
         return
     # D's prefix hit ends inside one of P's (larger) blocks: convert from token 0 into a
     # scratch tensor in D's geometry, then copy the blocks D lacks.
-    sizes = layout.sizes_of(cache)
     nblocks = -(-end // bd)
     scratch = layout.allocate(
         nblocks, bd, sizes.get(HEADS, 1), sizes["head_size"], dtype=cache.dtype, device=cache.device
@@ -232,11 +254,14 @@ def scatter(
 
 
 def _same_blocks(
-    meta: TensorMeta, cache: torch.Tensor, layout: Layout, dst_heads: range | None
+    meta: TensorMeta,
+    sizes: dict[str, int],
+    cache: torch.Tensor,
+    layout: Layout,
+    dst_heads: range | None,
 ) -> bool:
     """True if the slice's blocks are byte for byte blocks of `cache` (same layout, block size,
-    dtype and head size, every head of this rank)."""
-    sizes = layout.sizes_of(cache)
+    dtype and head size, every head of this rank; `sizes`: `layout.sizes_of(cache)`)."""
     if (meta.layout, meta.block_size, meta.dtype) != (
         layout.name,
         sizes["tokens"],
@@ -275,8 +300,11 @@ def _place(
         raise ValueError(
             f"{len(block_ids)} destination blocks for {num_tokens} tokens of {bs} per block"
         )
-    runs = block_runs(block_ids[:full], rows.shape[1])  # also the range check
-    if len(set(block_ids)) != len(block_ids) or not all(0 <= b < rows.shape[1] for b in block_ids):
+    num_blocks = rows.shape[1]
+    runs = block_runs(block_ids[:full], num_blocks)  # also the range check
+    if block_ids and (
+        len(set(block_ids)) != len(block_ids) or min(block_ids) < 0 or max(block_ids) >= num_blocks
+    ):
         raise ValueError(f"the destination blocks {block_ids} repeat or leave the cache")
     dst_runs, at = [], first  # (first wire block, first destination block, count)
     for a, b in runs:

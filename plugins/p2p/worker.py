@@ -43,6 +43,7 @@ from kvx.plugins.p2p.sender import AsyncSender
 from kvx.plugins.p2p.stats import P2pKVConnectorStats
 from kvx.plugins.p2p.tensors import (
     Segments,
+    block_rows,
     block_segments,
     gather,
     has_heads,
@@ -152,11 +153,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
     # -- P: saving ------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, metadata: P2pMetadata) -> None:
+        rows = block_rows(kv_layer, self.layout) if metadata.saves else None
         for spec in metadata.saves:
             if spec.request_id in self._failed_saves:
                 continue
             try:
-                self._save(spec, layer_name, kv_layer)
+                self._save(spec, layer_name, kv_layer, rows)
             except (TransferError, ValueError, kvx.ConfigError) as exc:
                 logger.error("request %s: its KV was not sent: %s", spec.request_id, exc)
                 self.stats.count("failed_transfers")
@@ -181,7 +183,9 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             nbytes,
         )
 
-    def _save(self, spec: SaveSpec, layer: str, kv_layer: torch.Tensor) -> None:
+    def _save(
+        self, spec: SaveSpec, layer: str, kv_layer: torch.Tensor, rows: torch.Tensor | None
+    ) -> None:
         assert self.engine is not None, "register_kv_caches must run before saves"
         heads = has_heads(self.layout)
         if spec.mode == "GET":
@@ -203,7 +207,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         stage = stage_of(self.layer_index[layer], self.geometry.num_layers, decode.pp_size)
         for d, read in plan:
             local = range(read.remote_head_offset, read.remote_head_offset + read.num_heads)
-            wire = self._wire(kv_layer, spec.block_ids, local if heads else None)
+            wire = self._wire(kv_layer, spec.block_ids, local if heads else None, rows)
             meta = self._meta(
                 spec,
                 layer,
@@ -216,11 +220,18 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                 (meta, wire)
             )
 
-    def _wire(self, kv_layer: torch.Tensor, block_ids: list[int], heads: range | None) -> Segments:
-        """The slice's bytes: views of the blocks when the plane sends views, else a copy."""
+    def _wire(
+        self,
+        kv_layer: torch.Tensor,
+        block_ids: list[int],
+        heads: range | None,
+        rows: torch.Tensor | None,
+    ) -> Segments:
+        """The slice's bytes: views of the blocks when the plane sends views, else a copy
+        (`rows`: the layer's `block_rows`, or None)."""
         assert self.engine is not None
-        if self.engine.plane.sends_views:
-            views = block_segments(kv_layer, self.layout, block_ids, heads)
+        if self.engine.plane.sends_views and rows is not None:
+            views = block_segments(kv_layer, self.layout, block_ids, heads, rows)
             if views is not None:
                 return views
         t = gather(kv_layer, self.layout, block_ids, heads, self.geometry.head_size)

@@ -122,14 +122,8 @@ class DirectIO:
 
     @property
     def native(self) -> bool:
-        """Whether values move through the backend's native block IO (local files),
-        checksummed in the same pass."""
-        return self.verify and self.backend.hashed_io and self.mac_key is None
-
-    @property
-    def segments(self) -> bool:
-        """Whether a `write` of several values makes one segment file of them (local files,
-        checksummed natively) rather than a round trip per group."""
+        """Whether values move through the backend's native block IO (local files; read
+        checksummed in the same pass when `verify`, else with a length and header check only)."""
         return self.backend.hashed_io and self.mac_key is None
 
     def fetch(
@@ -182,7 +176,7 @@ class DirectIO:
         if self.native:
             seeds = [name.encode() for name in names]
             return self.backend.get_blocks_hashed(
-                names, seeds, CHECKSUM_SPAN, heads, self.table, blocks
+                names, seeds, CHECKSUM_SPAN, heads, self.table, blocks, self.verify
             )
         buffers = [[head, *self.regions(block)] for head, block in zip(heads, blocks, strict=True)]
         return [(size, None) for size in self.backend.get_vectored(names, buffers)]
@@ -191,7 +185,7 @@ class DirectIO:
         """Write values straight from the engine's blocks (an IO thread): local files in one
         native call, checksummed as they are written; otherwise as many per call as are worth
         a round trip."""
-        if self.segments:
+        if self.native:  # several values: one segment file
             seeds = [checksum_seed(name, shape) for name in names]
             self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self.table, blocks)
             return

@@ -12,7 +12,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from kvx.layouts import HND, NHD, _kernels, copy_kv_blocks
+from kvx.layouts import HND, NHD, KVBlockCopier, _kernels, copy_kv_blocks
 from kvx.layouts import copy_blocks as copy_module
 
 SRC_IDS, DST_IDS = [5, 0, 3, 3], [1, 6, 2, 7]
@@ -95,3 +95,31 @@ def test_native_layers_refuse_unequal_address_lists() -> None:
             [t.data_ptr()], t.shape, t.stride(), bad.data_ptr(), 1,
             [t.data_ptr()], t.shape, t.stride(), ids.data_ptr(), 1, 1, 4, 1, True,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_copier_built_once_copies_each_call_s_blocks(kernel: str) -> None:
+    """A `KVBlockCopier` keeps its views and addresses across calls: each call moves its own ids
+    with the caches' current bytes; refused calls change nothing."""
+    src, dst = layers()
+    src.pop("hnd"), dst.pop("hnd")
+    native = _kernels.load_native("1") if kernel == "native" else None
+    with patch.object(_kernels, "native", native):
+        copier = KVBlockCopier(src, dst, "d2h")
+        for src_ids, dst_ids in ((SRC_IDS, DST_IDS), ([7, 2], [0, 5]), ([], [])):
+            for t in src.values():  # new bytes in place: a copier reads what is there now
+                t.view(torch.int16).add_(1)
+            want = {name: dst[name].clone() for name in src}
+            for name in src:
+                for s, d in zip(src_ids, dst_ids):
+                    want[name][:, d] = src[name][:, s]
+            copier(src_ids, dst_ids)
+            for name in src:
+                assert torch.equal(dst[name].view(torch.int16), want[name].view(torch.int16))
+        before = {name: dst[name].clone() for name in dst}
+        with pytest.raises(ValueError, match="src_block_ids has 2 ids but dst_block_ids has 1"):
+            copier([0, 1], [2])
+        with pytest.raises(ValueError, match="dst_block_ids: block id 8 is out of range"):
+            copier([0, 1], [2, 8])
+        for name in dst:
+            assert torch.equal(dst[name].view(torch.int16), before[name].view(torch.int16))

@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -235,3 +236,108 @@ def test_unacked_puts_settle_with_refusals_and_a_dead_peer() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_of_slices_gets_one_ack_and_wrong_frames_are_refused_by_slice() -> None:
+    """CPU plane: N slices to one peer travel as one sealed PUT_BATCH with one reply (the
+    listener's per-PUT cost is paid once per batch); a slice whose frames do not match the
+    header is refused naming it while the others land; a batch header announcing more slices or
+    frames than allowed, or frames that do not add up, is refused and the listener goes on."""
+    counts: dict[str, int] = {}
+    receiver = _engine(free_port_range(1), recv=RecvBuffer(1 << 20, 0, 60))
+    assert receiver.listener is not None
+    receiver.listener.count = lambda key, n: counts.__setitem__(key, counts.get(key, 0) + n)
+    sender = _engine(None)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        address = receiver.address or ""
+        layout = get_layout("NHD")
+        slices = [_tensor(seed) for seed in range(10, 18)]
+        replies = []
+        original = sender._connections.reply
+        sender._connections.reply = lambda *a: replies.append(a) or original(*a)  # type: ignore[method-assign]
+        wire = [(meta, [physical(t, layout)[:64], physical(t, layout)[64:]]) for meta, t in slices]
+        assert sender.send_puts(address, wire) == [] and sender.settle() == []
+        assert len(replies) == 2, "8 slices: one HELLO reply and one batch ack"
+        assert receiver.recv is not None
+        for meta, t in slices:
+            got_meta, got = receiver.recv.take((meta.request_id, "l0", 0), torch.device("cpu"))
+            assert got_meta == meta and torch.equal(assemble(got, got_meta), t)
+
+        # a hostile sender: wrong-size frame for slice 1 of 3, the others land
+        raw.connect(f"tcp://{address}")
+        raw.send_multipart([messages.seal_request(None, messages.Hello("cpu"))[0]])
+        assert raw.poll(5000)
+        raw.recv_multipart()
+        (m0, t0), (m1, t1), (m2, t2) = _tensor(20), _tensor(21), _tensor(22)
+        bad = bytes(physical(t1, layout)[:-4].numpy())
+        header, nonce = messages.seal_request(None, messages.PutBatch([m0, m1, m2], [1, 1, 1]))
+        frames = [bytes(physical(t, layout).numpy()) for t in (t0, t1, t2)]
+        raw.send_multipart([header, frames[0], bad, frames[2]])
+        assert raw.poll(5000)
+        reply = messages.open_reply(None, nonce, raw.recv_multipart()[0])
+        assert reply.ok and [r.index for r in reply.refused] == [1]
+        assert "slice 1 (req21#l0)" in reply.refused[0].why and "announced" in reply.refused[0].why
+        for key in (("req20", "l0", 0), ("req22", "l0", 0)):
+            assert receiver.recv.take(key, torch.device("cpu"))[0].request_id == key[0]
+        assert len(receiver.recv) == 0, "the wrong-size slice was kept"
+
+        # hostile headers: over the bounds, or frames that do not add up
+        envelope = msgspec.to_builtins(
+            messages.Envelope(b"n" * 16, time.time(), messages.PutBatch([m0], [1])),
+            builtin_types=(bytes,),
+        )
+        hostile = []
+        for metas, numbers in (([m0] * 257, [1] * 257), ([m0], [257]), ([m0, m0], [1])):
+            batch = {"type": "put_batch", "metas": msgspec.to_builtins(metas), "frames": numbers}
+            hostile.append(encode({**envelope, "message": batch}))
+        for frame in hostile:
+            raw.send_multipart([frame, frames[0]])
+            assert not raw.poll(300), "an undecodable batch header got an answer"
+        refused = counts.get("refused_messages", 0)
+        assert refused >= 4, counts  # slice 1 above and the three headers
+        header, nonce = messages.seal_request(None, messages.PutBatch([m0, m2], [1, 1]))
+        raw.send_multipart([header, frames[0]])  # two slices announced, one frame sent
+        assert raw.poll(5000)
+        reply = messages.open_reply(None, nonce, raw.recv_multipart()[0])
+        assert not reply.ok and "1 data frames, the batch header announces 2" in reply.error
+        assert len(receiver.recv) == 0
+
+        # still serving
+        meta, t = _tensor(30)
+        sender.put(address, meta, physical(t, layout))
+        assert receiver.recv.take(("req30", "l0", 0), torch.device("cpu"))[0] == meta
+    finally:
+        raw.close(0)
+        context.term()
+        sender.close()
+        receiver.close()
+
+
+def test_batches_stay_within_the_slice_count_and_header_size_bounds() -> None:
+    """300 slices with 500-character request ids: no batch over MAX_BATCH slices or a sealed
+    header over MAX_CONTROL_BYTES (D would refuse it), every slice once, in order."""
+    engine = _engine(None, secret=SECRET)
+    try:
+        layout = get_layout("NHD")
+        meta, t = _tensor(40)
+        items = [
+            (
+                msgspec.structs.replace(meta, request_id=f"{i:03d}" + "r" * 497),
+                [physical(t, layout)],
+            )
+            for i in range(300)
+        ]
+        batches = engine._seal_batches(items)
+        assert len(batches) > 2
+        assert all(len(m) <= messages.MAX_BATCH for _, _, m, _ in batches)
+        assert all(len(e) <= messages.MAX_CONTROL_BYTES for e, _, _, _ in batches)
+        sent = [m.request_id for _, _, metas, _ in batches for m in metas]
+        assert sent == [m.request_id for m, _ in items]
+        envelope = messages.open_request(SECRET, batches[0][0])
+        assert isinstance(envelope.message, messages.PutBatch)
+    finally:
+        engine.close()

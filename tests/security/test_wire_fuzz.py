@@ -61,7 +61,7 @@ def valid_messages() -> dict[str, tuple[Any, list[bytes]]]:
 
 
 def _p2p_messages() -> dict[str, tuple[Any, list[bytes]]]:
-    """P2pNcclConnector's control messages (its envelope carries HELLO, PUT and GET)."""
+    """P2pNcclConnector's control messages (its envelope carries HELLO, PUT, PUT_BATCH, GET)."""
     meta = p2p.TensorMeta("req", "layer.0", 0, 0, 2, 16, 16, 3, 40, "HND", "float32", 12288)
     geometry = p2p.Geometry(2, 1, 4, 16, 16, "HND", "float32", False, 2)
     envelopes = [
@@ -70,6 +70,7 @@ def _p2p_messages() -> dict[str, tuple[Any, list[bytes]]]:
             p2p.Hello("cpu"),
             p2p.Hello("nccl", b"u" * 128),
             p2p.Put(meta),
+            p2p.PutBatch([meta, meta], [1, 2]),
             p2p.Get("req", "layer.0", 0, 2, 1),
         )
     ]
@@ -77,6 +78,7 @@ def _p2p_messages() -> dict[str, tuple[Any, list[bytes]]]:
         p2p.Reply(True, geometry=geometry),
         p2p.Reply(True, meta=meta),
         p2p.Reply(False, "no"),
+        p2p.Reply(True, refused=[p2p.Refusal(1, "slice 1 (req#layer.0): too big")]),
     ]
     return {
         "P2pEnvelope": (p2p.Envelope, [wire.encode(e) for e in envelopes]),
