@@ -1,9 +1,10 @@
 """`RoleSplitConnector`: a connector written as a scheduler half and a worker half.
 
 The engine builds a connector once per role, and an instance only ever runs one role's methods.
-A `RoleSplitConnector` subclass names its halves' classes (`scheduler_type`, `worker_type`,
-each built from the typed extra config, the transfer config and the engine context) or
-overrides `build_scheduler` / `build_worker`; the facade builds the half of its role and
+A `RoleSplitConnector[S, W]` subclass names its halves' classes in its type arguments (or in
+`scheduler_type` / `worker_type`), each built from the typed extra config, the transfer config
+and the engine context, or overrides `build_scheduler` / `build_worker`; the facade builds the
+half of its role and
 forwards every contract method to it, so connector code is two plain classes
 (`ConnectorScheduler`, `ConnectorWorker`) with no role checks. A method of the other role fails
 with an error that names the method, the role it belongs to and the role the instance was built
@@ -21,7 +22,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from kvx.contract import (
     KVConnectorBase_V1,
@@ -290,11 +291,13 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     """A connector that is a thin facade over a scheduler half (`S`) and a worker half (`W`).
 
     Subclasses set `extra_config_schema` (the type `self.options` converts the extra config
-    to), `scheduler_type` and `worker_type` (each called as `(options, kv_transfer_config,
-    engine_context)`; a half built otherwise overrides `build_scheduler` / `build_worker`),
-    `metadata_type` (what `build_connector_meta` returns; the worker half gets it checked) and,
-    if they have their own, `stats_type`. They may still override any contract method, e.g. to
-    reach a half through `self.scheduler` / `self.worker`.
+    to) and, if they have their own, `stats_type`. The classes a subclass gives as `S` and `W`
+    are its `scheduler_type` and `worker_type` (each called as `(options, kv_transfer_config,
+    engine_context)`; a half built otherwise overrides `build_scheduler` / `build_worker`), and
+    the metadata type of `W` (a `ConnectorWorker[M]`) is its `metadata_type` (what
+    `build_connector_meta` returns; the worker half gets it checked). Any of the three set in
+    the class body wins. Subclasses may still override any contract method, e.g. to reach a
+    half through `self.scheduler` / `self.worker`.
     """
 
     extra_config_schema: ClassVar[type[Any] | None] = None
@@ -302,6 +305,18 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     worker_type: Callable[[Any, KVTransferConfig, EngineContext], W] | None = None
     metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     stats_type: ClassVar[type[KVConnectorStats]] = KVConnectorStats
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Take the halves' classes from `RoleSplitConnector[S, W]` and the metadata type from
+        `W`'s `ConnectorWorker[M]`, unless the class body names them."""
+        super().__init_subclass__(**kwargs)
+        halves = _type_arguments(cls, RoleSplitConnector)
+        for attribute, half in zip(("scheduler_type", "worker_type"), halves):
+            if attribute not in cls.__dict__ and isinstance(half, type):
+                setattr(cls, attribute, half)
+        worker = cls.worker_type
+        if "metadata_type" not in cls.__dict__ and isinstance(worker, type):
+            cls.metadata_type = _metadata_type(worker) or cls.metadata_type
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext) -> None:
         super().__init__(config, role, ctx)
@@ -452,3 +467,21 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return cls.stats_type(dict(data or {}))
+
+
+def _type_arguments(cls: type, generic: type) -> tuple[Any, ...]:
+    """The type arguments `cls` gives `generic` among its own bases (`class C(generic[A, B])`),
+    or () when it does not subscript it there."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        if get_origin(base) is generic:
+            return get_args(base)
+    return ()
+
+
+def _metadata_type(worker: type) -> type[KVConnectorMetadata] | None:
+    """`M` of the `ConnectorWorker[M]` that `worker` or one of its bases subclasses."""
+    for klass in worker.__mro__:
+        args = _type_arguments(klass, ConnectorWorker)
+        if args and isinstance(args[0], type) and issubclass(args[0], KVConnectorMetadata):
+            return args[0]
+    return None

@@ -243,9 +243,6 @@ class DoesNothingWorker(ConnectorWorker[KVConnectorMetadata]):
 class DoesNothing(RoleSplitConnector[DoesNothingScheduler, DoesNothingWorker]):
     """The skeleton of docs/writing-a-connector.md: claims nothing, moves nothing."""
 
-    scheduler_type = DoesNothingScheduler
-    worker_type = DoesNothingWorker
-
 
 def _with_worker(worker: type[ExamplePDWorker]) -> type[ExamplePDConnector]:
     """The example connector with `worker` as its worker half, named like the worker without
