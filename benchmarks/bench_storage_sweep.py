@@ -101,10 +101,16 @@ def per_value_files(case: StorageCase) -> None:
 
 
 def run_shape(
-    shape: Shape, repeat: int, threads: int, root: Path, peers: bool, offload: bool = True
+    shape: Shape,
+    repeat: int,
+    threads: int,
+    root: Path,
+    peers: bool,
+    offload: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     kv = shape.kv()
-    extra = {"io_threads": threads}
+    extra: dict[str, Any] = {"io_threads": threads, "verify_checksums": verify}
     seg = StorageCase(kv, f"file://{root}/seg", partial(drop_files, root / "seg"), **extra)  # type: ignore[arg-type]
     one = StorageCase(kv, f"file://{root}/one", partial(drop_files, root / "one"), **extra)  # type: ignore[arg-type]
     per_value_files(one)
@@ -273,6 +279,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--huge", action="store_true", help="add the 1 GiB shape (run it alone, nice'd)"
     )
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    parser.add_argument(
+        "--no-verify", action="store_true",
+        help="kvx loads with verify_checksums false (length and header checks only)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -281,7 +291,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             continue
         with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
             peers, offload = not args.no_peers, not args.no_offload
-            rows.append(run_shape(shape, args.repeat, args.threads, Path(tmp), peers, offload))
+            rows.append(
+                run_shape(
+                    shape, args.repeat, args.threads, Path(tmp), peers, offload, not args.no_verify
+                )
+            )
         print(report(rows[-1:]).splitlines()[-1], flush=True)
     print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
     print(report(rows))

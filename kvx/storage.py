@@ -141,12 +141,13 @@ class StorageBackend(ABC):
         heads: Sequence[memoryview],
         regions: StorageRegionTable,
         blocks: Sequence[int],
+        checksum: bool = True,
     ) -> list[tuple[int | None, int | None]]:
         """Read values written by `put_blocks_hashed`: key i into `heads[i]` and the regions
         of engine block `blocks[i]` when it has exactly their size (otherwise nothing is
         read). Per key its stored size (None if absent) and, when read, XXH3-64 of `seeds[i]`
-        then its bytes except the `skip` (start, stop) span (else None). Only where
-        `hashed_io` is True."""
+        then its bytes except the `skip` (start, stop) span (else None; always None with
+        `checksum` False, when nothing is hashed). Only where `hashed_io` is True."""
         raise NotImplementedError(f"{type(self).__name__} does not claim hashed_io")
 
 

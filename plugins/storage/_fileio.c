@@ -28,6 +28,7 @@
 
 #define CHUNK_BYTES (256 * 1024) /* read, then hashed while in the L2 cache */
 #define CHUNK_IOVS 64
+#define MAX_IOVS 1024 /* IOV_MAX on Linux: a whole value per preadv when nothing is hashed */
 
 void kvx_update_baseline(XXH3_state_t *state, const void *data, size_t len) {
     XXH3_64bits_update(state, data, len);
@@ -49,16 +50,20 @@ static void hash_piece(kvx_update_fn update, XXH3_state_t *state, const char *da
 
 /* Read from `fd` (offset `base` on) straight into the buffers until they are full or the file
  * ends, about CHUNK_BYTES per preadv, hashing each chunk right after it is read (while it is
- * in the cache; `s0`, `s1` count from `base`); the bytes read, or -1 with errno set. */
+ * in the cache; `s0`, `s1` count from `base`); without `update`, nothing is hashed and each
+ * preadv takes up to MAX_IOVS buffers whatever their size. The bytes read, or -1 with errno
+ * set. */
 static Py_ssize_t read_hashed_impl(int fd, Py_ssize_t base, Py_buffer *views, Py_ssize_t n,
                                    kvx_update_fn update, XXH3_state_t *state, Py_ssize_t s0,
                                    Py_ssize_t s1) {
-    struct iovec iov[CHUNK_IOVS];
+    struct iovec iov[MAX_IOVS];
     Py_ssize_t index = 0, offset_in = 0, done = 0;
+    const Py_ssize_t chunk = update != NULL ? CHUNK_BYTES : PY_SSIZE_T_MAX;
+    const int most = update != NULL ? CHUNK_IOVS : MAX_IOVS;
     while (index < n) {
         int count = 0;
         Py_ssize_t batch = 0;
-        for (Py_ssize_t i = index; i < n && count < CHUNK_IOVS && batch < CHUNK_BYTES; i++) {
+        for (Py_ssize_t i = index; i < n && count < most && batch < chunk; i++) {
             Py_ssize_t skip = i == index ? offset_in : 0;
             iov[count].iov_base = (char *)views[i].buf + skip;
             iov[count].iov_len = (size_t)(views[i].len - skip);
@@ -77,7 +82,7 @@ static Py_ssize_t read_hashed_impl(int fd, Py_ssize_t base, Py_buffer *views, Py
         if (got == 0) break; /* the file is shorter than the buffers */
         for (int k = 0; k < count && got > 0; k++) {
             Py_ssize_t take = (Py_ssize_t)iov[k].iov_len < got ? (Py_ssize_t)iov[k].iov_len : got;
-            hash_piece(update, state, iov[k].iov_base, done, take, s0, s1);
+            if (update != NULL) hash_piece(update, state, iov[k].iov_base, done, take, s0, s1);
             done += take;
             got -= take;
             offset_in += take;
@@ -324,11 +329,11 @@ uint64_t *kvx_key_hashes(PyObject *keys, Py_ssize_t n) {
 static PyObject *read_blocks(PyObject *self, PyObject *args) {
     PyObject *paths, *seeds, *heads, *spec, *blocks, *keys = Py_None;
     Py_ssize_t s0, s1;
-    int baseline = 0;
-    if (!PyArg_ParseTuple(args, "OOnnOOO|pO:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
-                          &blocks, &baseline, &keys))
+    int baseline = 0, hashed = 1;
+    if (!PyArg_ParseTuple(args, "OOnnOOO|pOp:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
+                          &blocks, &baseline, &keys, &hashed))
         return NULL;
-    kvx_update_fn update = baseline ? kvx_update_baseline : kvx_best_update;
+    kvx_update_fn update = !hashed ? NULL : baseline ? kvx_update_baseline : kvx_best_update;
     static const int where[4] = {1, 5, 2, 7};
     PyObject *result = NULL;
     call_t call;
@@ -379,7 +384,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
                 read_hashed_impl(fd, base, parts, table->n + 1, update, &state, s0, s1);
             if (got < 0) sizes[i] = -(Py_ssize_t)errno - 1;
             else if (got != total) sizes[i] = got; /* shrank since fstat: no digest */
-            else digests[i] = XXH3_64bits_digest(&state);
+            else if (hashed) digests[i] = XXH3_64bits_digest(&state);
         }
         close(fd);
     }
@@ -388,7 +393,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
         Py_ssize_t total = tops.buffers[i].len + call.payload;
         PyObject *item = sizes[i] < 0 ? Py_BuildValue("(OOi)", Py_None, Py_None, (int)(-1 - sizes[i]))
-                         : sizes[i] == total
+                         : sizes[i] == total && hashed
                              ? Py_BuildValue("(nKi)", sizes[i], (unsigned long long)digests[i], 0)
                              : Py_BuildValue("(nOi)", sizes[i], Py_None, 0);
         if (item == NULL) Py_CLEAR(result);
@@ -422,14 +427,16 @@ static PyMethodDef methods[] = {
      "Per value 0, or the errno that stopped it (its temporary file removed). Without the GIL."},
     {"read_blocks", read_blocks, METH_VARARGS,
      "read_blocks(paths, seeds, skip_start, skip_end, heads, regions, blocks, baseline=False, "
-     "keys=None) -> per value "
+     "keys=None, hashed=True) -> per value "
      "(size, digest, errno): when the file is as long as heads[i] and the regions of "
      "blocks[i] (`regions` as for write_blocks), read it into them and digest is XXH3-64 of "
      "seeds[i] then the bytes except [skip_start, skip_end); otherwise nothing is read, "
      "digest is None and size the file's size, or None with the errno that stopped it. "
      "Without the GIL; `baseline` as for write_blocks. With `keys` (bytes, one per value), a "
      "file longer than the value that is a segment (write_segment) is read from the value of "
-     "keys[i] in it, and a segment without that key counts as absent (ENOENT)."},
+     "keys[i] in it, and a segment without that key counts as absent (ENOENT). With "
+     "hashed=False nothing is hashed (digest is None) and a value of up to 1023 regions moves "
+     "in one preadv."},
     {"write_segment", kvx_write_segment, METH_VARARGS,
      "write_segment(paths, keys, tmp_path, seeds, prefix, regions, blocks, baseline=False, "
      "mode=0o600) -> errnos: write every value as write_blocks would, back to back into one new "

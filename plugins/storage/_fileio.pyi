@@ -28,6 +28,7 @@ def read_blocks(
     blocks: Sequence[int],
     baseline: bool = False,
     keys: Sequence[bytes] | None = None,
+    hashed: bool = True,
     /,
 ) -> list[tuple[int | None, int | None, int]]: ...
 def write_segment(

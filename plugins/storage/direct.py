@@ -122,9 +122,9 @@ class DirectIO:
 
     @property
     def native(self) -> bool:
-        """Whether values move through the backend's native block IO (local files),
-        checksummed in the same pass."""
-        return self.verify and self.backend.hashed_io and self.mac_key is None
+        """Whether values move through the backend's native block IO (local files; read
+        checksummed in the same pass when `verify`, else with a length and header check only)."""
+        return self.backend.hashed_io and self.mac_key is None
 
     def fetch(
         self, unit: Unit, targets: list[int | None], name_of: Callable[[str], str]
@@ -176,7 +176,7 @@ class DirectIO:
         if self.native:
             seeds = [name.encode() for name in names]
             return self.backend.get_blocks_hashed(
-                names, seeds, CHECKSUM_SPAN, heads, self.table, blocks
+                names, seeds, CHECKSUM_SPAN, heads, self.table, blocks, self.verify
             )
         buffers = [[head, *self.regions(block)] for head, block in zip(heads, blocks, strict=True)]
         return [(size, None) for size in self.backend.get_vectored(names, buffers)]

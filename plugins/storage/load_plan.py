@@ -73,6 +73,7 @@ def plan_units(
     align = ebs // bs if ebs > bs else 1
     units: list[Unit] = []
     open_units: dict[tuple[range, bytes, range], Unit] = {}
+    writers: dict[tuple[int, int], tuple[list[Stage], list[range]]] = {}  # per (PP, TP) split
     for load in loads:
         spec = load.spec
         j = 0
@@ -84,8 +85,12 @@ def plan_units(
             end = j + 1
             while end < len(spec.keys) and (spec.stages[end], spec.shards[end]) == part:
                 end += 1
-            stages = [s for s in geo.stages(part[0]) if overlap(s.layers, own.layers)]
-            shards = [h for h in shard_ranges(geo.total_heads, part[1]) if overlap(h, heads)]
+            if part not in writers:  # the same for every load of a step, nearly always
+                writers[part] = (
+                    [s for s in geo.stages(part[0]) if overlap(s.layers, own.layers)],
+                    [h for h in shard_ranges(geo.total_heads, part[1]) if overlap(h, heads)],
+                )
+            stages, shards = writers[part]
             for stage in stages:
                 for shard in shards:
                     at = j

@@ -167,12 +167,13 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             raise RuntimeError("start_load_kv with loads before register_kv_caches")
         units = plan_units(loads, self.geo, self.stage, self.heads, self._shape, self._unit_bytes)
         self._load_units(units)
+        errors = tokens = 0
         for load in loads:
             failed = failed_blocks(load, self.geo)
             self._load_errors.update(failed)
-            if failed:
-                self._tally.add(load_errors=len(failed))
-            self._tally.add(loaded_tokens=valid_tokens(load, self.geo.block_size))
+            errors += len(failed)
+            tokens += valid_tokens(load, self.geo.block_size)
+        self._tally.add(loaded_tokens=tokens, **({"load_errors": errors} if errors else {}))
 
     def _unit_bytes(self, unit: Unit, planned: int) -> int:
         """Bytes of values a unit holds at most: direct reads need no scatter to start early

@@ -109,7 +109,9 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
 
 
 def _write_atomic(path: Path, blocks: dict[str, torch.Tensor]) -> None:
-    """One file: magic, a JSON header, then each layer's raw bytes; renamed into place."""
+    """One file: magic, a JSON header, then each layer's raw bytes; renamed into place. Not
+    fsynced: the file hands KV between running engines (it is not storage that must outlive a
+    crash), and under IO load an fsync alone took longer than D's `load_timeout_s`."""
     header = {
         name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         for name, t in blocks.items()
@@ -121,8 +123,6 @@ def _write_atomic(path: Path, blocks: dict[str, torch.Tensor]) -> None:
         f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)
         for t in blocks.values():
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

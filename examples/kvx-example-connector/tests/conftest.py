@@ -70,11 +70,11 @@ def redis_url(redis_port: int) -> str:
     return f"redis://127.0.0.1:{redis_port}/0"
 
 
-@pytest.fixture(params=["directory", "with-redis-store"])
+@pytest.fixture
 def kvx_config(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Two configs, so every scenario runs twice: the example connector alone, and composed
-    with kvx's shared-storage connector on the Redis server (MultiConnector)."""
-    if request.param == "directory":
+    """The config under test: the example connector alone, or (on a class that sets
+    `with_redis_store`) composed with kvx's shared-storage connector on the Redis server."""
+    if not getattr(request.cls, "with_redis_store", False):
         return EXAMPLE
     store = {
         "kv_connector": "SharedStorageConnector",

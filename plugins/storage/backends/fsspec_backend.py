@@ -268,19 +268,29 @@ class FsspecBackend(StorageBackend):
         heads: Sequence[memoryview],
         regions: RegionTable,
         blocks: Sequence[int],
+        checksum: bool = True,
     ) -> list[tuple[int | None, int | None]]:
         """Read local files written by `put_blocks_hashed`: key i into `heads[i]` and the
         regions of engine block `blocks[i]`, when it has exactly their size (otherwise nothing
         is read), checksumming it in the same pass without the GIL (needs `hashed_io`). Per key
-        its stored size (None if absent or unreadable) and, when it was read, XXH3-64 of
-        `seeds[i]` then its bytes except `skip` (else None)."""
+        its stored size (None if absent or unreadable) and, when it was read and `checksum`,
+        XXH3-64 of `seeds[i]` then its bytes except `skip` (else None). Without `checksum` a
+        value moves in one `preadv` and nothing is hashed."""
         native = self._native()
         paths = [self._path(key) for key in keys]
         out: list[tuple[int | None, int | None]] = []
         for path, (size, digest, error) in zip(
             paths,
             native.read_blocks(
-                paths, seeds, *skip, heads, regions, blocks, False, [k.encode() for k in keys]
+                paths,
+                seeds,
+                *skip,
+                heads,
+                regions,
+                blocks,
+                False,
+                [k.encode() for k in keys],
+                checksum,
             ),
             strict=True,
         ):
