@@ -41,9 +41,9 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_storage import OffloadCase, StorageCase
 from peer_lmcache import CHUNK, GIB, LMCacheTier, chunks_of, measure, quiet_lmcache
 from storage_baselines import KV, drop_files, make_kv
+from storage_cases import OffloadCase, StorageCase
 
 from kvx import KVConnectorRole, KVTransferConfig
 from kvx.plugins.lmcache.config import LMCacheConfig

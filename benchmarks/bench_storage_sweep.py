@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_lmcache
-from bench_storage import OffloadCase, StorageCase
 from storage_baselines import KV, Case, Memcpy, RawFiles, drop_files, make_kv, measure_rounds
+from storage_cases import OffloadCase, StorageCase
 
 TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 heads, head size 128, bf16: per token and layer
 MIB = 1 << 20

@@ -232,8 +232,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_lmcache()
-    from bench_storage import OffloadCase, StorageCase  # kvx's cases, on the same bytes
     from storage_baselines import drop_files
+    from storage_cases import OffloadCase, StorageCase  # kvx's cases, on the same bytes
 
     kv = make_kv(args.layers, args.requests, args.tokens, 8, 128, args.block_size)
     root = Path(tempfile.mkdtemp(prefix="kvx-peer-lmc-", dir=args.dir))

@@ -37,16 +37,15 @@ from kvx.events import (
 )
 from kvx.hookimpls import hookimpl, provides
 from kvx.loading import install_hint
-from kvx.registry import Registry, create_connector, get_layout, get_registry
-from kvx.rolesplit import (
-    ConnectorScheduler,
-    ConnectorWorker,
+from kvx.planning import (
+    LoadsAndStores,
     PlanningScheduler,
     RequestTracker,
-    RoleSplitConnector,
     ScheduledRequest,
     TrackedRequest,
 )
+from kvx.registry import Registry, create_connector, get_layout, get_registry
+from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.schema import path_problem, url_problem
 from kvx.secrets import Secret, SecretSource, resolve_secret
 from kvx.specs import (
@@ -117,6 +116,7 @@ __all__ = [
     "KVTransferConfig",
     "KVTransferResults",
     "LayoutSpec",
+    "LoadsAndStores",
     "MissingDependencyError",
     "NewRequestData",
     "ParallelInfo",

@@ -1,27 +1,21 @@
 """`RoleSplitConnector`: a connector written as a scheduler half and a worker half.
 
 The engine builds a connector once per role, and an instance only ever runs one role's methods.
-A `RoleSplitConnector` subclass names its halves' classes (`scheduler_type`, `worker_type`,
-each built from the typed extra config, the transfer config and the engine context) or
-overrides `build_scheduler` / `build_worker`; the facade builds the half of its role and
-forwards every contract method to it, so connector code is two plain classes
+A `RoleSplitConnector[S, W]` subclass names its halves' classes in its type arguments (or in
+`scheduler_type` / `worker_type`), each built from the typed extra config, the transfer config
+and the engine context, or overrides `build_scheduler` / `build_worker`; the facade builds the
+half of its role and forwards every contract method to it, so connector code is two plain classes
 (`ConnectorScheduler`, `ConnectorWorker`) with no role checks. A method of the other role fails
 with an error that names the method, the role it belongs to and the role the instance was built
-for.
-
-`RequestTracker` is the bookkeeping most scheduler halves repeat: each scheduled request's block
-table, kept from each step's `SchedulerOutput`, and the loads `update_state_after_alloc`
-recorded for the step.
+for. (Scheduler halves that plan request by request build on `kvx.planning`.)
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from kvx.contract import (
     KVConnectorBase_V1,
@@ -42,14 +36,11 @@ if TYPE_CHECKING:
         EngineContext,
         ForwardContext,
         KVCacheBlocks,
-        NewRequestData,
         Request,
         SchedulerOutput,
     )
 
-logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=KVConnectorMetadata)
-R = TypeVar("R")
 
 
 class ConnectorScheduler(ABC):
@@ -94,145 +85,6 @@ class ConnectorScheduler(ABC):
 
     def shutdown(self) -> None:
         """Close threads, sockets and files."""
-
-
-@dataclass
-class TrackedRequest(Generic[R]):
-    """A request a `RequestTracker` follows: its block table (engine block ids of the first KV
-    cache group, the whole table) and the connector's own `state` for it."""
-
-    req_id: str
-    block_ids: list[int]
-    state: R
-
-
-@dataclass(frozen=True)
-class ScheduledRequest(Generic[R]):
-    """One request of a step's `SchedulerOutput`, its block table brought up to date."""
-
-    request: TrackedRequest[R]
-    num_computed_tokens: int  # before this step's tokens (loaded ones included)
-    num_scheduled_tokens: int
-    num_external_tokens: int  # to load this step, as `update_state_after_alloc` recorded
-    resumed: bool  # back from preemption, with a whole new block table
-
-    @property
-    def req_id(self) -> str:
-        return self.request.req_id
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.request.block_ids
-
-    @property
-    def state(self) -> R:
-        return self.request.state
-
-
-class RequestTracker(Generic[R]):
-    """Each scheduled request's block table, as vLLM's scheduler reports it, and this step's
-    loads, for a scheduler half that plans its loads and stores in `build_connector_meta`.
-
-    New and resumed requests carry their whole table, running ones this step's new blocks, and
-    a preempted request has none until it resumes. A request is followed from `track` (e.g. in
-    `update_state_after_alloc`), or from its first scheduling, when `start` makes its state
-    from the `NewRequestData` (no `start`, or None from it: not followed). `forget` it when it
-    finishes.
-    """
-
-    def __init__(
-        self, owner: str, start: Callable[[NewRequestData], R | None] | None = None
-    ) -> None:
-        self.owner = owner  # names the connector in log messages
-        self._start = start
-        self.requests: dict[str, TrackedRequest[R]] = {}
-        self._loads: dict[str, int] = {}  # this step: request id -> external tokens
-
-    def track(self, req_id: str, block_ids: list[int], state: R) -> TrackedRequest[R]:
-        """Follow `req_id` from now on, with this block table and state."""
-        tracked = self.requests[req_id] = TrackedRequest(req_id, list(block_ids), state)
-        return tracked
-
-    def record_load(self, req_id: str, num_external_tokens: int) -> None:
-        """`update_state_after_alloc`: load `num_external_tokens` (0: none) in this step."""
-        if num_external_tokens > 0:
-            self._loads[req_id] = num_external_tokens
-        else:
-            self._loads.pop(req_id, None)
-
-    def forget(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
-        self._loads.pop(req_id, None)
-
-    def scheduled(self, out: SchedulerOutput) -> list[ScheduledRequest[R]]:
-        """This step's followed requests, in the output's order, block tables brought up to
-        date; the step's recorded loads are handed out here (loads recorded for requests not
-        scheduled in the step are dropped, with a warning)."""
-        for req_id in out.preempted_req_ids:
-            if req_id in self.requests:
-                self.requests[req_id].block_ids = []
-        steps = []
-        for new in out.scheduled_new_reqs:
-            tracked = self.requests.get(new.req_id)
-            if tracked is None:
-                state = None if self._start is None else self._start(new)
-                if state is None:
-                    continue
-                tracked = self.track(new.req_id, [], state)
-            tracked.block_ids = list(new.block_ids[0])
-            steps.append(self._step(tracked, new.num_computed_tokens, out, False))
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            tracked = self.requests.get(req_id)
-            if tracked is None:
-                continue
-            added = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
-            if resumed:
-                tracked.block_ids = list(added[0]) if added else []
-            elif added:
-                tracked.block_ids.extend(added[0])
-            steps.append(self._step(tracked, cached.num_computed_tokens[i], out, resumed))
-        if self._loads:
-            logger.warning("%s: loads of unscheduled requests dropped: %s", self.owner, self._loads)
-            self._loads.clear()
-        return steps
-
-    def _step(
-        self, tracked: TrackedRequest[R], computed: int, out: SchedulerOutput, resumed: bool
-    ) -> ScheduledRequest[R]:
-        scheduled = out.num_scheduled_tokens.get(tracked.req_id, 0)
-        load = self._loads.pop(tracked.req_id, 0)
-        return ScheduledRequest(tracked, computed, scheduled, load, resumed)
-
-
-class PlanningScheduler(ConnectorScheduler, Generic[R, M]):
-    """A scheduler half that plans each step request by request when the step's metadata is
-    built (storage, LMCache): `update_state_after_alloc` records the step's load in
-    `self.requests` (a `RequestTracker` the subclass makes), and `build_connector_meta` calls
-    `plan` for each scheduled request, then `step_planned`."""
-
-    metadata_type: type[M]
-    requests: RequestTracker[R]
-
-    @abstractmethod
-    def plan(self, meta: M, step: ScheduledRequest[R]) -> None:
-        """Add `step`'s loads and stores to this step's `meta`."""
-
-    def step_planned(self) -> None:
-        """Every scheduled request was planned (e.g. drop what was learned for this step)."""
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self.requests.record_load(request.request_id, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> M:
-        meta = self.metadata_type()
-        for step in self.requests.scheduled(scheduler_output):
-            self.plan(meta, step)
-        self.step_planned()
-        return meta
 
 
 class ConnectorWorker(ABC, Generic[M]):
@@ -290,11 +142,13 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     """A connector that is a thin facade over a scheduler half (`S`) and a worker half (`W`).
 
     Subclasses set `extra_config_schema` (the type `self.options` converts the extra config
-    to), `scheduler_type` and `worker_type` (each called as `(options, kv_transfer_config,
-    engine_context)`; a half built otherwise overrides `build_scheduler` / `build_worker`),
-    `metadata_type` (what `build_connector_meta` returns; the worker half gets it checked) and,
-    if they have their own, `stats_type`. They may still override any contract method, e.g. to
-    reach a half through `self.scheduler` / `self.worker`.
+    to) and, if they have their own, `stats_type`. The classes a subclass gives as `S` and `W`
+    are its `scheduler_type` and `worker_type` (each called as `(options, kv_transfer_config,
+    engine_context)`; a half built otherwise overrides `build_scheduler` / `build_worker`), and
+    the metadata type of `W` (a `ConnectorWorker[M]`) is its `metadata_type` (what
+    `build_connector_meta` returns; the worker half gets it checked). Any of the three set in
+    the class body wins. Subclasses may still override any contract method, e.g. to reach a
+    half through `self.scheduler` / `self.worker`.
     """
 
     extra_config_schema: ClassVar[type[Any] | None] = None
@@ -302,6 +156,18 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     worker_type: Callable[[Any, KVTransferConfig, EngineContext], W] | None = None
     metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     stats_type: ClassVar[type[KVConnectorStats]] = KVConnectorStats
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Take the halves' classes from `RoleSplitConnector[S, W]` and the metadata type from
+        `W`'s `ConnectorWorker[M]`, unless the class body names them."""
+        super().__init_subclass__(**kwargs)
+        halves = type_arguments(cls, RoleSplitConnector)
+        for attribute, half in zip(("scheduler_type", "worker_type"), halves):
+            if attribute not in cls.__dict__ and isinstance(half, type):
+                setattr(cls, attribute, half)
+        worker = cls.worker_type
+        if "metadata_type" not in cls.__dict__ and isinstance(worker, type):
+            cls.metadata_type = _metadata_type(worker) or cls.metadata_type
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: EngineContext) -> None:
         super().__init__(config, role, ctx)
@@ -452,3 +318,21 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return cls.stats_type(dict(data or {}))
+
+
+def type_arguments(cls: type, generic: type) -> tuple[Any, ...]:
+    """The type arguments `cls` gives `generic` among its own bases (`class C(generic[A, B])`),
+    or () when it does not subscript it there."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        if get_origin(base) is generic:
+            return get_args(base)
+    return ()
+
+
+def _metadata_type(worker: type) -> type[KVConnectorMetadata] | None:
+    """`M` of the `ConnectorWorker[M]` that `worker` or one of its bases subclasses."""
+    for klass in worker.__mro__:
+        args = type_arguments(klass, ConnectorWorker)
+        if args and isinstance(args[0], type) and issubclass(args[0], KVConnectorMetadata):
+            return args[0]
+    return None

@@ -7,7 +7,9 @@ imports a connector's heavy dependencies; the import happens on first use.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+
+from kvx.errors import RegistryError
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +47,31 @@ class ConnectorSpec(Spec):
     child_configs_key: str | None = None
     requires: tuple[str, ...] = ()
     extra: str | None = None
+
+    @classmethod
+    def in_package(
+        cls, package: str | None, name: str, *, config: str | None = None, **fields: Any
+    ) -> Self:
+        """The record of a connector folder laid out as kvx's are: class `name` in
+        `<package>.connector`, its extra-config type `config` (None: no extra keys) in
+        `<package>.config`. `package` is the registering module's `__package__`; `fields` are
+        the record's other fields (`summary`, `aliases`, `requires`, ...). Nothing is imported:
+        the targets are still resolved on first use."""
+        if not _is_dotted_name(package):
+            raise _bad_field("package", package, "a dotted package name such as __package__")
+        for field, value in (("name", name), ("config", config)):
+            if value is not None and not value.isidentifier():
+                raise _bad_field(field, value, "a class name, without the module")
+        schema = None if config is None else f"{package}.config:{config}"
+        return cls(name, f"{package}.connector:{name}", config_schema=schema, **fields)
+
+
+def _is_dotted_name(text: str | None) -> bool:
+    return text is not None and all(part.isidentifier() for part in text.split("."))
+
+
+def _bad_field(field: str, value: object, allowed: str) -> RegistryError:
+    return RegistryError(f"ConnectorSpec.in_package: {field}={value!r} is not {allowed}")
 
 
 @dataclass(frozen=True)

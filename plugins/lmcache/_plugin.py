@@ -3,12 +3,12 @@
 import kvx
 
 kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec(
-        name="LMCacheConnectorV1",
+    kvx.ConnectorSpec.in_package(
+        __package__,
+        "LMCacheConnectorV1",
+        config="LMCacheConfig",
         aliases=("LMCacheConnector",),
-        target="kvx.plugins.lmcache.connector:LMCacheConnectorV1",
         summary="stores and loads KV chunks through LMCache (CPU, disk, redis://, lm://)",
-        config_schema="kvx.plugins.lmcache.config:LMCacheConfig",
         requires=("lmcache",),
         extra="lmcache",
     )

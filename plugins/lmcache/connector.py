@@ -6,7 +6,6 @@ from typing import Any, ClassVar
 
 from kvx import Capability, KVTransferConfig, RoleSplitConnector
 from kvx.plugins.lmcache.config import LMCacheConfig
-from kvx.plugins.lmcache.metadata import LMCacheMetadata
 from kvx.plugins.lmcache.scheduler import LMCacheScheduler
 from kvx.plugins.lmcache.stats import LMCacheStats
 from kvx.plugins.lmcache.worker import LMCacheWorker
@@ -19,9 +18,6 @@ class LMCacheConnectorV1(RoleSplitConnector[LMCacheScheduler, LMCacheWorker]):
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.STORE_REUSE})
     extra_config_schema = LMCacheConfig
-    scheduler_type = LMCacheScheduler
-    worker_type = LMCacheWorker
-    metadata_type = LMCacheMetadata
     stats_type = LMCacheStats
 
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvx import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvx import KVConnectorWorkerMetadata, LoadsAndStores
 
 
 @dataclass
@@ -34,9 +34,8 @@ class StoreSpec:
 
 
 @dataclass
-class LMCacheMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
+class LMCacheMetadata(LoadsAndStores[LoadSpec, StoreSpec]):
+    """This step's chunk loads and stores (`LoadSpec`, `StoreSpec`)."""
 
 
 @dataclass

@@ -39,8 +39,6 @@ class _Request:
 
 
 class LMCacheScheduler(PlanningScheduler[_Request, LMCacheMetadata]):
-    metadata_type = LMCacheMetadata
-
     def __init__(
         self, options: LMCacheConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext
     ) -> None:

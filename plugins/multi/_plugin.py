@@ -3,11 +3,11 @@
 import kvx
 
 kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec(
-        name="MultiConnector",
-        target="kvx.plugins.multi:MultiConnector",
+    kvx.ConnectorSpec.in_package(
+        __package__,
+        "MultiConnector",
+        config="MultiConnectorConfig",
         summary="composes connectors: load from the first with a hit, save to all",
-        config_schema="kvx.plugins.multi.config:MultiConnectorConfig",
         child_configs_key="connectors",
     )
 )

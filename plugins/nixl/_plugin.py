@@ -3,12 +3,12 @@
 import kvx
 
 kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec(
-        name="NixlConnector",
+    kvx.ConnectorSpec.in_package(
+        __package__,
+        "NixlConnector",
+        config="NixlConfig",
         aliases=("NixlPullConnector",),
-        target="kvx.plugins.nixl.connector:NixlConnector",
         summary="prefill/decode hand-off: D reads P's KV blocks with NIXL (UCX) READs",
-        config_schema="kvx.plugins.nixl.config:NixlConfig",
         requires=("nixl",),
         extra="nixl",
     )

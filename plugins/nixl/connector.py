@@ -17,7 +17,6 @@ from kvx import (
     RoleSplitConnector,
 )
 from kvx.plugins.nixl.config import NixlConfig
-from kvx.plugins.nixl.metadata import NixlMetadata
 from kvx.plugins.nixl.scheduler import NixlAgentHandshake, NixlScheduler
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.plugins.nixl.worker import NixlWorker
@@ -31,9 +30,6 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
 
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
     extra_config_schema = NixlConfig
-    scheduler_type = NixlScheduler
-    worker_type = NixlWorker
-    metadata_type = NixlMetadata
     stats_type = NixlKVConnectorStats
 
     def set_xfer_handshake_metadata(

@@ -3,10 +3,10 @@
 import kvx
 
 kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec(
-        name="OffloadingConnector",
-        target="kvx.plugins.offload:OffloadingConnector",
+    kvx.ConnectorSpec.in_package(
+        __package__,
+        "OffloadingConnector",
+        config="OffloadingConfig",
         summary="offloads KV chunks to a CPU tier (LRU or ARC) and loads them back async",
-        config_schema="kvx.plugins.offload.config:OffloadingConfig",
     )
 )

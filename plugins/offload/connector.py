@@ -6,7 +6,6 @@ from typing import ClassVar
 
 from kvx import Capability, RoleSplitConnector
 from kvx.plugins.offload.config import OffloadingConfig
-from kvx.plugins.offload.metadata import OffloadMetadata
 from kvx.plugins.offload.scheduler import OffloadScheduler, chunk_geometry
 from kvx.plugins.offload.stats import OffloadStats
 from kvx.plugins.offload.worker import OffloadWorker
@@ -22,8 +21,6 @@ class OffloadingConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker]):
         {Capability.ASYNC_LOAD, Capability.OFFLOAD}
     )
     extra_config_schema = OffloadingConfig
-    scheduler_type = OffloadScheduler
-    metadata_type = OffloadMetadata
     stats_type = OffloadStats
 
     def build_worker(self) -> OffloadWorker:

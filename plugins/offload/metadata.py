@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvx import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvx import KVConnectorWorkerMetadata, LoadsAndStores
 
 
 @dataclass
@@ -31,9 +31,9 @@ class StoreSpec:
 
 
 @dataclass
-class OffloadMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
+class OffloadMetadata(LoadsAndStores[LoadSpec, StoreSpec]):
+    """This step's chunk loads and stores, and the CPU tier's housekeeping."""
+
     held: list[str] = field(default_factory=list)  # requests kept until their stores finish
     spills: list[tuple[str, int]] = field(default_factory=list)  # (key, slot): CPU -> disk
     disk_drops: list[str] = field(default_factory=list)  # disk chunks to delete

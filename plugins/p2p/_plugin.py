@@ -3,12 +3,12 @@
 import kvx
 
 kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec(
-        name="P2pNcclConnector",
+    kvx.ConnectorSpec.in_package(
+        __package__,
+        "P2pNcclConnector",
+        config="P2pConfig",
         aliases=("P2pNcclConnectorV1",),
-        target="kvx.plugins.p2p.connector:P2pNcclConnector",
         summary="prefill/decode hand-off: P pushes (PUT, PUT_ASYNC) or D pulls (GET) KV "
         "between workers; ZMQ control, NCCL data on CUDA, ZMQ frames on CPU",
-        config_schema="kvx.plugins.p2p.config:P2pConfig",
     )
 )

@@ -16,7 +16,6 @@ from kvx import (
     RoleSplitConnector,
 )
 from kvx.plugins.p2p.config import P2pConfig
-from kvx.plugins.p2p.metadata import P2pMetadata
 from kvx.plugins.p2p.scheduler import P2pScheduler
 from kvx.plugins.p2p.stats import P2pKVConnectorStats
 from kvx.plugins.p2p.worker import P2pWorker
@@ -35,9 +34,6 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
 
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
     extra_config_schema = P2pConfig
-    scheduler_type = P2pScheduler
-    worker_type = P2pWorker
-    metadata_type = P2pMetadata
     stats_type = P2pKVConnectorStats
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -4,12 +4,12 @@ imported until a connector or backend is built)."""
 import kvx
 
 kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec(
-        name="SharedStorageConnector",
+    kvx.ConnectorSpec.in_package(
+        __package__,
+        "SharedStorageConnector",
+        config="SharedStorageConfig",
         aliases=("ExampleConnector",),
-        target="kvx.plugins.storage.connector:SharedStorageConnector",
         summary="stores full KV blocks by prefix hash in files, object stores or Redis",
-        config_schema="kvx.plugins.storage.config:SharedStorageConfig",
     )
 )
 

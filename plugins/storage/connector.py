@@ -12,7 +12,6 @@ from kvx import (
 )
 from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import Geometry
-from kvx.plugins.storage.metadata import StorageMetadata
 from kvx.plugins.storage.scheduler import StorageScheduler
 from kvx.plugins.storage.stats import StorageStats
 from kvx.plugins.storage.worker import StorageWorker
@@ -25,7 +24,6 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
 
     capabilities = ANY_GEOMETRY | {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION}
     extra_config_schema = SharedStorageConfig
-    metadata_type = StorageMetadata
     stats_type = StorageStats
 
     def build_scheduler(self) -> StorageScheduler:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvx import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvx import KVConnectorWorkerMetadata, LoadsAndStores
 
 
 @dataclass
@@ -42,9 +42,8 @@ class StoreSpec:
 
 
 @dataclass
-class StorageMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
+class StorageMetadata(LoadsAndStores[LoadSpec, StoreSpec]):
+    """This step's block loads and stores (`LoadSpec`, `StoreSpec`)."""
 
 
 @dataclass

@@ -32,8 +32,6 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
     """Existence checks are fresh on every call; what is learned is kept only until the step's
     `build_connector_meta`, since other engines add blocks (and TTLs drop them) at any time."""
 
-    metadata_type = StorageMetadata
-
     def __init__(
         self,
         geometry: Geometry,

@@ -1,7 +1,7 @@
 """RequestTracker: each scheduled request's block table kept from the scheduler outputs
 (whole tables for new and resumed requests, new blocks for running ones, none while
 preempted), and each step's recorded loads handed to the right request once; PlanningScheduler,
-the scheduler half built on it."""
+the scheduler half built on it; LoadsAndStores, the metadata most planners send."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvx import (
     CachedRequestData,
     KVCacheBlocks,
     KVConnectorMetadata,
+    LoadsAndStores,
     NewRequestData,
     PlanningScheduler,
     Request,
@@ -22,6 +23,7 @@ from kvx import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvx.engine.metadata_wire import decode_metadata, encode_metadata
 
 
 def new(req_id: str, blocks: list[int], computed: int = 0) -> NewRequestData:
@@ -79,7 +81,7 @@ def test_only_tracked_requests_without_start_and_stray_loads_are_dropped(
     tracker.record_load("kept", 16)
     tracker.record_load("never-scheduled", 48)
     out = SchedulerOutput(scheduled_new_reqs=[new("kept", [3, 4]), new("untracked", [5])])
-    with caplog.at_level(logging.WARNING, logger="kvx.rolesplit"):
+    with caplog.at_level(logging.WARNING, logger="kvx.planning"):
         steps = tracker.scheduled(out)
     assert [(s.req_id, s.block_ids, s.state, s.num_external_tokens) for s in steps] == [
         ("kept", [3, 4], 7, 16)
@@ -93,9 +95,7 @@ def test_planning_scheduler_plans_each_scheduled_request_once_per_step() -> None
     class Plan(KVConnectorMetadata):
         planned: list[tuple[str, list[int], int]] = field(default_factory=list)
 
-    class Planner(PlanningScheduler[str, Plan]):
-        metadata_type = Plan
-
+    class Planner(PlanningScheduler[str, Plan]):  # metadata_type: Plan, from the type argument
         def __init__(self) -> None:  # "x" is not followed
             self.requests = RequestTracker("planner", lambda n: None if n.req_id == "x" else "s")
             self.steps_planned = 0
@@ -116,3 +116,16 @@ def test_planning_scheduler_plans_each_scheduled_request_once_per_step() -> None
     meta = planner.build_connector_meta(out)
     assert isinstance(meta, Plan) and meta.planned == [("a", [1, 2, 3], 32)]
     assert planner.steps_planned == 1
+
+
+def test_loads_and_stores_is_plain_fields_that_cross_a_process_boundary() -> None:
+    @dataclass
+    class Steps(LoadsAndStores[str, int]):
+        held: list[str] = field(default_factory=list)
+
+    first, second = Steps(), Steps()
+    first.loads.append("a")
+    assert second.loads == [] and second.stores == []  # no list shared between steps
+    meta = Steps(["a"], [1, 2], ["r"])  # loads, stores, then the subclass's own fields
+    copy = decode_metadata(encode_metadata(meta), meta)
+    assert copy == meta and copy is not meta and copy.stores is not meta.stores

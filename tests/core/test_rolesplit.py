@@ -161,8 +161,31 @@ def test_halves_named_by_class_attributes_are_built_from_the_typed_options() -> 
         assert made_from == (HalvesOptions(depth=5), config, CTX)
 
 
+class Derived(RoleSplitConnector[NamedSched, NamedWork]):
+    extra_config_schema = HalvesOptions
+
+
+def test_halves_and_metadata_type_come_from_the_type_arguments() -> None:
+    assert Derived.scheduler_type is NamedSched and Derived.worker_type is NamedWork
+    assert Derived.metadata_type is Meta  # NamedWork is a ConnectorWorker[Meta]
+    sched = Derived(CONFIG, KVConnectorRole.SCHEDULER, CTX)
+    worker = Derived(CONFIG, KVConnectorRole.WORKER, CTX)
+    assert isinstance(sched.scheduler, NamedSched) and isinstance(worker.worker, NamedWork)
+    worker.bind_connector_metadata(sched.build_connector_meta(object()))  # type: ignore[arg-type]
+    worker.start_load_kv(object())  # type: ignore[arg-type]
+    assert worker.worker.loaded == [1]
+    worker.bind_connector_metadata(KVConnectorMetadata())
+    with pytest.raises(TypeError, match="Derived expects Meta as connector metadata"):
+        worker.start_load_kv(object())  # type: ignore[arg-type]
+
+    class Overridden(Derived):
+        worker_type = Work  # named in the body: wins over the type argument
+
+    assert Overridden.scheduler_type is NamedSched and Overridden.worker_type is Work
+
+
 def test_a_connector_that_names_no_half_says_what_to_do() -> None:
-    class Nameless(RoleSplitConnector[Sched, Work]):
+    class Nameless(RoleSplitConnector):  # type: ignore[type-arg]  # no type arguments either
         pass
 
     with pytest.raises(TypeError, match="Nameless sets no worker_type and does not override"):

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvx import KVConnectorMetadata
-
-
-@dataclass
-class ExamplePDMetadata(KVConnectorMetadata):
-    """This step's saves (P) and loads (D)."""
-
-    saves: list[SaveSpec] = field(default_factory=list)
-    loads: list[LoadSpec] = field(default_factory=list)
+from kvx import LoadsAndStores
 
 
 @dataclass
-class SaveSpec:
+class StoreSpec:
     """P: write these blocks of a finished request to its file."""
 
     req_id: str
@@ -32,3 +24,8 @@ class LoadSpec:
     remote_engine_id: str
     remote_request_id: str
     remote_block_ids: list[int]
+
+
+@dataclass
+class ExamplePDMetadata(LoadsAndStores[LoadSpec, StoreSpec]):
+    """This step's work: `loads` (D reads P's files) and `stores` (P writes its blocks)."""

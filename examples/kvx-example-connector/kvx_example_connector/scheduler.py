@@ -8,7 +8,7 @@ from typing import Any
 import kvx
 from kvx import ConnectorScheduler
 from kvx_example_connector.config import ExamplePDConfig
-from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, SaveSpec
+from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, StoreSpec
 
 FINISHED_NORMALLY = (kvx.RequestStatus.FINISHED_LENGTH_CAPPED, kvx.RequestStatus.FINISHED_STOPPED)
 
@@ -59,7 +59,7 @@ class ExamplePDScheduler(ConnectorScheduler):
         if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
             return False, None
         prompt_blocks = block_ids[: -(-request.num_prompt_tokens // self.block_size)]
-        self._meta.saves.append(SaveSpec(request.request_id, prompt_blocks))
+        self._meta.stores.append(StoreSpec(request.request_id, prompt_blocks))
         return True, {
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,

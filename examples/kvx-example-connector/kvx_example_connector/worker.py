@@ -50,7 +50,7 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
 
     def start_load_kv(self, metadata: ExamplePDMetadata) -> None:
         """Saves copy their blocks out now (P holds them until written); loads start."""
-        for save in metadata.saves:
+        for save in metadata.stores:
             index = torch.tensor(save.block_ids, dtype=torch.long)
             snapshot = {name: t.index_select(self.dim, index) for name, t in self._caches.items()}
             path = self._path(self.engine_id, save.req_id)

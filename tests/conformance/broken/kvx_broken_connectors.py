@@ -25,7 +25,7 @@ from kvx import (
 )
 from kvx.plugins.storage.connector import SharedStorageConnector
 from kvx_example_connector.connector import ExamplePDConnector
-from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, SaveSpec
+from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, StoreSpec
 from kvx_example_connector.worker import ExamplePDWorker, _write_atomic
 
 LEAKED_THREAD_STOPS: list[threading.Event] = []  # the test stops the leaked threads after it
@@ -165,10 +165,10 @@ class SavesLateWorker(ExamplePDWorker):
     """Reports a save finished as soon as it is queued, and reads the blocks when it flushes
     its queue, at the end of the next step."""
 
-    _queued: list[SaveSpec]
+    _queued: list[StoreSpec]
 
     def start_load_kv(self, metadata: ExamplePDMetadata) -> None:
-        saves, metadata.saves = metadata.saves, []
+        saves, metadata.stores = metadata.stores, []
         super().start_load_kv(metadata)  # the loads
         self._flush, self._queued = getattr(self, "_queued", []), saves
         for save in saves:
@@ -212,7 +212,7 @@ class ClearsMetadata(ExamplePDConnector):
         super().start_load_kv(forward_context, **kwargs)
         meta = self._get_connector_metadata()
         assert isinstance(meta, ExamplePDMetadata)
-        meta.saves.clear()
+        meta.stores.clear()
         meta.loads.clear()
 
 
@@ -242,9 +242,6 @@ class DoesNothingWorker(ConnectorWorker[KVConnectorMetadata]):
 
 class DoesNothing(RoleSplitConnector[DoesNothingScheduler, DoesNothingWorker]):
     """The skeleton of docs/writing-a-connector.md: claims nothing, moves nothing."""
-
-    scheduler_type = DoesNothingScheduler
-    worker_type = DoesNothingWorker
 
 
 def _with_worker(worker: type[ExamplePDWorker]) -> type[ExamplePDConnector]:
