@@ -113,6 +113,35 @@ def blocks_of(shape: Shape, i: int) -> list[int]:
     return list(range(i * n, (i + 1) * n))
 
 
+def round_saves(shape: Shape, tag: str, send_type: str, port: int) -> P2pMetadata:
+    """P's metadata for one round: every request of the shape sent to D's listener at `port`."""
+    saves = [
+        SaveSpec(f"{tag}-{i}", blocks_of(shape, i), shape.tokens, send_type, "127.0.0.1", port)
+        for i in range(shape.requests)
+    ]
+    return P2pMetadata(saves=saves)
+
+
+def round_loads(shape: Shape, tag: str, send_type: str, port: int) -> P2pMetadata:
+    """D's metadata for the same round: every request loaded whole into the same blocks."""
+    loads = [
+        LoadSpec(
+            f"{tag}-{i}",
+            f"{tag}-{i}",
+            blocks_of(shape, i),
+            0,
+            shape.tokens,
+            send_type,
+            "127.0.0.1",
+            port,
+            1,
+            1,
+        )
+        for i in range(shape.requests)
+    ]
+    return P2pMetadata(loads=loads)
+
+
 def raw_payload(shape: Shape) -> list[torch.Tensor]:
     """Per layer, the contiguous slice-shaped tensor the raw rounds send for every request."""
     layout = get_layout("NHD")
@@ -150,18 +179,7 @@ def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connectio
         kind, tag = command
         cpu = time.process_time()
         if kind == "conn":
-            saves = [
-                SaveSpec(
-                    f"{tag}-{i}",
-                    blocks_of(shape, i),
-                    shape.tokens,
-                    send_type,
-                    "127.0.0.1",
-                    ports["p2p"],
-                )
-                for i in range(shape.requests)
-            ]
-            connector.bind_connector_metadata(P2pMetadata(saves=saves))
+            connector.bind_connector_metadata(round_saves(shape, tag, send_type, ports["p2p"]))
             for name, cache in caches.items():
                 connector.save_kv_layer(name, cache, None)
             connector.wait_for_save()
@@ -217,22 +235,8 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
                 start, cpu = time.perf_counter(), time.process_time()
                 parent.send((kind, tag))
                 if kind == "conn":
-                    loads = [
-                        LoadSpec(
-                            f"{tag}-{i}",
-                            f"{tag}-{i}",
-                            blocks_of(shape, i),
-                            0,
-                            shape.tokens,
-                            SEND_TYPE[0],
-                            "127.0.0.1",
-                            ports["p2p"],
-                            1,
-                            1,
-                        )
-                        for i in range(shape.requests)
-                    ]
-                    connector.bind_connector_metadata(P2pMetadata(loads=loads))
+                    metadata = round_loads(shape, tag, SEND_TYPE[0], ports["p2p"])
+                    connector.bind_connector_metadata(metadata)
                     connector.start_load_kv(ForwardContext())
                     connector.clear_connector_metadata()
                 elif kind == "zmq":

@@ -2,7 +2,8 @@
 PUT_ASYNC, bench_p2p.py's 128 MiB shape): P's `save_kv_layer` over the layers and its
 `wait_for_save`, D's loading thread (`start_load_kv`, the copy into its blocks included) and
 D's listener thread (its handling of PUTs). Less noisy than the wall-clock bench on a shared
-machine: `time.thread_time` counts only the thread's own CPU. Medians of 14 rounds.
+machine: `time.thread_time` counts only the thread's own CPU. Medians of 14 rounds; D's
+blocks are zeroed before and compared with P's after every round.
 
     python benchmarks/bench_p2p_threads.py
 """
@@ -15,12 +16,12 @@ import time
 from typing import Any
 
 import torch
-from bench_p2p import blocks_of, free_ports, worker
+from bench_p2p import free_ports, round_loads, round_saves, worker
 from transfer_bench import Shape
 
 from kvx import ForwardContext
 from kvx.plugins.p2p.listener import Listener
-from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
+from kvx.plugins.p2p.metadata import P2pMetadata
 
 ROUNDS, WARM_UP = 16, 2
 
@@ -29,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(1)
     shape = Shape(8, 8, 64, 16, 8, 1024)
     port = free_ports(1)[0]
-    decode, _ = worker(shape, "kv_consumer", port, None)
+    decode, dest = worker(shape, "kv_consumer", port, None)
     prefill, caches = worker(shape, "kv_producer", port, 7)
     listener_cpu = [0.0]
     handle = Listener._handle
@@ -45,33 +46,15 @@ def main() -> None:
     rows: list[tuple[float, ...]] = []
     try:
         for round_ in range(ROUNDS):
-            tag, n = f"r{round_}", shape.requests
-            saves = [
-                SaveSpec(
-                    f"{tag}-{i}", blocks_of(shape, i), shape.tokens, "PUT_ASYNC", "127.0.0.1", port
-                )
-                for i in range(n)
-            ]
-            loads = [
-                LoadSpec(
-                    f"{tag}-{i}",
-                    f"{tag}-{i}",
-                    blocks_of(shape, i),
-                    0,
-                    shape.tokens,
-                    "PUT_ASYNC",
-                    "127.0.0.1",
-                    port,
-                    1,
-                    1,
-                )
-                for i in range(n)
-            ]
+            tag = f"r{round_}"
+            for cache in dest.values():
+                cache.zero_()
+            loads = round_loads(shape, tag, "PUT_ASYNC", port)
             load_cpu = [0.0]
 
-            def load(loads: list[LoadSpec] = loads, out: list[float] = load_cpu) -> None:
+            def load(loads: P2pMetadata = loads, out: list[float] = load_cpu) -> None:
                 start = time.thread_time()
-                decode.bind_connector_metadata(P2pMetadata(loads=loads))
+                decode.bind_connector_metadata(loads)
                 decode.start_load_kv(ForwardContext())
                 decode.clear_connector_metadata()
                 out[0] = time.thread_time() - start
@@ -80,7 +63,7 @@ def main() -> None:
             loader = threading.Thread(target=load)
             loader.start()
             start = time.thread_time()
-            prefill.bind_connector_metadata(P2pMetadata(saves=saves))
+            prefill.bind_connector_metadata(round_saves(shape, tag, "PUT_ASYNC", port))
             for name, cache in caches.items():
                 prefill.save_kv_layer(name, cache, None)
             saved = time.thread_time()
@@ -90,6 +73,8 @@ def main() -> None:
             loader.join(60)
             errors = decode.get_block_ids_with_load_errors()
             assert not errors, f"load errors in blocks {sorted(errors)[:8]}"
+            for name, cache in caches.items():
+                assert torch.equal(dest[name], cache), f"round {round_}: {name} differs from P's"
             if round_ >= WARM_UP:
                 rows.append((saved - start, waited - saved, load_cpu[0], listener_cpu[0]))
     finally:
