@@ -17,6 +17,8 @@ from kvx.plugins.nixl.staging import Staging, plan_staging
 from kvx.topology import KVGeometry
 
 LOCAL = "NIXL_INIT_AGENT"
+RegionPairs = tuple[np.ndarray, np.ndarray, int]
+"""Local and remote first descriptor ids of the paired regions, and bytes per block."""
 
 
 @dataclass
@@ -110,20 +112,36 @@ class ReadPoster:
                 remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
                 whole = read.num_heads == remote_heads and full
                 ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
-                local_firsts, remote_firsts, nbytes = [], [], 0
-                for ri, region in enumerate(meta.regions):
-                    li = self._index.get((region.layer, region.kv))
-                    if li is None:
-                        continue
-                    mine = self.regions[li]
-                    local_firsts.append(li * mine.num_blocks)
-                    remote_firsts.append(ri * region.num_blocks)
-                    nbytes += len(remote_ids) * mine.block_len * num_heads // self.heads
-                if local_firsts:  # region-major ids: every block of region 0, then region 1...
+                pairs = remote.region_pairs.get((*key, num_heads))
+                if pairs is None:
+                    pairs = self._pair_regions(meta, num_heads)
+                    remote.region_pairs[(*key, num_heads)] = pairs
+                local_firsts, remote_firsts, block_bytes = pairs
+                if len(local_firsts):  # region-major ids: every block of region 0, then region 1...
                     local_ids = _ids(local_firsts, local_blocks)
                     rids = _ids(remote_firsts, remote_blocks)
                     remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
+                    nbytes = len(remote_ids) * block_bytes
                     self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
+
+    def _pair_regions(self, meta: AgentMetadata, num_heads: int) -> RegionPairs:
+        """The first descriptor id of every remote region of `meta` that has a local region
+        (same layer and K/V) and of that local region, and the bytes one block of all of them
+        moves with `num_heads` heads: the same for every request, so worked out once."""
+        local_firsts, remote_firsts, block_bytes = [], [], 0
+        for ri, region in enumerate(meta.regions):
+            li = self._index.get((region.layer, region.kv))
+            if li is None:
+                continue
+            mine = self.regions[li]
+            local_firsts.append(li * mine.num_blocks)
+            remote_firsts.append(ri * region.num_blocks)
+            block_bytes += mine.block_len * num_heads // self.heads
+        return (
+            np.asarray(local_firsts, dtype=np.int64),
+            np.asarray(remote_firsts, dtype=np.int64),
+            block_bytes,
+        )
 
     def post_staged(self, job: ReadJob) -> None:
         """READ whole remote blocks into registered staging buffers (see `staging.py`)."""
@@ -162,7 +180,7 @@ class ReadPoster:
         self._local_dlists.clear()
 
 
-def _ids(firsts: list[int], blocks: np.ndarray) -> np.ndarray:
+def _ids(firsts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """Descriptor ids `first + block` for every first (region) and block, region-major, as
     the int32 array NIXL takes without converting a Python list."""
-    return (np.asarray(firsts, dtype=np.int64)[:, None] + blocks[None, :]).ravel().astype(np.int32)
+    return (firsts[:, None] + blocks[None, :]).ravel().astype(np.int32)

@@ -231,6 +231,9 @@ class RemoteEngine:
     every head slice is one byte range); otherwise they go through a staging buffer."""
     stage_of_layer: dict[str, int]
     dlists: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    region_pairs: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    """Per (stage, remote rank, heads): which remote regions READ into which local ones
+    (`posting.ReadPoster._pair_regions`), worked out on the first read."""
 
     def remote_dlist(self, key: RankKey, head_offset: int, num_heads: int, make: Callable) -> Any:
         """The prepared descriptor list of remote worker `key` (cached)."""

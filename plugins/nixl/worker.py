@@ -23,6 +23,7 @@ from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
 from kvx.plugins.nixl.handshake import (
+    MAX_IDS_PER_NOTIFICATION,
     AgentMetadata,
     Notification,
     Region,
@@ -89,6 +90,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._errors: set[int] = set()
         self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
         self._next_heartbeat = 0.0
+        self._done: dict[int, tuple[RemoteEngine, list[str]]] = {}  # reads over, P not told yet
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
         self._producer = config.is_kv_producer
         self._lock = threading.Lock()  # every agent call; shared with the progress thread
@@ -210,10 +212,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             remote = self._remotes.get(key)
             if remote is not None:  # before the first handshake there is nobody to tell
                 self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
+        self._send_done()
 
     def _get_finished(self) -> tuple[set[str], set[str]]:
         self._progress_handshakes()
         self._poll_reads()
+        self._send_done()
         self._heartbeat()
         self._poll_notifications()
         recved, self._recved = self._recved, set()
@@ -351,7 +355,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self.stats.record_transfer(
                 done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
             )
-        self._notify(job.remote, Notification("done", [job.spec.remote_request_id]))
+        self._done.setdefault(id(job.remote), (job.remote, []))[1].append(
+            job.spec.remote_request_id
+        )
         if not job.spec.frees_only:
             self._recved.add(job.spec.request_id)
 
@@ -400,6 +406,14 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             except Exception as exc:
                 logger.warning("notifying %s failed: %s", remote.agents[key], exc)
                 self.stats.count("num_failed_notifications")
+
+    def _send_done(self) -> None:
+        """Tell each P whose reads ended in this call, in one notification per P worker for
+        all its requests (one seal and one send instead of one per request)."""
+        done, self._done = self._done, {}
+        for remote, ids in done.values():
+            for i in range(0, len(ids), MAX_IDS_PER_NOTIFICATION):
+                self._notify(remote, Notification("done", ids[i : i + MAX_IDS_PER_NOTIFICATION]))
 
     def _heartbeat(self) -> None:
         """While reads are in flight, tell P to keep the blocks (vLLM's lease heartbeats)."""

@@ -1,0 +1,76 @@
+"""D's per-request work on READs that repeats across requests is done once: which remote
+regions land in which local ones (once per remote worker and head count) and the `done`
+notifications to P (one per poll, not per request). Real NIXL, real engines, one process."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvx.engine.disagg import DisaggregatedPair, pd_configs
+from kvx.engine.engine import EngineConfig
+from kvx.engine.server import LocalEngine
+from kvx.plugins.nixl.handshake import AgentMetadata, Notification
+from kvx.plugins.nixl.posting import ReadPoster, RegionPairs
+from kvx.plugins.nixl.remote import RemoteEngine
+from kvx.plugins.nixl.worker import NixlWorker
+
+BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16, block_size=16, num_blocks=128)
+KV = {
+    "kv_connector": "NixlConnector",
+    "kv_connector_extra_config": {"handshake_timeout_s": 2, "transfer_timeout_s": 5},
+}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(BASE.vocab_size) for _ in range(n)]
+
+
+@pytest.mark.timeout(120)
+def test_region_pairing_is_worked_out_once_per_remote_worker(monkeypatch: Any) -> None:
+    """P at TP 2, D at TP 1: D reads two head slices, one from each P rank. Over two
+    batches of requests the pairing runs once per P rank (two), and every byte is exact."""
+    calls: list[tuple[int, int]] = []
+    pair_regions = ReadPoster._pair_regions
+
+    def counted(self: ReadPoster, meta: AgentMetadata, num_heads: int) -> RegionPairs:
+        calls.append((meta.tp_rank, num_heads))
+        return pair_regions(self, meta, num_heads)
+
+    monkeypatch.setattr(ReadPoster, "_pair_regions", counted)
+    p, d = pd_configs(BASE, KV, tp=(2, 1))
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        first = pair.run({"a": prompt(50, 1), "b": prompt(33, 2)}, 3)
+        second = pair.run({"c": prompt(70, 3), "d": prompt(17, 4), "e": prompt(40, 5)}, 3)
+    assert first.all_identical and second.all_identical
+    assert not first.kv_mismatches and not second.kv_mismatches
+    assert sorted(calls) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.timeout(120)
+def test_reads_ending_together_are_told_to_p_in_one_notification(monkeypatch: Any) -> None:
+    """Three requests loaded in one step end in D's next poll: P hears of all three in one
+    `done` notification (not three), and still frees every block (no lease expires)."""
+    done: list[list[str]] = []
+    notify = NixlWorker._notify
+
+    def counted(self: NixlWorker, remote: RemoteEngine, note: Notification) -> None:
+        if note.kind == "done":
+            done.append(list(note.request_ids))
+        notify(self, remote, note)
+
+    monkeypatch.setattr(NixlWorker, "_notify", counted)
+    p, d = pd_configs(BASE, KV)
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        pair.run({"warm": prompt(20, 6)}, 2)  # the handshake, so the next reads start at once
+        done.clear()
+        report = pair.run({"a": prompt(50, 7), "b": prompt(33, 8), "c": prompt(64, 9)}, 3)
+        assert isinstance(pair.prefill, LocalEngine)
+        stats = pair.prefill.engine.kv_stats
+    assert report.all_identical and not report.kv_mismatches
+    assert sorted(len(ids) for ids in done) == [3], done
+    expired = sum(s.to_dict().get("num_kv_expired_reqs", 0) for s in stats)
+    assert expired == 0
