@@ -34,6 +34,19 @@ class ReadJob:
     ndescs: int = 0
 
 
+@dataclass(frozen=True)
+class DirectRead:
+    """One READ every request makes from one remote worker and head slice, but its block ids:
+    both prepared lists and the first descriptor id of each paired region (local, remote)."""
+
+    key: RankKey
+    local_dlist: Any
+    remote_dlist: Any
+    local_firsts: np.ndarray
+    remote_firsts: np.ndarray
+    block_bytes: int
+
+
 @dataclass
 class ReadPoster:
     """This worker's registered KV (regions, `heads` per block, device and memory type) and
@@ -93,36 +106,50 @@ class ReadPoster:
     def post_direct(self, job: ReadJob) -> None:
         """READ each remote (head slice of a) block straight into the local block."""
         remote, spec = job.remote, job.spec
-        bs = self.block_size
-        remote_ids = spec.remote_block_ids[job.start_token // bs :][: len(job.local_block_ids)]
-        if len(remote_ids) != len(job.local_block_ids):
+        reads = remote.direct_reads
+        if reads is None:
+            reads = remote.direct_reads = self._direct_reads(remote)
+        count = len(job.local_block_ids)
+        first = job.start_token // self.block_size
+        remote_ids = spec.remote_block_ids[first : first + count]
+        if len(remote_ids) != count:
             raise ValueError(
                 f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
             )
         local_blocks = np.asarray(job.local_block_ids, dtype=np.int64)
         remote_blocks = np.asarray(remote_ids, dtype=np.int64)
+        for read in reads:  # region-major ids: every block of region 0, then region 1...
+            local_ids = _ids(read.local_firsts, local_blocks)
+            rids = _ids(read.remote_firsts, remote_blocks)
+            nbytes = count * read.block_bytes
+            self._post(job, read.local_dlist, local_ids, read.key, read.remote_dlist, rids, nbytes)
+
+    def _direct_reads(self, remote: RemoteEngine) -> list[DirectRead]:
+        """Every READ one request makes from `remote` (per head slice and remote worker),
+        without its block ids: the same for every request, so worked out on the first."""
+        reads = []
+        stages = sorted(set(remote.stage_of_layer.values()))
         for read in remote.plan.reads:
             num_heads = read.num_heads
             full = num_heads == self.heads
             lo, nh = (0, 0) if full else (read.local_head_offset, read.num_heads)
             local_dlist = self._local_dlist(lo, nh)
-            for stage in sorted(set(remote.stage_of_layer.values())):
+            remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
+            whole = read.num_heads == remote_heads and full
+            ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
+            for stage in stages:
                 key = (stage, read.remote_tp_rank)
-                meta = remote.metas[key]
-                remote_heads = len(remote.geometry.heads_of(read.remote_tp_rank))
-                whole = read.num_heads == remote_heads and full
-                ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
-                pairs = remote.region_pairs.get((*key, num_heads))
-                if pairs is None:
-                    pairs = self._pair_regions(meta, num_heads)
-                    remote.region_pairs[(*key, num_heads)] = pairs
-                local_firsts, remote_firsts, block_bytes = pairs
-                if len(local_firsts):  # region-major ids: every block of region 0, then region 1...
-                    local_ids = _ids(local_firsts, local_blocks)
-                    rids = _ids(remote_firsts, remote_blocks)
+                local_firsts, remote_firsts, block_bytes = self._pair_regions(
+                    remote.metas[key], num_heads
+                )
+                if len(local_firsts):
                     remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
-                    nbytes = len(remote_ids) * block_bytes
-                    self._post(job, local_dlist, local_ids, key, remote_dlist, rids, nbytes)
+                    reads.append(
+                        DirectRead(
+                            key, local_dlist, remote_dlist, local_firsts, remote_firsts, block_bytes
+                        )
+                    )
+        return reads
 
     def _pair_regions(self, meta: AgentMetadata, num_heads: int) -> RegionPairs:
         """The first descriptor id of every remote region of `meta` that has a local region

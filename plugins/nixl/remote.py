@@ -231,9 +231,24 @@ class RemoteEngine:
     every head slice is one byte range); otherwise they go through a staging buffer."""
     stage_of_layer: dict[str, int]
     dlists: dict[tuple[int, ...], Any] = field(default_factory=dict)
-    region_pairs: dict[tuple[int, ...], Any] = field(default_factory=dict)
-    """Per (stage, remote rank, heads): which remote regions READ into which local ones
-    (`posting.ReadPoster._pair_regions`), worked out on the first read."""
+    direct_reads: list[Any] | None = None
+    """The READs every request makes, but its block ids (`posting.DirectRead`), worked out on
+    the first read."""
+    block_limit: int = field(init=False)
+    """Blocks of P's smallest registered region: every block id P sends must be below it."""
+
+    def __post_init__(self) -> None:
+        self.block_limit = min(
+            (r.num_blocks for m in self.metas.values() for r in m.regions), default=0
+        )
+
+    def check_block_ids(self, block_ids: list[int]) -> None:
+        """P's block ids come through the proxy: refuse ids outside P's registered blocks."""
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.block_limit):
+            bad = [b for b in block_ids if not 0 <= b < self.block_limit]
+            raise ValueError(
+                f"remote_block_ids {bad[:4]} are outside P's {self.block_limit} blocks"
+            )
 
     def remote_dlist(self, key: RankKey, head_offset: int, num_heads: int, make: Callable) -> Any:
         """The prepared descriptor list of remote worker `key` (cached)."""

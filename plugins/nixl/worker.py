@@ -294,7 +294,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             return
         try:
             assert self._poster is not None, "register_kv_caches must run before loads"
-            _check_block_ids(spec, remote)
+            remote.check_block_ids(spec.remote_block_ids)
             if remote.direct:
                 self._poster.post_direct(job)
             else:
@@ -485,11 +485,3 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._registration = None
         self._caches.clear()
         self.agent = None
-
-
-def _check_block_ids(spec: RemoteRead, remote: RemoteEngine) -> None:
-    """P's block ids come through the proxy: refuse ids outside P's registered blocks."""
-    limit = min(r.num_blocks for meta in remote.metas.values() for r in meta.regions)
-    bad = [b for b in spec.remote_block_ids if not 0 <= b < limit]
-    if bad:
-        raise ValueError(f"remote_block_ids {bad[:4]} are outside P's {limit} blocks")

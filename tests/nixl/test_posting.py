@@ -1,5 +1,6 @@
-"""D's per-request work on READs that repeats across requests is done once: which remote
-regions land in which local ones (once per remote worker and head count) and the `done`
+"""D's per-request work on READs that repeats across requests is done once: which READs a
+request makes and which remote regions land in which local ones (once per remote engine, one
+pairing per remote worker and head count), and the `done`
 notifications to P (one per poll, not per request). Real NIXL, real engines, one process."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from kvx.engine.disagg import DisaggregatedPair, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.engine.server import LocalEngine
 from kvx.plugins.nixl.handshake import AgentMetadata, Notification
-from kvx.plugins.nixl.posting import ReadPoster, RegionPairs
+from kvx.plugins.nixl.posting import DirectRead, ReadPoster, RegionPairs
 from kvx.plugins.nixl.remote import RemoteEngine
 from kvx.plugins.nixl.worker import NixlWorker
 
@@ -32,15 +33,24 @@ def prompt(n: int, seed: int) -> list[int]:
 @pytest.mark.timeout(120)
 def test_region_pairing_is_worked_out_once_per_remote_worker(monkeypatch: Any) -> None:
     """P at TP 2, D at TP 1: D reads two head slices, one from each P rank. Over two
-    batches of requests the pairing runs once per P rank (two), and every byte is exact."""
+    batches of five requests the READs are planned once (not per request), the pairing runs
+    once per P rank (two), and every byte is exact."""
     calls: list[tuple[int, int]] = []
+    plans: list[int] = []
     pair_regions = ReadPoster._pair_regions
+    direct_reads = ReadPoster._direct_reads
+
+    def planned(self: ReadPoster, remote: RemoteEngine) -> list[DirectRead]:
+        reads = direct_reads(self, remote)
+        plans.append(len(reads))
+        return reads
 
     def counted(self: ReadPoster, meta: AgentMetadata, num_heads: int) -> RegionPairs:
         calls.append((meta.tp_rank, num_heads))
         return pair_regions(self, meta, num_heads)
 
     monkeypatch.setattr(ReadPoster, "_pair_regions", counted)
+    monkeypatch.setattr(ReadPoster, "_direct_reads", planned)
     p, d = pd_configs(BASE, KV, tp=(2, 1))
     with DisaggregatedPair(p, d, processes=False) as pair:
         first = pair.run({"a": prompt(50, 1), "b": prompt(33, 2)}, 3)
@@ -48,6 +58,7 @@ def test_region_pairing_is_worked_out_once_per_remote_worker(monkeypatch: Any) -
     assert first.all_identical and second.all_identical
     assert not first.kv_mismatches and not second.kv_mismatches
     assert sorted(calls) == [(0, 2), (1, 2)]
+    assert plans == [2]  # one plan of two READs (one per P rank) for all five requests
 
 
 @pytest.mark.timeout(120)
