@@ -194,10 +194,18 @@ class Harness:
             not report.kv_mismatches,
             f"KV bytes differ from what the prefill engine computed: {report.kv_mismatches[:3]}",
         )
+        load_errors = report.decode_stats.get("load_errors", 0)
         for r in report.results.values():
+            cause = (
+                f" (D counted {load_errors} failed load(s): the connector reported this "
+                "request's blocks bad; its log says why)"
+                if r.status == "finished_error" and load_errors
+                else ""
+            )
             check(
                 r.status == "finished_length_capped",
-                f"request {r.request_id} ended as {r.status!r}, expected finished_length_capped",
+                f"request {r.request_id} ended as {r.status!r}, expected "
+                f"finished_length_capped{cause}",
             )
             check(
                 r.tokens == r.baseline,

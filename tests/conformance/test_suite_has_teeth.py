@@ -168,3 +168,18 @@ def test_the_cli_fails_a_run_that_tested_no_transfer(extra: list[str], code: int
     assert "DoesNothing claims nothing" in out
     assert "the config's kv_role 'kv_both' is not used" in out
     assert "1 passed, 0 failed, 31 not claimed; NO KV transfer was tested" in out
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_load_is_named_as_the_cause_of_finished_error() -> None:
+    """D gives up on P's file before P's next step writes it (a load timeout far too short):
+    the request ends as `finished_error`, and the failure says D's connector reported a failed
+    load (not a bare status), which is what a load timeout under heavy CPU load looks like."""
+    config = {
+        "kv_connector": "ExamplePDConnector",
+        "kv_connector_extra_config": {"directory": "{tmp}", "load_timeout_s": 1e-6},
+    }
+    (result,) = run_suite(config, only=["pd_short_prompt"], options=OPTIONS)
+    assert result.outcome == FAILED, result
+    assert "ended as 'finished_error'" in result.message, result.message
+    assert "failed load(s): the connector reported this request's blocks bad" in result.message

@@ -91,9 +91,10 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
         loaded = [rid for rid, (future, _) in self._loading.items() if future.done()]
         for rid in loaded:
             future, local = self._loading.pop(rid)
-            failed = future.exception() is not None
-            self.stats.count("files_failed" if failed else "files_loaded")
-            if failed:
+            error = future.exception()
+            self.stats.count("files_failed" if error else "files_loaded")
+            if error is not None:  # the engine only sees bad blocks: say why here
+                logger.error("loading KV of request %s failed: %s", rid, error)
                 self._errors.update(local)
         return set(written), set(loaded)
 
