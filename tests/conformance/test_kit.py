@@ -208,13 +208,18 @@ def test_the_p_wrapper_refuses_a_bad_config(pytester: pytest.Pytester) -> None:
 
 def test_the_example_packages_own_tests_pass(pytester: pytest.Pytester) -> None:
     """The example's tests, as docs/conformance.md points authors at them (a real redis-server
-    for the composed class): the scenario Redis cannot run is an expected failure there only."""
+    for the composed class) and its failed-load test: the scenario Redis cannot run is an
+    expected failure there only."""
     tests = Path(__file__).resolve().parents[2] / "examples/kvx-example-connector/tests"
     result = pytester.runpytest_subprocess(
-        str(tests), "-k", "corrupted_bytes_detected or claims_cover", "-rsx", *NO_TIMEOUT_PLUGIN
+        str(tests),
+        "-k",
+        "corrupted_bytes_detected or claims_cover or load_errors",
+        "-rsx",
+        *NO_TIMEOUT_PLUGIN,
     )
     counts = {k: v for k, v in outcomes(result).items() if k not in ("warnings", "deselected")}
-    assert counts == {"passed": 2, "skipped": 1, "xfailed": 1}, result.stdout.str()
+    assert counts == {"passed": 3, "skipped": 1, "xfailed": 1}, result.stdout.str()
     result.stdout.fnmatch_lines(
         [
             "SKIPPED * not claimed: needs detects_corruption, store_reuse",
