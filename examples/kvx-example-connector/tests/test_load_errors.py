@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvx import KVTransferConfig
-from kvx.engine.engine import Engine, EngineConfig
-from kvx.types import RequestStatus
+from kvx import KVTransferConfig, RequestStatus
+from kvx.engine import Engine, EngineConfig
 
 
 def test_failed_load_logs_request_and_cause(
