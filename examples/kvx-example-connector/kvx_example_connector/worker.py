@@ -112,7 +112,7 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
 def _write_atomic(path: Path, blocks: dict[str, torch.Tensor]) -> None:
     """One file: magic, a JSON header, then each layer's raw bytes; renamed into place. Not
     fsynced: the file hands KV between running engines (it is not storage that must outlive a
-    crash), and under IO load an fsync alone took longer than D's `load_timeout_s`."""
+    crash), and D waits for it."""
     header = {
         name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         for name, t in blocks.items()
