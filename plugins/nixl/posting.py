@@ -1,5 +1,10 @@
 """Posting one request's NIXL READs on D: descriptor lists prepared once per head slice and
-remote rank, transfers made per request with `make_prepped_xfer` (split out of `worker.py`)."""
+remote rank, transfers made per request with `make_prepped_xfer` (split out of `worker.py`).
+
+Making a request's transfers (`prepare_*`) and posting them (`post`) are two steps so that the
+worker makes every request of a step first and then posts them back to back: on one machine
+UCX copies inside the post (`cma`, `process_vm_readv`), each copy evicts the CPU caches, and
+Python run between two copies ran several times slower than warm (see docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class ReadJob:
     start_token: int
     started: float
     handles: list[Any] = field(default_factory=list)
+    keys: list[RankKey] = field(default_factory=list)  # the remote worker of each handle
     staging: Staging | None = None
     nbytes: int = 0
     ndescs: int = 0
@@ -84,7 +90,7 @@ class ReadPoster:
         descs = block_descs(meta.regions, head_offset, num_heads, heads, meta.device_id)
         return self.agent.prep_xfer_dlist(agent, descs, meta.mem_type)
 
-    def _post(
+    def _make(
         self,
         job: ReadJob,
         local_dlist: Any,
@@ -98,13 +104,19 @@ class ReadPoster:
             "READ", local_dlist, local_ids, remote_dlist, remote_ids
         )
         job.handles.append(handle)
+        job.keys.append(key)
         job.nbytes += nbytes
         job.ndescs += len(local_ids)
-        if self.agent.transfer(handle) == "ERR":
-            raise RuntimeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
 
-    def post_direct(self, job: ReadJob) -> None:
-        """READ each remote (head slice of a) block straight into the local block."""
+    def post(self, job: ReadJob) -> None:
+        """Post every READ `prepare_*` made for `job` (on one machine each copies here)."""
+        for handle, key in zip(job.handles, job.keys, strict=True):
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError(f"NIXL refused to post a READ from {job.remote.agents[key]}")
+
+    def prepare_direct(self, job: ReadJob) -> None:
+        """Make the READs of each remote (head slice of a) block straight into the local
+        block."""
         remote, spec = job.remote, job.spec
         reads = remote.direct_reads
         if reads is None:
@@ -122,7 +134,7 @@ class ReadPoster:
             local_ids = _ids(read.local_firsts, local_blocks)
             rids = _ids(read.remote_firsts, remote_blocks)
             nbytes = count * read.block_bytes
-            self._post(job, read.local_dlist, local_ids, read.key, read.remote_dlist, rids, nbytes)
+            self._make(job, read.local_dlist, local_ids, read.key, read.remote_dlist, rids, nbytes)
 
     def _direct_reads(self, remote: RemoteEngine) -> list[DirectRead]:
         """Every READ one request makes from `remote` (per head slice and remote worker),
@@ -170,8 +182,9 @@ class ReadPoster:
             block_bytes,
         )
 
-    def post_staged(self, job: ReadJob) -> None:
-        """READ whole remote blocks into registered staging buffers (see `staging.py`)."""
+    def prepare_staged(self, job: ReadJob) -> None:
+        """Make the READs of whole remote blocks into registered staging buffers (see
+        `staging.py`)."""
         cache = next(iter(self.caches.values()))
         staging = plan_staging(
             job.remote,
@@ -198,7 +211,7 @@ class ReadPoster:
             remote_dlist = job.remote.remote_dlist(read.key, 0, 0, self._make_remote_dlist)
             nbytes = sum(r.block_len * r.num_blocks for r in read.regions)
             local_ids = list(range(len(read.remote_ids)))
-            self._post(job, dlist, local_ids, read.key, remote_dlist, read.remote_ids, nbytes)
+            self._make(job, dlist, local_ids, read.key, remote_dlist, read.remote_ids, nbytes)
 
     def release(self) -> None:
         """Release the prepared local descriptor lists."""

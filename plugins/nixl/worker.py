@@ -86,6 +86,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._handshakes: dict[HandshakeKey, tuple[Future, list[RemoteRead]]] = {}
         self._remotes: dict[HandshakeKey, RemoteEngine] = {}
         self._reading: dict[str, ReadJob] = {}
+        self._unposted: list[ReadJob] = []  # made in this call, posted at its end
         self._recved: set[str] = set()
         self._errors: set[int] = set()
         self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
@@ -201,6 +202,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         for spec in meta.reqs_to_recv:
             self._enqueue(spec)
         self._progress_handshakes()
+        self._post_reads()
         for beat in meta.heartbeats:
             key = (
                 beat.remote_engine_id,
@@ -216,6 +218,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
 
     def _get_finished(self) -> tuple[set[str], set[str]]:
         self._progress_handshakes()
+        self._post_reads()
         self._poll_reads()
         self._send_done()
         self._heartbeat()
@@ -296,16 +299,31 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             assert self._poster is not None, "register_kv_caches must run before loads"
             remote.check_block_ids(spec.remote_block_ids)
             if remote.direct:
-                self._poster.post_direct(job)
+                self._poster.prepare_direct(job)
             else:
-                self._poster.post_staged(job)
+                self._poster.prepare_staged(job)
+            self._unposted.append(job)
         except Exception as exc:  # a bad peer or a NIXL error: never crash the step
-            logger.error("request %s: could not start the read: %s", spec.request_id, exc)
-            self._abandon(job)
-            self.stats.count("num_failed_transfers")
-            self._fail(spec, local)
-            return
-        self._reading[spec.request_id] = job
+            self._not_started(job, exc)
+
+    def _post_reads(self) -> None:
+        """Post every READ made in this call, back to back (the copies run in the posts, and
+        Python between them runs on evicted caches: see `posting.py`)."""
+        jobs, self._unposted = self._unposted, []
+        for job in jobs:
+            job.started = time.monotonic()
+            try:
+                assert self._poster is not None
+                self._poster.post(job)
+                self._reading[job.spec.request_id] = job
+            except Exception as exc:  # a NIXL error: never crash the step
+                self._not_started(job, exc)
+
+    def _not_started(self, job: ReadJob, exc: Exception) -> None:
+        logger.error("request %s: could not start the read: %s", job.spec.request_id, exc)
+        self._abandon(job)
+        self.stats.count("num_failed_transfers")
+        self._fail(job.spec, job.local_block_ids)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -461,12 +479,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._handshakes.clear()
-        for job in [*self._reading.values(), *self._leftovers]:
+        for job in [*self._reading.values(), *self._unposted, *self._leftovers]:
             try:
                 self._release(job)
             except Exception as exc:
                 logger.warning("shutdown: a transfer could not be released: %s", exc)
         self._reading.clear()
+        self._unposted.clear()
         self._leftovers.clear()
         for remote in self._remotes.values():
             for dlist in remote.dlists.values():

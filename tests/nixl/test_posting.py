@@ -1,11 +1,14 @@
 """D's per-request work on READs that repeats across requests is done once: which READs a
 request makes and which remote regions land in which local ones (once per remote engine, one
 pairing per remote worker and head count), and the `done`
-notifications to P (one per poll, not per request). Real NIXL, real engines, one process."""
+notifications to P (one per poll, not per request). A step's READs are all made before the
+first is posted (the copies then run back to back), and a post NIXL refuses fails only its
+request. Real NIXL, real engines, one process."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +17,7 @@ from kvx.engine.disagg import DisaggregatedPair, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.engine.server import LocalEngine
 from kvx.plugins.nixl.handshake import AgentMetadata, Notification
-from kvx.plugins.nixl.posting import DirectRead, ReadPoster, RegionPairs
+from kvx.plugins.nixl.posting import DirectRead, ReadJob, ReadPoster, RegionPairs
 from kvx.plugins.nixl.remote import RemoteEngine
 from kvx.plugins.nixl.worker import NixlWorker
 
@@ -85,3 +88,73 @@ def test_reads_ending_together_are_told_to_p_in_one_notification(monkeypatch: An
     assert sorted(len(ids) for ids in done) == [3], done
     expired = sum(s.to_dict().get("num_kv_expired_reqs", 0) for s in stats)
     assert expired == 0
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[DisaggregatedPair]:
+    """One in-process P/D pair (TP 1:1, policy `fail`) for the tests below, handshake done.
+    P frees a failed read's blocks at lease expiry (D does not tell it), so the lease is short."""
+    extra = {**KV["kv_connector_extra_config"], "kv_lease_duration": 2}
+    kv = {**KV, "kv_connector_extra_config": extra, "kv_load_failure_policy": "fail"}
+    p, d = pd_configs(BASE, kv)
+    with DisaggregatedPair(p, d, processes=False) as handle:
+        assert handle.run({"warm": prompt(20, 10)}, 2).all_identical
+        yield handle
+
+
+@pytest.mark.timeout(120)
+def test_a_steps_reads_are_all_made_before_the_first_is_posted(
+    pair: DisaggregatedPair, monkeypatch: Any
+) -> None:
+    """Three requests loaded in one step: D makes the three READs, then posts them, never a
+    post between two makes; every byte is exact."""
+    events: list[tuple[str, str]] = []
+    make, post = ReadPoster.prepare_direct, ReadPoster.post
+
+    def made(self: ReadPoster, job: ReadJob) -> None:
+        make(self, job)
+        events.append(("make", job.spec.request_id))
+
+    def posted(self: ReadPoster, job: ReadJob) -> None:
+        events.append(("post", job.spec.request_id))
+        post(self, job)
+
+    monkeypatch.setattr(ReadPoster, "prepare_direct", made)
+    monkeypatch.setattr(ReadPoster, "post", posted)
+    report = pair.run({"a": prompt(50, 11), "b": prompt(33, 12), "c": prompt(64, 13)}, 3)
+    assert report.all_identical and not report.kv_mismatches
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["make"] * 3 + ["post"] * 3, events
+    assert sorted(rid for _, rid in events[:3]) == sorted(rid for _, rid in events[3:])
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_post_fails_only_its_request(pair: DisaggregatedPair, monkeypatch: Any) -> None:
+    """NIXL refuses the post of one of three READs made in the same step (a fake fault: a
+    healthy peer cannot be made to refuse one post for real): that request ends in error
+    (policy `fail`), the other two are loaded byte-exact, and D counts one failed transfer."""
+    post = ReadPoster.post
+    refused: list[str] = []
+
+    def refusing(self: ReadPoster, job: ReadJob) -> None:
+        if not refused:
+            refused.append(job.spec.request_id)
+            raise RuntimeError("NIXL refused to post a READ (fake fault)")
+        post(self, job)
+
+    monkeypatch.setattr(ReadPoster, "post", refusing)
+    assert isinstance(pair.decode, LocalEngine)
+    failed_before = _count(pair.decode, "num_failed_transfers")
+    report = pair.run({"x": prompt(40, 14), "y": prompt(45, 15), "z": prompt(30, 16)}, 3)
+    assert len(refused) == 1
+    statuses = {rid: r.status for rid, r in report.results.items() if rid in "xyz"}
+    victim = next(rid for rid in "xyz" if rid in refused[0])
+    assert statuses[victim] == "finished_error", statuses
+    for rid in set("xyz") - {victim}:
+        assert report.results[rid].identical, report.results[rid]
+    assert not report.kv_mismatches
+    assert _count(pair.decode, "num_failed_transfers") == failed_before + 1
+
+
+def _count(engine: LocalEngine, key: str) -> int:
+    return sum(int(s.to_dict().get(key, 0)) for s in engine.engine.kv_stats)
