@@ -28,6 +28,7 @@ memcpy's two contiguous copies 2x, the CPU tier's slots 1x) plus the interpreter
     python benchmarks/bench_storage_sweep.py --quick     # 8 and 32 layers, 16-token blocks, 8 MiB
     python benchmarks/bench_storage_sweep.py             # 8/32/80 layers x 16/128 tokens x sizes
     nice python benchmarks/bench_storage_sweep.py --huge --only 1024MiB   # 1 GiB, alone
+    python benchmarks/bench_storage_sweep.py --shape 32,16,256,long     # one shape
     python benchmarks/bench_storage_sweep.py --plot sweep.png
 """
 
@@ -91,8 +92,15 @@ class Shape:
 
     @classmethod
     def parse(cls, text: str) -> Shape:
-        layers, block_size, mib, mix = text.split(",")
-        return cls(int(layers), int(block_size), int(mib), mix)
+        """`LAYERS,BLOCK,MIB,MIX` (`--shape`), e.g. `32,16,256,long`."""
+        parts = text.split(",")
+        numbers = len(parts) == 4 and all(p.isdigit() and int(p) > 0 for p in parts[:3])
+        if numbers and parts[3] in ("short", "long"):
+            return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want LAYERS,BLOCK,MIB,MIX with three positive integers and MIX short "
+            "or long, e.g. 32,16,256,long"
+        )
 
 
 HUGE = (Shape(8, 16, 1024, "short"), Shape(32, 16, 1024, "short"))
@@ -335,16 +343,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )  # fmt: skip
     parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache peers")
     parser.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)  # one shape's kvx run
-    parser.add_argument("--shape", type=Shape.parse, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--shape", type=Shape.parse, action="append", metavar="LAYERS,BLOCK,MIB,MIX",
+        help="run this shape (repeatable) instead of the sweep's, e.g. 32,16,256,long",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
-        row = run_shape(args.shape, args.repeat, args.threads, Path(args.child),
+        row = run_shape(args.shape[0], args.repeat, args.threads, Path(args.child),
                         not args.no_offload, not args.no_verify)  # fmt: skip
         print(json.dumps(row))
         return [row]
     rows = []
-    for shape in shapes(args.quick, args.huge):
+    for shape in args.shape or shapes(args.quick, args.huge):
         if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
             continue
         with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
