@@ -320,6 +320,36 @@ def _bars(
     fig.savefig(path, dpi=120)
 
 
+def measure_shapes(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Per shape selected by `args`: the kvx cases' row, then the peers', one process at a time."""
+    for shape in args.shape or shapes(args.quick, args.huge):
+        if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
+            continue
+        with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
+            row, rss = kvx_cases(shape, args, tmp)
+            row.update(shape=shape, peer=None, lmcache=None, rss={"kvx": rss})
+            if not args.no_peers:
+                row["peer"], row["rss"]["ExampleConnector"] = example_connector(
+                    shape, args.repeat, args.threads
+                )
+            if not (args.no_peers or args.no_lmcache):
+                row["lmcache"], row["rss"]["LMCache"] = sweep_lmcache.run(
+                    shape.peer_argv(args.repeat, args.threads), tmp
+                )
+        yield row
+
+
+def dump_row(row: dict[str, Any]) -> str:
+    shape: Shape = row["shape"]
+    return json.dumps({**row, "shape": [shape.layers, shape.block_size, shape.mib, shape.mix]})
+
+
+def load_row(line: str) -> dict[str, Any]:
+    row: dict[str, Any] = json.loads(line)
+    row["shape"] = Shape(*row["shape"])
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small shapes, for CI")
@@ -347,6 +377,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--shape", type=Shape.parse, action="append", metavar="LAYERS,BLOCK,MIB,MIX",
         help="run this shape (repeatable) instead of the sweep's, e.g. 32,16,256,long",
     )  # fmt: skip
+    parser.add_argument(
+        "--json", metavar="FILE", help="append each shape's row to FILE (JSON lines)"
+    )
+    parser.add_argument(
+        "--from-json", metavar="FILE", action="append",
+        help="measure nothing: report (and --plot) the rows of these --json files, merged",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
@@ -354,24 +391,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         not args.no_offload, not args.no_verify)  # fmt: skip
         print(json.dumps(row))
         return [row]
-    rows = []
-    for shape in args.shape or shapes(args.quick, args.huge):
-        if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
-            continue
-        with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
-            row, rss = kvx_cases(shape, args, tmp)
-            row.update(shape=shape, peer=None, lmcache=None, rss={"kvx": rss})
-            if not args.no_peers:
-                row["peer"], row["rss"]["ExampleConnector"] = example_connector(
-                    shape, args.repeat, args.threads
-                )
-            if not (args.no_peers or args.no_lmcache):
-                row["lmcache"], row["rss"]["LMCache"] = sweep_lmcache.run(
-                    shape.peer_argv(args.repeat, args.threads), tmp
-                )
-        rows.append(row)
-        print(report(rows[-1:]).splitlines()[-1], flush=True)
-    print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
+    if args.from_json:
+        rows = [load_row(line) for f in args.from_json for line in Path(f).read_text().splitlines()]
+        print(f"rows of {', '.join(args.from_json)}; ratios: raw / kvx time")
+    else:
+        rows = []
+        for row in measure_shapes(args):
+            rows.append(row)
+            print(report(rows[-1:]).splitlines()[-1], flush=True)
+            if args.json:
+                with open(args.json, "a") as out:
+                    out.write(dump_row(row) + "\n")
+        rounds = f"{args.threads} thread(s), medians of {args.repeat} rounds"
+        print(f"\n{rounds}; ratios: raw / kvx time")
     print(report(rows))
     if any(row["lmcache"] for row in rows):
         print("\nLMCache peers (paired per round in one .venv-vllm process; peer / kvx time)")
