@@ -104,8 +104,9 @@ class Shape:
 
 
 HUGE = (Shape(8, 16, 1024, "short"), Shape(32, 16, 1024, "short"))
-"""1 GiB of KV: the kvx process peaks near 5.5 GiB, the ExampleConnector's near 2.5 GiB, the
-LMCache peers' near 6 GiB (one after the other): only with --huge, alone, with 12 GiB free."""
+"""1 GiB of KV: the kvx process peaked at 5.5 GiB, the ExampleConnector's at 2.6 GiB and the
+LMCache peers' at 7-9 GiB (one after the other): only with --huge, alone, with ~10 GiB free
+(~6 GiB with --no-lmcache)."""
 
 
 def shapes(quick: bool, huge: bool = False) -> Iterator[Shape]:
