@@ -21,9 +21,11 @@ rounds (range beside it); the load average is recorded before and after each sha
 Memory: each shape's kvx cases run in a process of their own (its memory is returned before the
 next shape), then the peers', one after the other; every process's peak RSS is reported. The
 destination blocks are the other half of the source caches (one cache per layer, twice the KV
-bytes), a case's stored files are deleted after its load, and loaded bytes are compared a few
-MiB at a time: the kvx process peaks at about 5x the KV bytes (caches 2x, the raw file's and
-memcpy's two contiguous copies 2x, the CPU tier's slots 1x) plus the interpreter.
+bytes) and loaded bytes are compared a few MiB at a time: the kvx process peaks at about 5x the
+KV bytes (caches 2x, the raw file's and memcpy's contiguous copies 2x, the CPU tier's slots 1x)
+plus the interpreter. Stored files are deleted just before each case's next save, as before:
+deleting them right after the load (to hold less page cache) made the raw file's saves 1.4-10x
+dearer in some rounds (32L b16 and 8L b128 at 256 MiB, two A/B runs).
 
     python benchmarks/bench_storage_sweep.py --quick     # 8 and 32 layers, 16-token blocks, 8 MiB
     python benchmarks/bench_storage_sweep.py             # 8/32/80 layers x 16/128 tokens x sizes
@@ -146,12 +148,10 @@ def run_shape(
     per_value_files(one)
     raw = RawFiles(kv, root / "raw")
     cases = [
-        Case("raw file", raw.save, raw.load, None, "", fresh=raw.fresh, done=raw.drop),
-        Case("kvx file://", seg.save, seg.load, "raw file", "", seg.fresh, seg.plan_load,
-             done=seg.drop),
-        Case("kvx per-value files", one.save, one.load, "raw file", "", one.fresh, one.plan_load,
-             done=one.drop),
-    ]  # fmt: skip
+        Case("raw file", raw.save, raw.load, None, "", fresh=raw.fresh),
+        Case("kvx file://", seg.save, seg.load, "raw file", "", seg.fresh, seg.plan_load),
+        Case("kvx per-value files", one.save, one.load, "raw file", "", one.fresh, one.plan_load),
+    ]
     tier = OffloadCase(kv) if offload else None
     if tier is not None:
         memcpy = Memcpy(kv, raw.data, raw.back)  # the raw file's tensors: no more memory

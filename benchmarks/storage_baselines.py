@@ -43,14 +43,12 @@ class Case:
     fresh: Runner = lambda: None  # untimed, before `save`: new data, the previous round's gone
     plan_load: Runner = lambda: None  # untimed, between `save` and `load`
     inner: int = 1  # timed calls per round (for cases that may simply run again)
-    done: Runner = lambda: None  # untimed, after `load`: drop what the round stored
 
 
 def measure_rounds(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
     """Per case and kind ("save", "load", "save cpu", "load cpu": wall seconds, and this
     process's CPU seconds of all threads), the time of each timed call in `repeat` rounds after
-    a warm-up round (allocator, connections); rounds interleave the cases. A case's `done`
-    runs after its load, so only one case's stored bytes exist at a time."""
+    a warm-up round (allocator, connections); rounds interleave the cases."""
     times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     for round in range(repeat + 1):
         for case in cases:
@@ -65,7 +63,6 @@ def measure_rounds(cases: list[Case], repeat: int) -> dict[str, dict[str, list[f
                         times[case.name].setdefault(f"{kind} cpu", []).append(cpu)
                 if kind == "save":
                     case.plan_load()
-            case.done()
     return times
 
 
@@ -198,13 +195,10 @@ class RawFiles:
         self.paths: dict[str, Path] = {}
 
     def fresh(self) -> None:
-        self.drop()
+        for path in self.paths.values():
+            path.unlink()
         self.round += 1
         self.paths = {n: self.root / f"{self.round}-{i}.bin" for i, n in enumerate(self.data)}
-
-    def drop(self) -> None:
-        for path in self.paths.values():
-            path.unlink(missing_ok=True)
 
     def save(self) -> None:
         for name, path in self.paths.items():
