@@ -9,6 +9,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,3 +193,21 @@ def test_native_module_refuses_empty_or_oversized_segments(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="a segment holds 1 to 4096 values"):
         _fileio.write_segment([], [], str(tmp_path / "t"), [], b"p" * 56, table, [])
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_the_connector_reports_an_unknown_segment_version_as_load_errors(
+    tmp_path: Path, make_rig: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = [(11 * i) % 1000 for i in range(50)]
+    url = f"file://{tmp_path}"
+    make_rig(url).prefill("p", tokens)  # 3 blocks: one segment file
+    inodes = {p.stat().st_ino: p for p in tmp_path.rglob("*") if p.is_file()}
+    assert len(inodes) == 1
+    (path,) = inodes.values()
+    _set_version(path, 9)
+    consumer = make_rig(url)
+    loaded = consumer.prefill("d", tokens, compute=False)
+    assert loaded.errors == [set(loaded.block_ids[:3])]  # nothing from it is served
+    assert "a segment file of version 9; this kvx reads segment versions 1 and 2" in caplog.text
+    consumer.check(tokens, [], 0, failed=loaded.block_ids[:3])  # nothing else written
