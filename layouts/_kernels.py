@@ -17,7 +17,6 @@ import importlib
 import math
 import os
 import warnings
-from array import array
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
@@ -120,36 +119,31 @@ def block_index(ids: BlockIdsLike, num_blocks: int, device: torch.device, arg: s
     if idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < 0 or hi >= num_blocks:
-            _out_of_range(arg, lo if lo < 0 else hi, num_blocks)
+            raise ValueError(
+                f"{arg}: block id {lo if lo < 0 else hi} is out of range; the cache has "
+                f"{num_blocks} blocks (ids 0..{num_blocks - 1})"
+            )
     return idx.to(device=device, dtype=torch.long)
 
 
-def host_ids(ids: BlockIdsLike, num_blocks: int, arg: str) -> tuple[int, object]:
-    """`ids` as int64s in host memory for the native kernel, checked like `block_index`: their
-    address and the object that holds them (keep it until the call returns). A list of ints
-    becomes an `array` without touching torch: building a tensor, checking its range and moving
-    it cost ~0.07 ms per id list when the engine's forward has evicted torch's code from the
-    caches, a third of a 1-block step."""
+NativeIds = int | list[int] | tuple[int, ...]
+"""Block ids as the native `gather_scatter_layers` takes them: a list or tuple of ints (it
+converts and checks them), or the address of int64s."""
+
+
+def native_ids(ids: BlockIdsLike, num_blocks: int, arg: str) -> tuple[NativeIds, object]:
+    """`ids` for the native kernel and the object to keep alive until its call returns. A list
+    or tuple goes as it is: the kernel converts and checks it without a tensor per call (a
+    tensor's building, range check and move cost ~0.07 ms per id list when the engine's
+    forward has evicted torch's code from the caches, a third of a 1-block step's overhead);
+    a tensor goes as an int64 tensor's address, checked here by `block_index`."""
+    if isinstance(ids, list | tuple):
+        return ids, ids
     if not isinstance(ids, torch.Tensor):
-        try:
-            words = array("q", ids)
-        except (TypeError, OverflowError):  # not ints: block_index names the problem
-            pass
-        else:
-            if words:
-                lo, hi = min(words), max(words)
-                if lo < 0 or hi >= num_blocks:
-                    _out_of_range(arg, lo if lo < 0 else hi, num_blocks)
-            return words.buffer_info()[0], words
+        listed = list(ids)
+        return listed, listed
     idx = _long_ids(block_index(ids, num_blocks, torch.device("cpu"), arg))
     return idx.data_ptr(), idx
-
-
-def _out_of_range(arg: str, block: int, num_blocks: int) -> None:
-    raise ValueError(
-        f"{arg}: block id {block} is out of range; the cache has {num_blocks} blocks "
-        f"(ids 0..{num_blocks - 1})"
-    )
 
 
 def gather_scatter(
@@ -290,10 +284,10 @@ def layers_plan(
 
 
 def gather_scatter_layers(
-    plan: LayersPlan, src_ids: int, n_src_ids: int, dst_ids: int, n_dst_ids: int
+    plan: LayersPlan, src_ids: NativeIds, n_src_ids: int, dst_ids: NativeIds, n_dst_ids: int
 ) -> None:
     """`gather_scatter` for every pair of `plan` in one native call, with `n_src_ids` and
-    `n_dst_ids` int64 block ids at addresses `src_ids` and `dst_ids` (checked by the kernel)."""
+    `n_dst_ids` block ids (`native_ids`; the kernel checks every one)."""
     assert native is not None
     units = n_src_ids // plan.per_src
     assert units * plan.per_src == n_src_ids and units * plan.per_dst == n_dst_ids

@@ -471,34 +471,97 @@ static unsigned long long *addresses(PyObject *obj, const char *name, Py_ssize_t
     return out;
 }
 
+/* Block ids given as an address of int64s (a Python int), or as a list or tuple of Python
+ * ints (`name` in errors) of `count` ids, each checked in [0, blocks of `shape`): then copied
+ * into *owned (free it) and *addr points there. Lists skip building a tensor per call, which
+ * costs more than a small copy's own Python when the caches are cold. */
+static int block_ids(PyObject *obj, const char *name, long long count, PyObject *shape,
+                     int64_t **owned, unsigned long long *addr) {
+    *owned = NULL;
+    if (PyLong_Check(obj)) {
+        *addr = PyLong_AsUnsignedLongLong(obj);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: need an address or a list of ids", name);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    if (n != count) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd ids, expected %lld", name, n, count);
+        return -1;
+    }
+    PyObject *first = PySequence_GetItem(shape, 0);
+    long long blocks = first ? PyLong_AsLongLong(first) : -1;
+    Py_XDECREF(first);
+    if (PyErr_Occurred())
+        return -1;
+    int64_t *ids = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!ids) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(obj);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int integer = PyLong_Check(items[i]) && !PyBool_Check(items[i]);
+        long long id = integer ? PyLong_AsLongLong(items[i]) : -1;
+        if (!integer || (id == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "%s must be a 1-d list or tensor of integer block ids, got an item of "
+                         "type %s", name, Py_TYPE(items[i])->tp_name);
+            free(ids);
+            return -1;
+        }
+        if (id < 0 || id >= blocks) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: block id %lld is out of range; the cache has %lld blocks "
+                         "(ids 0..%lld)", name, id, blocks, blocks - 1);
+            free(ids);
+            return -1;
+        }
+        ids[i] = id;
+    }
+    *owned = ids;
+    *addr = (unsigned long long)(uintptr_t)ids;
+    return 0;
+}
+
 static PyObject *gather_scatter_layers(PyObject *self, PyObject *args) {
     unsigned long long src_idx, dst_idx;
     long long src_per, dst_per, units, elem, threads, stream_bytes = -1;
     int allow_direct;
     PyObject *src_list, *dst_list, *src_shape, *src_strides, *dst_shape, *dst_strides;
+    PyObject *src_ids, *dst_ids;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOKLOOOKLLLLp|L", &src_list, &src_shape, &src_strides,
-                          &src_idx, &src_per, &dst_list, &dst_shape, &dst_strides, &dst_idx,
+    if (!PyArg_ParseTuple(args, "OOOOLOOOOLLLLp|L", &src_list, &src_shape, &src_strides,
+                          &src_ids, &src_per, &dst_list, &dst_shape, &dst_strides, &dst_ids,
                           &dst_per, &units, &elem, &threads, &allow_direct, &stream_bytes))
         return NULL;
-    Py_ssize_t n_src, n_dst;
-    unsigned long long *src_addrs = addresses(src_list, "src_addrs", &n_src);
-    if (!src_addrs)
+    int64_t *src_owned = NULL, *dst_owned = NULL;
+    if (block_ids(src_ids, "src_block_ids", src_per * units, src_shape, &src_owned, &src_idx) < 0)
         return NULL;
-    unsigned long long *dst_addrs = addresses(dst_list, "dst_addrs", &n_dst);
-    if (!dst_addrs) {
-        free(src_addrs);
+    if (block_ids(dst_ids, "dst_block_ids", dst_per * units, dst_shape, &dst_owned, &dst_idx) < 0) {
+        free(src_owned);
         return NULL;
     }
     PyObject *out = NULL;
-    if (n_src != n_dst)
-        PyErr_Format(PyExc_ValueError, "%zd source but %zd destination addresses", n_src, n_dst);
-    else
-        out = run_layers(src_addrs, dst_addrs, n_src, src_shape, src_strides, src_idx, src_per,
-                         dst_shape, dst_strides, dst_idx, dst_per, units, elem, threads, 0,
-                         allow_direct, stream_bytes);
+    Py_ssize_t n_src, n_dst;
+    unsigned long long *src_addrs = addresses(src_list, "src_addrs", &n_src);
+    unsigned long long *dst_addrs = src_addrs ? addresses(dst_list, "dst_addrs", &n_dst) : NULL;
+    if (src_addrs && dst_addrs) {
+        if (n_src != n_dst)
+            PyErr_Format(PyExc_ValueError, "%zd source but %zd destination addresses", n_src,
+                         n_dst);
+        else
+            out = run_layers(src_addrs, dst_addrs, n_src, src_shape, src_strides, src_idx,
+                             src_per, dst_shape, dst_strides, dst_idx, dst_per, units, elem,
+                             threads, 0, allow_direct, stream_bytes);
+    }
     free(src_addrs);
     free(dst_addrs);
+    free(src_owned);
+    free(dst_owned);
     return out;
 }
 
@@ -519,11 +582,12 @@ static PyMethodDef methods[] = {
      "runs of a page or more with non-temporal stores where the CPU has them (x86-64 AVX2). "
      "Addresses are raw and trusted; see kvx.layouts._kernels."},
     {"gather_scatter_layers", gather_scatter_layers, METH_VARARGS,
-     "gather_scatter_layers(src_addrs, src_shape, src_strides, src_ids_addr, src_per_unit, "
-     "dst_addrs, dst_shape, dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads, "
+     "gather_scatter_layers(src_addrs, src_shape, src_strides, src_ids, src_per_unit, "
+     "dst_addrs, dst_shape, dst_strides, dst_ids, dst_per_unit, units, elem_size, threads, "
      "allow_direct, stream_bytes=-1)\n\ngather_scatter (not in place) for each (src_addrs[i], dst_addrs[i]) "
      "pair in turn: tensors of one geometry, such as every layer of a cache, with the ids "
-     "checked once for all of them; stream_bytes counts the bytes of every pair."},
+     "checked once for all of them; stream_bytes counts the bytes of every pair. Ids are an "
+     "address of int64s or a list (or tuple) of ints, checked here (ValueError)."},
     {"streamed_calls", streamed, METH_NOARGS,
      "streamed_calls()\n\nHow many calls so far wrote with non-temporal stores."},
     {NULL, NULL, 0, NULL},

@@ -14,8 +14,8 @@ from kvx.layouts._kernels import (
     block_index,
     gather_scatter,
     gather_scatter_layers,
-    host_ids,
     layers_plan,
+    native_ids,
     native_layers,
     word_bytes,
 )
@@ -121,22 +121,13 @@ class KVBlockCopier:
             _refuse_unpaired(n_src, n_dst)
         if n_src == 0:
             return
-        held: dict[tuple[str, int], tuple[int, object]] = {}  # (address, holder) per count
-
-        def ids(arg: str, given: BlockIdsLike, num_blocks: int) -> int:
-            key = (arg, num_blocks)
-            if key not in held:
-                held[key] = host_ids(given, num_blocks, arg)
-            return held[key][0]
-
-        for plan in self._layers:
-            gather_scatter_layers(
-                plan,
-                ids("src_block_ids", src_block_ids, plan.src_blocks),
-                n_src,
-                ids("dst_block_ids", dst_block_ids, plan.dst_blocks),
-                n_dst,
-            )
+        for plan in self._layers:  # lists go as they are (the kernel checks them); a tensor
+            # of ids is kept (`_*_kept`) until its call returns
+            src_ids, _src_kept = native_ids(src_block_ids, plan.src_blocks, "src_block_ids")
+            dst_ids, _dst_kept = native_ids(dst_block_ids, plan.dst_blocks, "dst_block_ids")
+            gather_scatter_layers(plan, src_ids, n_src, dst_ids, n_dst)
+        if not self._single:
+            return
         indices: dict[tuple[str, torch.device, int], torch.Tensor] = {}
 
         def index(arg: str, ids: BlockIdsLike, view: torch.Tensor) -> torch.Tensor:

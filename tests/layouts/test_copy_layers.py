@@ -97,6 +97,19 @@ def test_native_layers_refuse_unequal_address_lists() -> None:
             [t.data_ptr()], t.shape, t.stride(), bad.data_ptr(), 1,
             [t.data_ptr()], t.shape, t.stride(), ids.data_ptr(), 1, 1, 4, 1, True,
         )  # fmt: skip
+    # ids as lists: converted and checked in the kernel, before any byte moves
+    for src_ids, error, message in (
+        ([0, 1], ValueError, "src_block_ids has 2 ids, expected 1"),
+        ([2], ValueError, r"src_block_ids: block id 2 is out of range; the cache has 2 blocks"),
+        ([True], ValueError, "src_block_ids must be a 1-d list or tensor of integer block ids"),
+        ({0: 0}, TypeError, "src_block_ids: need an address or a list of ids"),
+    ):
+        with pytest.raises(error, match=message):
+            native.gather_scatter_layers(
+                [t.data_ptr()], t.shape, t.stride(), src_ids, 1,
+                [t.data_ptr()], t.shape, t.stride(), [1], 1, 1, 4, 1, True,
+            )  # fmt: skip
+    assert torch.equal(t, torch.zeros(2, 4, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
