@@ -51,6 +51,14 @@ _DONE: Future[None] = Future()
 _DONE.set_result(None)
 
 
+def _failed(future: Future[None]) -> bool | None:
+    """None while `future`'s job runs, else whether it failed (the shared done future without
+    taking its lock: a Future's every query takes it)."""
+    if future is _DONE:
+        return False
+    return None if not future.done() else future.exception() is not None
+
+
 class OffloadWorker(ConnectorWorker[OffloadMetadata]):
     def __init__(
         self,
@@ -115,7 +123,8 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         """Wait for every submitted store: preempted blocks may be overwritten next."""
         for jobs in self._stores.values():
             for future, _ in jobs:
-                future.exception()
+                if future is not _DONE:
+                    future.exception()
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         self._held.update(meta.held)
@@ -285,20 +294,22 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         """Requests whose loads are done, and held requests with no store left."""
         recving = set()
         for req_id, future in list(self._loads.items()):
-            if future.done():
+            failed = _failed(future)
+            if failed is not None:
                 del self._loads[req_id]
                 recving.add(req_id)
-                if future.exception() is not None:
+                if failed:
                     self._load_errors.update(self._load_blocks.pop(req_id, []))
                 else:
                     self._load_blocks.pop(req_id, None)
         for req_id, jobs in list(self._stores.items()):
             still = []
             for future, keys in jobs:
-                if not future.done():
+                failed = _failed(future)
+                if failed is None:
                     still.append((future, keys))
                     continue
-                target = self._failed if future.exception() is not None else self._stored
+                target = self._failed if failed else self._stored
                 for key in keys:
                     target[key] = target.get(key, 0) + 1
             if still:
