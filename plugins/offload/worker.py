@@ -209,7 +209,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         `slots`, `blocks_per_chunk` blocks per slot."""
         start = time.perf_counter()
         per = self.per_chunk
-        cpu_blocks = [s * per + o for s in slots for o in range(per)]
+        cpu_blocks = slots if per == 1 else [s * per + o for s in slots for o in range(per)]
         self._to_cpu(*by_source(gpu_blocks, cpu_blocks))
         nbytes = len(cpu_blocks) * self._block_bytes()
         self.stats.count("store", nbytes, time.perf_counter() - start)
