@@ -503,9 +503,11 @@ static int block_ids(PyObject *obj, const char *name, long long count, PyObject 
     }
     PyObject **items = PySequence_Fast_ITEMS(obj);
     for (Py_ssize_t i = 0; i < n; i++) {
-        int integer = PyLong_Check(items[i]) && !PyBool_Check(items[i]);
-        long long id = integer ? PyLong_AsLongLong(items[i]) : -1;
-        if (!integer || (id == -1 && PyErr_Occurred())) {
+        /* ints and what converts to one exactly (numpy's integers); not bools or floats */
+        PyObject *index = PyBool_Check(items[i]) ? NULL : PyNumber_Index(items[i]);
+        long long id = index ? PyLong_AsLongLong(index) : -1;
+        Py_XDECREF(index);
+        if (!index || (id == -1 && PyErr_Occurred())) {
             PyErr_Clear();
             PyErr_Format(PyExc_ValueError,
                          "%s must be a 1-d list or tensor of integer block ids, got an item of "

@@ -11,6 +11,7 @@ import platform
 from pathlib import Path
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,9 +165,12 @@ def test_copier_moves_list_ids_without_building_tensors() -> None:
         assert torch.equal(dst[name].view(torch.int16), want[name]), name
     with pytest.raises(ValueError, match="src_block_ids must be a 1-d list or tensor of integer"):
         copier([0.0], [1])
-    copier(torch.tensor([1]), torch.tensor([0]))  # tensors still work
+    copier(torch.tensor([1]), torch.tensor([0]))  # tensors still work, and arrays
+    copier(np.array([7]), [np.int64(3)])  # a list of numpy ints goes to the kernel as it is
     for name in src:
-        assert torch.equal(dst[name][:, 0].view(torch.int16), src[name][:, 1].view(torch.int16))
+        words = src[name].view(torch.int16)  # `want` holds int16 words
+        want[name][:, 0], want[name][:, 3] = words[:, 1], words[:, 7]
+        assert torch.equal(dst[name].view(torch.int16), want[name]), name
 
 
 def can_stream() -> bool:
