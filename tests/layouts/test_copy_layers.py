@@ -183,12 +183,13 @@ def can_stream() -> bool:
     )
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("over", ["none", "group", "both"])
-def test_large_copies_stream_every_byte(over: str) -> None:
+def test_large_copies_stream_every_byte(over: str, threads: int) -> None:
     """A native call writing at least NATIVE_STREAM_BYTES (all its layers together) writes
     with non-temporal stores: runs of 4110 bytes (a page and an odd tail) at addresses 2 bytes
     past 16-byte alignment (the unaligned head) move exactly as memcpy would, for a group of two
-    layers (one call) and a lone layer (its own call)."""
+    layers (one call) and a lone layer (its own call), on one thread or split across two."""
     native = _kernels.load_native("1")
     gen = torch.Generator().manual_seed(11)
     shape = NHD.allocate(6, 3, 5, 137, dtype=torch.bfloat16).shape  # K or V: 4110 bytes
@@ -210,14 +211,20 @@ def test_large_copies_stream_every_byte(over: str) -> None:
     keep = {name: t.clone() for name, t in src.items()}
     one_layer = len(src_ids) * 2 * 4110  # bytes the lone layer's call writes
     threshold = {"none": 2 * one_layer + 1, "group": one_layer + 1, "both": one_layer}[over]
+    torch_threads = torch.get_num_threads()
     with (
         patch.object(_kernels, "native", native),
         patch.object(_kernels, "NATIVE_STREAM_BYTES", threshold),
+        patch.object(_kernels, "NATIVE_BYTES_PER_THREAD", 1),  # any call may split
     ):
-        copier = KVBlockCopier(src, dst, "d2h")
-        before = native.streamed_calls()
-        copier(src_ids, dst_ids)
-        streamed = native.streamed_calls() - before
+        torch.set_num_threads(threads)
+        try:
+            copier = KVBlockCopier(src, dst, "d2h")
+            before = native.streamed_calls()
+            copier(src_ids, dst_ids)
+            streamed = native.streamed_calls() - before
+        finally:
+            torch.set_num_threads(torch_threads)
     assert streamed == ({"none": 0, "group": 1, "both": 2}[over] if can_stream() else 0)
     for name in src:
         assert torch.equal(dst[name].view(torch.int16), want[name].view(torch.int16)), name
