@@ -18,9 +18,19 @@ ratios are taken on CPU time (this process, all threads): on a machine shared wi
 those repeat, where wall times follow the load. Each figure is the median of `--repeat`
 rounds (range beside it); the load average is recorded before and after each shape.
 
+Memory: each shape's kvx cases run in a process of their own (its memory is returned before the
+next shape), then the peers', one after the other; every process's peak RSS is reported. The
+destination blocks are the other half of the source caches (one cache per layer, twice the KV
+bytes) and loaded bytes are compared a few MiB at a time: the kvx process peaks at about 5x the
+KV bytes (caches 2x, the raw file's and memcpy's contiguous copies 2x, the CPU tier's slots 1x)
+plus the interpreter. Stored files are deleted just before each case's next save, as before:
+deleting them right after the load (to hold less page cache) made the raw file's saves 1.4-10x
+dearer in some rounds (32L b16 and 8L b128 at 256 MiB, two A/B runs).
+
     python benchmarks/bench_storage_sweep.py --quick     # 8 and 32 layers, 16-token blocks, 8 MiB
     python benchmarks/bench_storage_sweep.py             # 8/32/80 layers x 16/128 tokens x sizes
     nice python benchmarks/bench_storage_sweep.py --huge --only 1024MiB   # 1 GiB, alone
+    python benchmarks/bench_storage_sweep.py --shape 32,16,256,long     # one shape
     python benchmarks/bench_storage_sweep.py --plot sweep.png
 """
 
@@ -30,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -44,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_lmcache
+from measured_run import Finished, run_measured
 from storage_baselines import KV, Case, Memcpy, RawFiles, drop_files, make_kv, measure_rounds
 from storage_cases import OffloadCase, StorageCase
 
@@ -58,20 +68,47 @@ class Shape:
     mib: int
     mix: str  # "short": requests of 2 blocks; "long": one request
 
-    def kv(self) -> KV:
+    def requests_tokens(self) -> tuple[int, int]:
+        """The batch: how many requests, of how many tokens each."""
         block_bytes = self.layers * self.block_size * TOKEN_BYTES
         blocks = max(2, self.mib * MIB // block_bytes)
         requests = blocks // 2 if self.mix == "short" else 1
-        tokens = (blocks // requests) * self.block_size
-        return make_kv(self.layers, requests, tokens, 8, 128, self.block_size)
+        return requests, (blocks // requests) * self.block_size
+
+    def kv(self) -> KV:
+        requests, tokens = self.requests_tokens()
+        return make_kv(self.layers, requests, tokens, 8, 128, self.block_size, one_cache=True)
+
+    def peer_argv(self, repeat: int, threads: int) -> list[str]:
+        """The shape as the peer scripts (peer_*.py) take it."""
+        requests, tokens = self.requests_tokens()
+        return [
+            *("--layers", str(self.layers), "--block-size", str(self.block_size)),
+            *("--requests", str(requests), "--tokens", str(tokens)),
+            *("--repeat", str(repeat), "--threads", str(threads)),
+        ]
 
     @property
     def label(self) -> str:
         return f"{self.layers}L b{self.block_size} {self.mib}MiB {self.mix}"
 
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """`LAYERS,BLOCK,MIB,MIX` (`--shape`), e.g. `32,16,256,long`."""
+        parts = text.split(",")
+        numbers = len(parts) == 4 and all(p.isdigit() and int(p) > 0 for p in parts[:3])
+        if numbers and parts[3] in ("short", "long"):
+            return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want LAYERS,BLOCK,MIB,MIX with three positive integers and MIX short "
+            "or long, e.g. 32,16,256,long"
+        )
 
-HUGE = Shape(8, 16, 1024, "short")
-"""1 GiB of KV (about 5 GiB of memory with its caches, copies and files): only with --huge."""
+
+HUGE = (Shape(8, 16, 1024, "short"), Shape(32, 16, 1024, "short"))
+"""1 GiB of KV: the kvx process peaked at 5.5 GiB, the ExampleConnector's at 2.6 GiB and the
+LMCache peers' at 7-9 GiB (one after the other): only with --huge, alone, with ~10 GiB free
+(~6 GiB with --no-lmcache)."""
 
 
 def shapes(quick: bool, huge: bool = False) -> Iterator[Shape]:
@@ -84,7 +121,7 @@ def shapes(quick: bool, huge: bool = False) -> Iterator[Shape]:
                 yield Shape(layers, block_size, mib, "short")
         yield Shape(layers, 16, 64, "long")
     if huge:
-        yield HUGE
+        yield from HUGE
 
 
 def per_value_files(case: StorageCase) -> None:
@@ -101,14 +138,9 @@ def per_value_files(case: StorageCase) -> None:
 
 
 def run_shape(
-    shape: Shape,
-    repeat: int,
-    threads: int,
-    root: Path,
-    peers: bool,
-    offload: bool = True,
-    verify: bool = True,
+    shape: Shape, repeat: int, threads: int, root: Path, offload: bool = True, verify: bool = True
 ) -> dict[str, Any]:
+    """kvx's cases and their baselines on one shape, in this process (the `--child` run)."""
     kv = shape.kv()
     extra: dict[str, Any] = {"io_threads": threads, "verify_checksums": verify}
     seg = StorageCase(kv, f"file://{root}/seg", partial(drop_files, root / "seg"), **extra)  # type: ignore[arg-type]
@@ -137,28 +169,44 @@ def run_shape(
         for case in (seg, one, *([tier] if tier else [])):
             case.close()
         shutil.rmtree(root / "raw", ignore_errors=True)
-    peer = example_connector(kv, repeat, threads) if peers else None
-    lmc = sweep_lmcache.run(kv, repeat, threads, str(root)) if peers else None
-    return {"shape": shape, "bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]),
-            "results": results, "peer": peer, "lmcache": lmc}  # fmt: skip
+    return {"bytes": kv.nbytes, "load": (load_before, os.getloadavg()[0]), "results": results}
 
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+CHILD_TIMEOUT_S = 3600.0
 
 
-def example_connector(kv: KV, repeat: int, threads: int) -> dict[str, list[float]] | None:
-    """vLLM's real ExampleConnector on the same shape, in .venv-vllm (None without it)."""
+def last_json(done: Finished, what: str) -> Any:
+    """The JSON object a child printed last; a clear exit when it failed."""
+    if done.returncode or done.timed_out:
+        why = f"timed out after {CHILD_TIMEOUT_S:.0f} s" if done.timed_out else "failed"
+        code = f"exit {done.returncode}"
+        if done.returncode < 0:  # a signal: the OOM killer's SIGKILL, for one
+            code += ", killed: see `dmesg -T | tail`"
+        raise SystemExit(f"{what} {why} ({code}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def kvx_cases(shape: Shape, args: argparse.Namespace, tmp: str) -> tuple[dict[str, Any], int]:
+    """`run_shape` in a process of its own; its row and peak RSS."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", str(tmp)]
+    argv += ["--shape", f"{shape.layers},{shape.block_size},{shape.mib},{shape.mix}"]
+    argv += ["--repeat", str(args.repeat), "--threads", str(args.threads)]
+    argv += ["--no-offload"] * args.no_offload + ["--no-verify"] * args.no_verify
+    done = run_measured(argv, CHILD_TIMEOUT_S)
+    row: dict[str, Any] = last_json(done, f"the kvx cases of {shape.label}")
+    return row, done.peak_rss
+
+
+def example_connector(shape: Shape, repeat: int, threads: int) -> tuple[Any, int | None]:
+    """vLLM's real ExampleConnector on the same shape, in .venv-vllm, and its peak RSS (None,
+    None without it)."""
     if not VLLM_PYTHON.exists():
-        return None
+        return None, None
     script = Path(__file__).resolve().parent / "peer_example_connector.py"
-    argv = [str(VLLM_PYTHON), str(script), "--layers", str(len(kv.layers))]
-    argv += ["--block-size", str(kv.block_size), "--requests", str(len(kv.src_blocks))]
-    argv += ["--tokens", str(kv.tokens), "--repeat", str(repeat), "--threads", str(threads)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode:
-        raise SystemExit(f"ExampleConnector run failed:\n{done.stderr[-2000:]}")
-    times: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
-    return times
+    done = run_measured([str(VLLM_PYTHON), str(script), *shape.peer_argv(repeat, threads)],
+                        CHILD_TIMEOUT_S)  # fmt: skip
+    return last_json(done, "ExampleConnector run"), done.peak_rss
 
 
 def ratios(
@@ -201,6 +249,17 @@ def report(rows: list[dict[str, Any]]) -> str:
             f"{cell('kvx per-value files', 'save cpu')} | {wall} | {peer_cell(row)} | "
             f"{tier[0]} | {tier[1]} |"
         )
+    return "\n".join(lines)
+
+
+def rss_table(rows: list[dict[str, Any]]) -> str:
+    """Per shape, the peak RSS of the kvx process and of the peers' ("-": not run)."""
+    lines = ["| shape | KV MiB | kvx cases | vLLM ExampleConnector | LMCache peers |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for row in rows:
+        rss = [row["rss"].get(k) for k in ("kvx", "ExampleConnector", "LMCache")]
+        cells = " | ".join("-" if b is None else f"{b / MIB:.0f}" for b in rss)
+        lines.append(f"| {row['shape'].label} | {row['bytes'] / MIB:.0f} | {cells} |")
     return "\n".join(lines)
 
 
@@ -262,6 +321,36 @@ def _bars(
     fig.savefig(path, dpi=120)
 
 
+def measure_shapes(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Per shape selected by `args`: the kvx cases' row, then the peers', one process at a time."""
+    for shape in args.shape or shapes(args.quick, args.huge):
+        if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
+            continue
+        with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
+            row, rss = kvx_cases(shape, args, tmp)
+            row.update(shape=shape, peer=None, lmcache=None, rss={"kvx": rss})
+            if not args.no_peers:
+                row["peer"], row["rss"]["ExampleConnector"] = example_connector(
+                    shape, args.repeat, args.threads
+                )
+            if not (args.no_peers or args.no_lmcache):
+                row["lmcache"], row["rss"]["LMCache"] = sweep_lmcache.run(
+                    shape.peer_argv(args.repeat, args.threads), tmp
+                )
+        yield row
+
+
+def dump_row(row: dict[str, Any]) -> str:
+    shape: Shape = row["shape"]
+    return json.dumps({**row, "shape": [shape.layers, shape.block_size, shape.mib, shape.mix]})
+
+
+def load_row(line: str) -> dict[str, Any]:
+    row: dict[str, Any] = json.loads(line)
+    row["shape"] = Shape(*row["shape"])
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two small shapes, for CI")
@@ -283,25 +372,45 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--no-verify", action="store_true",
         help="kvx loads with verify_checksums false (length and header checks only)",
     )  # fmt: skip
+    parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache peers")
+    parser.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)  # one shape's kvx run
+    parser.add_argument(
+        "--shape", type=Shape.parse, action="append", metavar="LAYERS,BLOCK,MIB,MIX",
+        help="run this shape (repeatable) instead of the sweep's, e.g. 32,16,256,long",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", metavar="FILE", help="append each shape's row to FILE (JSON lines)"
+    )
+    parser.add_argument(
+        "--from-json", metavar="FILE", action="append",
+        help="measure nothing: report (and --plot) the rows of these --json files, merged",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = []
-    for shape in shapes(args.quick, args.huge):
-        if (args.only and args.only not in shape.label) or shape.mib > (args.max_mib or shape.mib):
-            continue
-        with tempfile.TemporaryDirectory(prefix="kvx-sweep-", dir=args.dir) as tmp:
-            peers, offload = not args.no_peers, not args.no_offload
-            rows.append(
-                run_shape(
-                    shape, args.repeat, args.threads, Path(tmp), peers, offload, not args.no_verify
-                )
-            )
-        print(report(rows[-1:]).splitlines()[-1], flush=True)
-    print(f"\n{args.threads} thread(s), medians of {args.repeat} rounds; ratios: raw / kvx time")
+    if args.child:
+        row = run_shape(args.shape[0], args.repeat, args.threads, Path(args.child),
+                        not args.no_offload, not args.no_verify)  # fmt: skip
+        print(json.dumps(row))
+        return [row]
+    if args.from_json:
+        rows = [load_row(line) for f in args.from_json for line in Path(f).read_text().splitlines()]
+        print(f"rows of {', '.join(args.from_json)}; ratios: raw / kvx time")
+    else:
+        rows = []
+        for row in measure_shapes(args):
+            rows.append(row)
+            print(report(rows[-1:]).splitlines()[-1], flush=True)
+            if args.json:
+                with open(args.json, "a") as out:
+                    out.write(dump_row(row) + "\n")
+        rounds = f"{args.threads} thread(s), medians of {args.repeat} rounds"
+        print(f"\n{rounds}; ratios: raw / kvx time")
     print(report(rows))
     if any(row["lmcache"] for row in rows):
         print("\nLMCache peers (paired per round in one .venv-vllm process; peer / kvx time)")
         print(sweep_lmcache.table([(row["shape"].label, row["lmcache"]) for row in rows]))
+    print("\nPeak RSS per process, MiB (each shape's processes run one after the other)")
+    print(rss_table(rows))
     if args.plot:
         plot(rows, args.plot)
     return rows

@@ -235,7 +235,8 @@ def main() -> None:
     from storage_baselines import drop_files
     from storage_cases import OffloadCase, StorageCase  # kvx's cases, on the same bytes
 
-    kv = make_kv(args.layers, args.requests, args.tokens, 8, 128, args.block_size)
+    # destination blocks in the source caches' other half: half the memory
+    kv = make_kv(args.layers, args.requests, args.tokens, 8, 128, args.block_size, one_cache=True)
     root = Path(tempfile.mkdtemp(prefix="kvx-peer-lmc-", dir=args.dir))
     cases: dict[str, Any] = {}
     load_before = os.getloadavg()[0]

@@ -116,20 +116,40 @@ class KV:
         }
 
     def clear_dst(self) -> None:
+        """Zero the destination blocks (all of `dst` when it is a cache of its own)."""
+        idx = torch.tensor(self.all_dst)
         for t in self.dst.values():
-            t.zero_()
+            t.index_fill_(1, idx, 0)
 
     def check(self, dst: dict[str, torch.Tensor], dst_ids: list[int], what: str) -> None:
-        src_idx, dst_idx = torch.tensor(self.all_src), torch.tensor(dst_ids)
-        for name in self.layers:
-            got = dst[name].index_select(1, dst_idx).view(torch.int16)
-            if not torch.equal(got, self.src[name].index_select(1, src_idx).view(torch.int16)):
-                raise SystemExit(f"{what}: loaded bytes of {name} differ from the saved ones")
+        """Compare every element of the blocks `dst_ids` of `dst` with the source blocks, a few
+        MiB at a time (no full copy of either side)."""
+        per_chunk = max(1, CHECK_CHUNK_BYTES // self.block_bytes)
+        for at in range(0, len(dst_ids), per_chunk):
+            src_idx = torch.tensor(self.all_src[at : at + per_chunk])
+            dst_idx = torch.tensor(dst_ids[at : at + per_chunk])
+            for name in self.layers:
+                got = dst[name].index_select(1, dst_idx).view(torch.int16)
+                want = self.src[name].index_select(1, src_idx).view(torch.int16)
+                if not torch.equal(got, want):
+                    raise SystemExit(f"{what}: loaded bytes of {name} differ from the saved ones")
+
+
+CHECK_CHUNK_BYTES = 8 << 20  # per layer and comparison in `KV.check`
 
 
 def make_kv(
-    layers: int, requests: int, tokens: int, heads: int, head_size: int, block_size: int = 16
+    layers: int,
+    requests: int,
+    tokens: int,
+    heads: int,
+    head_size: int,
+    block_size: int = 16,
+    one_cache: bool = False,
 ) -> KV:
+    """Random source blocks scattered over caches twice their size. The destination blocks
+    are the other half: of caches of their own (zeroed), or with `one_cache` of the source
+    caches themselves (`dst` is `src`: half the memory)."""
     per_request = tokens // block_size
     used = requests * per_request
     num_blocks = 2 * used
@@ -138,11 +158,11 @@ def make_kv(
 
     def cache() -> torch.Tensor:
         t = NHD.allocate(num_blocks, block_size, heads, head_size, dtype=torch.bfloat16)
-        t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, t.shape, generator=gen))
+        t.view(torch.int16).random_(-(2**15), 2**15, generator=gen)  # in place: no copy
         return t
 
     src = {n: cache() for n in names}
-    dst = {n: torch.zeros_like(src[n]) for n in names}
+    dst = src if one_cache else {n: torch.zeros_like(src[n]) for n in names}
     order = torch.randperm(num_blocks, generator=gen).tolist()
     src_ids, dst_ids = order[:used], order[used:]
     src_blocks, dst_blocks = {}, {}

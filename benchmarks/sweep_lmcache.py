@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from storage_baselines import KV
+from measured_run import run_measured
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 PAIRS = (  # (kvx case, LMCache peer, target)
@@ -32,21 +32,20 @@ def lmcache_installed() -> bool:
     return subprocess.run(argv, capture_output=True, timeout=300, check=False).returncode == 0
 
 
-def run(kv: KV, repeat: int, threads: int, where: str | None) -> dict[str, Any] | None:
-    """The peers' times on `kv`'s shape (None without LMCache in .venv-vllm)."""
+def run(shape_argv: list[str], where: str | None) -> tuple[dict[str, Any] | None, int | None]:
+    """The peers' times on a shape (`peer_lmcache.py`'s shape arguments) and the process's
+    peak RSS in bytes (None, None without LMCache in .venv-vllm)."""
     if not lmcache_installed():
-        return None
+        return None, None
     script = Path(__file__).resolve().parent / "peer_lmcache.py"
-    argv = [str(VLLM_PYTHON), str(script), "--layers", str(len(kv.layers))]
-    argv += ["--block-size", str(kv.block_size), "--requests", str(len(kv.src_blocks))]
-    argv += ["--tokens", str(kv.tokens), "--repeat", str(repeat), "--threads", str(threads)]
+    argv = [str(VLLM_PYTHON), str(script), *shape_argv]
     if where is not None:
         argv += ["--dir", where]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode:
+    done = run_measured(argv, 3600.0)
+    if done.returncode or done.timed_out:
         raise SystemExit(f"LMCache peer run failed:\n{done.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return result, done.peak_rss
 
 
 def _median(values: list[float]) -> float:

@@ -214,6 +214,25 @@ def _distinct_files(root: Path, min_size: int) -> list[Path]:
     return list(seen.values())
 
 
+def _data_stretches(path: Path) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of `path` that hold data, holes left out (a store may
+    leave a hole, e.g. before a file's payloads); the whole file where holes are not known."""
+    stretches: list[tuple[int, int]] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, at = os.fstat(fd).st_size, 0
+        while at < size:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError:  # no data after `at` (ENXIO)
+                break
+            at = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            stretches.append((start, at))
+    finally:
+        os.close(fd)
+    return stretches or [(0, os.path.getsize(path))]
+
+
 @scenario(
     "corrupted_bytes_detected",
     "stored bytes corrupted on disk are detected, reported as load errors, never served",
@@ -232,8 +251,9 @@ def corrupted_bytes_detected(h: Harness) -> None:
     )
     for path in files:
         data = bytearray(path.read_bytes())
-        middle = len(data) // 2
-        data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+        for start, end in _data_stretches(path):  # holes hold no stored bytes
+            middle = (start + end) // 2
+            data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
         path.write_bytes(bytes(data))
     h.kv = h.kv_with(kv_load_failure_policy="recompute")
     with h.engine("kv_both") as second:

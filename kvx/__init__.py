@@ -35,7 +35,7 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from kvx.hookimpls import hookimpl, provides
+from kvx.hookimpls import hookimpl, provides, provides_connector
 from kvx.loading import install_hint
 from kvx.planning import (
     LoadsAndStores,
@@ -150,6 +150,7 @@ __all__ = [
     "open_storage_backend",
     "path_problem",
     "provides",
+    "provides_connector",
     "resolve_secret",
     "supports_hma",
     "url_problem",

@@ -6,6 +6,10 @@ its table:
 
     kvx_connectors = kvx.provides(kvx.ConnectorSpec(name="MyConnector", target="pkg.mod:Cls"))
 
+A connector folder laid out as kvx's are (`connector.py`, `config.py`) needs only its names:
+
+    kvx_connectors = kvx.provides_connector(__package__, "MyConnector", "MyConfig", needs="mylib")
+
 It is exactly the hand-written `@kvx.hookimpl def kvx_connectors(): return [...]`: the module
 attribute's name picks the hook, and the registry checks it like any other implementation (a
 misspelt name, or records of the wrong kind for the hook, refuse the plugin, naming both).
@@ -15,7 +19,7 @@ Records name lazy targets, so nothing the records point at is imported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -35,3 +39,11 @@ def provides(*specs: S) -> Callable[[], list[S]]:
         return list(records)
 
     return hookimpl(hook)
+
+
+def provides_connector(
+    package: str | None, name: str, config: str | None = None, **fields: Any
+) -> Callable[[], list[ConnectorSpec]]:
+    """`provides(ConnectorSpec.in_package(package, name, config, **fields))`: the whole
+    `kvx_connectors` hook of a connector folder laid out as kvx's are."""
+    return provides(ConnectorSpec.in_package(package, name, config, **fields))

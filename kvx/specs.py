@@ -6,6 +6,8 @@ imports a connector's heavy dependencies; the import happens on first use.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
@@ -50,24 +52,62 @@ class ConnectorSpec(Spec):
 
     @classmethod
     def in_package(
-        cls, package: str | None, name: str, *, config: str | None = None, **fields: Any
+        cls,
+        package: str | None,
+        name: str,
+        config: str | None = None,
+        *,
+        aliases: str | tuple[str, ...] = (),
+        needs: str | None = None,
+        **fields: Any,
     ) -> Self:
         """The record of a connector folder laid out as kvx's are: class `name` in
         `<package>.connector`, its extra-config type `config` (None: no extra keys) in
-        `<package>.config`. `package` is the registering module's `__package__`; `fields` are
-        the record's other fields (`summary`, `aliases`, `requires`, ...). Nothing is imported:
+        `<package>.config`. `package` is the registering module's `__package__`.
+
+        - `summary` defaults to the package docstring's first paragraph (a leading `"<name>: "`
+          and the closing period dropped); the package is already imported when its `_plugin`
+          module runs, and nothing else is read.
+        - `aliases`: one other name, or a tuple of them.
+        - `needs`: one module that is also the kvx extra installing it (`requires=(needs,)`,
+          `extra=needs`).
+
+        `fields` are the record's other fields (`requires`, `extra`, ...). Nothing is imported:
         the targets are still resolved on first use."""
-        if not _is_dotted_name(package):
+        if package is None or not _is_dotted_name(package):
             raise _bad_field("package", package, "a dotted package name such as __package__")
         for field, value in (("name", name), ("config", config)):
             if value is not None and not value.isidentifier():
                 raise _bad_field(field, value, "a class name, without the module")
+        if needs is not None and not needs.isidentifier():
+            raise _bad_field("needs", needs, "a top-level module name")
+        if needs is not None:
+            if "requires" in fields or "extra" in fields:
+                raise _bad_field("needs", needs, "given together with requires= or extra=")
+            fields.update(requires=(needs,), extra=needs)
+        fields.setdefault("summary", _package_summary(package, name))
         schema = None if config is None else f"{package}.config:{config}"
-        return cls(name, f"{package}.connector:{name}", config_schema=schema, **fields)
+        return cls(
+            name,
+            f"{package}.connector:{name}",
+            aliases=(aliases,) if isinstance(aliases, str) else aliases,
+            config_schema=schema,
+            **fields,
+        )
 
 
-def _is_dotted_name(text: str | None) -> bool:
-    return text is not None and all(part.isidentifier() for part in text.split("."))
+def _package_summary(package: str, name: str) -> str:
+    """The first paragraph of an imported package's docstring, as a one-line summary."""
+    module = sys.modules.get(package)
+    doc = inspect.getdoc(module) if module is not None else None
+    if not doc:
+        return ""
+    summary = " ".join(doc.split("\n\n", 1)[0].split())
+    return summary.removeprefix(f"{name}: ").removesuffix(".")
+
+
+def _is_dotted_name(text: str) -> bool:
+    return all(part.isidentifier() for part in text.split("."))
 
 
 def _bad_field(field: str, value: object, allowed: str) -> RegistryError:

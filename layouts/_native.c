@@ -22,6 +22,53 @@
 
 #include "_native.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* `n` bytes with non-temporal stores (AVX2, 32-byte aligned), the unaligned ends by memcpy. */
+__attribute__((target("avx2"))) static void stream_avx2(char *to, const char *from, size_t n) {
+    size_t head = (size_t)(-(uintptr_t)to & 31);
+    if (head > n)
+        head = n;
+    memcpy(to, from, head);
+    to += head, from += head, n -= head;
+    for (; n >= 128; n -= 128, to += 128, from += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)from);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(from + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(from + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(from + 96));
+        _mm256_stream_si256((__m256i *)to, a);
+        _mm256_stream_si256((__m256i *)(to + 32), b);
+        _mm256_stream_si256((__m256i *)(to + 64), c);
+        _mm256_stream_si256((__m256i *)(to + 96), d);
+    }
+    memcpy(to, from, n);
+}
+#endif
+
+/* Whether this CPU can stream (see job_t.stream): x86-64 with AVX2. */
+static int can_stream(void) {
+#if defined(__x86_64__)
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+static atomic_llong streamed_calls; /* calls that streamed, for tests (`streamed_calls()`) */
+
+/* One contiguous run: memcpy, or with `stream` and a run of at least a page, non-temporal. */
+static inline void copy_run(char *to, const char *from, size_t n, int stream) {
+#if defined(__x86_64__)
+    if (stream && n >= 4096) {
+        stream_avx2(to, from, n);
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(to, from, n);
+}
+
 /* Append dim (size, from, to) to `w` (outermost first), merged into the previous dim when it is
  * contiguous with it on both sides; size-1 dims are dropped. */
 static void add_dim(walk_t *w, int64_t size, int64_t from, int64_t to) {
@@ -118,7 +165,8 @@ static int plan_direct(const side_t *src, const side_t *dst, size_t elem, direct
         memcpy(to + e * to_step, from + e * from_step, sizeof(T))
 
 /* Copy the grid at `from_block` to the grid at `to_block` along `w`. */
-static void walk_copy(const walk_t *w, const char *from_block, char *to_block, size_t elem) {
+static void walk_copy(const walk_t *w, const char *from_block, char *to_block, size_t elem,
+                      int stream) {
     const int nd = w->ndim;
     const int64_t rows = nd >= 2 ? w->shape[nd - 2] : 1;
     const int64_t from_row = nd >= 2 ? w->from_stride[nd - 2] : 0;
@@ -132,7 +180,7 @@ static void walk_copy(const walk_t *w, const char *from_block, char *to_block, s
         char *to = to_block;
         for (int64_t r = 0; r < rows; r++, from += from_row, to += to_row) {
             if (contiguous) {
-                memcpy(to, from, (size_t)count * elem);
+                copy_run(to, from, (size_t)count * elem, stream);
                 continue;
             }
             switch (elem) {
@@ -174,7 +222,7 @@ static void run_direct(job_t *job, int64_t first, int64_t last) {
                                             : block_at(job->src, u, 0) + k * p->piece_offset;
             char *to = p->split_dst ? block_at(job->dst, u, 0) + k * p->piece_offset
                                     : block_at(job->dst, u, k);
-            walk_copy(&p->walk, from, to, job->elem);
+            walk_copy(&p->walk, from, to, job->elem, job->stream);
         }
     }
 }
@@ -184,10 +232,10 @@ static void run_scratch(job_t *job, char *scratch, int64_t first, int64_t last) 
     for (int64_t u = first; u < last; u++) {
         for (int64_t k = 0; k < job->src->per; k++)
             walk_copy(job->gather, block_at(job->src, u, k), scratch + k * job->src_block_bytes,
-                      job->elem);
+                      job->elem, 0);
         for (int64_t k = 0; k < job->dst->per; k++)
             walk_copy(job->scatter, scratch + k * job->dst_block_bytes, block_at(job->dst, u, k),
-                      job->elem);
+                      job->elem, job->stream);
     }
 }
 
@@ -214,6 +262,10 @@ void run_job(job_t *job) {
         else
             run_scratch(job, scratch, first, last);
     }
+#if defined(__x86_64__)
+    if (job->stream)
+        _mm_sfence(); /* the streamed stores are visible before the call is reported done */
+#endif
     free(scratch);
 }
 
@@ -295,7 +347,7 @@ static PyObject *run_layers(const unsigned long long *src_addrs, const unsigned 
                             unsigned long long src_idx, long long src_per, PyObject *dst_shape,
                             PyObject *dst_strides, unsigned long long dst_idx, long long dst_per,
                             long long units, long long elem, long long threads, int in_place,
-                            int allow_direct) {
+                            int allow_direct, long long stream_bytes) {
     if (!(elem == 1 || elem == 2 || elem == 4 || elem == 8 || elem == 16)) {
         PyErr_Format(PyExc_ValueError, "element size must be 1, 2, 4, 8 or 16 bytes, got %lld",
                      elem);
@@ -356,8 +408,12 @@ static PyObject *run_layers(const unsigned long long *src_addrs, const unsigned 
                  .chunk = chunk < 1 ? 1 : chunk > 16 ? 16 : chunk,
                  .elem = (size_t)elem,
                  .src_block_bytes = (size_t)(src_elems * elem),
-                 .dst_block_bytes = (size_t)(dst_elems * elem)};
+                 .dst_block_bytes = (size_t)(dst_elems * elem),
+                 .stream = !in_place && stream_bytes >= 0 && can_stream() &&
+                           (long double)n * units * dst_elems * elem * dst_per >= stream_bytes};
     atomic_init(&job.failed, 0);
+    if (job.stream)
+        atomic_fetch_add(&streamed_calls, 1);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && !atomic_load(&job.failed); i++) {
         src.base = (char *)(uintptr_t)src_addrs[i];
@@ -376,16 +432,18 @@ static PyObject *run_layers(const unsigned long long *src_addrs, const unsigned 
 static PyObject *gather_scatter(PyObject *self, PyObject *args) {
     unsigned long long src_addr, src_idx, dst_addr, dst_idx;
     long long src_per, dst_per, units, elem, threads;
+    long long stream_bytes = -1;
     int in_place, allow_direct;
     PyObject *src_shape, *src_strides, *dst_shape, *dst_strides;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KOOKLKOOKLLLLpp", &src_addr, &src_shape, &src_strides,
+    if (!PyArg_ParseTuple(args, "KOOKLKOOKLLLLpp|L", &src_addr, &src_shape, &src_strides,
                           &src_idx, &src_per, &dst_addr, &dst_shape, &dst_strides, &dst_idx,
-                          &dst_per, &units, &elem, &threads, &in_place, &allow_direct))
+                          &dst_per, &units, &elem, &threads, &in_place, &allow_direct,
+                          &stream_bytes))
         return NULL;
     return run_layers(&src_addr, &dst_addr, 1, src_shape, src_strides, src_idx, src_per,
                       dst_shape, dst_strides, dst_idx, dst_per, units, elem, threads, in_place,
-                      allow_direct);
+                      allow_direct, stream_bytes);
 }
 
 /* A sequence of Python ints as a malloc'ed array of addresses (NULL with an exception set). */
@@ -413,52 +471,127 @@ static unsigned long long *addresses(PyObject *obj, const char *name, Py_ssize_t
     return out;
 }
 
+/* Block ids given as an address of int64s (a Python int), or as a list or tuple of Python
+ * ints (`name` in errors) of `count` ids, each checked in [0, blocks of `shape`): then copied
+ * into *owned (free it) and *addr points there. Lists skip building a tensor per call, which
+ * costs more than a small copy's own Python when the caches are cold. */
+static int block_ids(PyObject *obj, const char *name, long long count, PyObject *shape,
+                     int64_t **owned, unsigned long long *addr) {
+    *owned = NULL;
+    if (PyLong_Check(obj)) {
+        *addr = PyLong_AsUnsignedLongLong(obj);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: need an address or a list of ids", name);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    if (n != count) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd ids, expected %lld", name, n, count);
+        return -1;
+    }
+    PyObject *first = PySequence_GetItem(shape, 0);
+    long long blocks = first ? PyLong_AsLongLong(first) : -1;
+    Py_XDECREF(first);
+    if (PyErr_Occurred())
+        return -1;
+    int64_t *ids = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!ids) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(obj);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* ints and what converts to one exactly (numpy's integers); not bools or floats */
+        PyObject *index = PyBool_Check(items[i]) ? NULL : PyNumber_Index(items[i]);
+        long long id = index ? PyLong_AsLongLong(index) : -1;
+        Py_XDECREF(index);
+        if (!index || (id == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "%s must be a 1-d list or tensor of integer block ids, got an item of "
+                         "type %s", name, Py_TYPE(items[i])->tp_name);
+            free(ids);
+            return -1;
+        }
+        if (id < 0 || id >= blocks) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: block id %lld is out of range; the cache has %lld blocks "
+                         "(ids 0..%lld)", name, id, blocks, blocks - 1);
+            free(ids);
+            return -1;
+        }
+        ids[i] = id;
+    }
+    *owned = ids;
+    *addr = (unsigned long long)(uintptr_t)ids;
+    return 0;
+}
+
 static PyObject *gather_scatter_layers(PyObject *self, PyObject *args) {
     unsigned long long src_idx, dst_idx;
-    long long src_per, dst_per, units, elem, threads;
+    long long src_per, dst_per, units, elem, threads, stream_bytes = -1;
     int allow_direct;
     PyObject *src_list, *dst_list, *src_shape, *src_strides, *dst_shape, *dst_strides;
+    PyObject *src_ids, *dst_ids;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOKLOOOKLLLLp", &src_list, &src_shape, &src_strides, &src_idx,
-                          &src_per, &dst_list, &dst_shape, &dst_strides, &dst_idx, &dst_per,
-                          &units, &elem, &threads, &allow_direct))
+    if (!PyArg_ParseTuple(args, "OOOOLOOOOLLLLp|L", &src_list, &src_shape, &src_strides,
+                          &src_ids, &src_per, &dst_list, &dst_shape, &dst_strides, &dst_ids,
+                          &dst_per, &units, &elem, &threads, &allow_direct, &stream_bytes))
         return NULL;
-    Py_ssize_t n_src, n_dst;
-    unsigned long long *src_addrs = addresses(src_list, "src_addrs", &n_src);
-    if (!src_addrs)
+    int64_t *src_owned = NULL, *dst_owned = NULL;
+    if (block_ids(src_ids, "src_block_ids", src_per * units, src_shape, &src_owned, &src_idx) < 0)
         return NULL;
-    unsigned long long *dst_addrs = addresses(dst_list, "dst_addrs", &n_dst);
-    if (!dst_addrs) {
-        free(src_addrs);
+    if (block_ids(dst_ids, "dst_block_ids", dst_per * units, dst_shape, &dst_owned, &dst_idx) < 0) {
+        free(src_owned);
         return NULL;
     }
     PyObject *out = NULL;
-    if (n_src != n_dst)
-        PyErr_Format(PyExc_ValueError, "%zd source but %zd destination addresses", n_src, n_dst);
-    else
-        out = run_layers(src_addrs, dst_addrs, n_src, src_shape, src_strides, src_idx, src_per,
-                         dst_shape, dst_strides, dst_idx, dst_per, units, elem, threads, 0,
-                         allow_direct);
+    Py_ssize_t n_src, n_dst;
+    unsigned long long *src_addrs = addresses(src_list, "src_addrs", &n_src);
+    unsigned long long *dst_addrs = src_addrs ? addresses(dst_list, "dst_addrs", &n_dst) : NULL;
+    if (src_addrs && dst_addrs) {
+        if (n_src != n_dst)
+            PyErr_Format(PyExc_ValueError, "%zd source but %zd destination addresses", n_src,
+                         n_dst);
+        else
+            out = run_layers(src_addrs, dst_addrs, n_src, src_shape, src_strides, src_idx,
+                             src_per, dst_shape, dst_strides, dst_idx, dst_per, units, elem,
+                             threads, 0, allow_direct, stream_bytes);
+    }
     free(src_addrs);
     free(dst_addrs);
+    free(src_owned);
+    free(dst_owned);
     return out;
+}
+
+static PyObject *streamed(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    return PyLong_FromLongLong(atomic_load(&streamed_calls));
 }
 
 static PyMethodDef methods[] = {
     {"gather_scatter", gather_scatter, METH_VARARGS,
      "gather_scatter(src_addr, src_shape, src_strides, src_ids_addr, src_per_unit, dst_addr, "
      "dst_shape, dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads, "
-     "in_place, allow_direct)\n\nMove `units` groups of blocks (blocks on dim 0, strides in "
+     "in_place, allow_direct, stream_bytes=-1)\n\nMove `units` groups of blocks (blocks on dim 0, strides in "
      "elements of elem_size bytes, ids int64): each unit's source blocks are read into a "
      "contiguous scratch, then written through the destination's strides, or (allow_direct, not "
      "in place, shapes that nest) copied straight across. in_place: same tensor and ids, "
-     "repeated ids moved once. Addresses are raw and trusted; see kvx.layouts._kernels."},
+     "repeated ids moved once. A call (not in place) writing >= stream_bytes (>= 0) writes "
+     "runs of a page or more with non-temporal stores where the CPU has them (x86-64 AVX2). "
+     "Addresses are raw and trusted; see kvx.layouts._kernels."},
     {"gather_scatter_layers", gather_scatter_layers, METH_VARARGS,
-     "gather_scatter_layers(src_addrs, src_shape, src_strides, src_ids_addr, src_per_unit, "
-     "dst_addrs, dst_shape, dst_strides, dst_ids_addr, dst_per_unit, units, elem_size, threads, "
-     "allow_direct)\n\ngather_scatter (not in place) for each (src_addrs[i], dst_addrs[i]) "
+     "gather_scatter_layers(src_addrs, src_shape, src_strides, src_ids, src_per_unit, "
+     "dst_addrs, dst_shape, dst_strides, dst_ids, dst_per_unit, units, elem_size, threads, "
+     "allow_direct, stream_bytes=-1)\n\ngather_scatter (not in place) for each (src_addrs[i], dst_addrs[i]) "
      "pair in turn: tensors of one geometry, such as every layer of a cache, with the ids "
-     "checked once for all of them."},
+     "checked once for all of them; stream_bytes counts the bytes of every pair. Ids are an "
+     "address of int64s or a list (or tuple) of ints, checked here (ValueError)."},
+    {"streamed_calls", streamed, METH_NOARGS,
+     "streamed_calls()\n\nHow many calls so far wrote with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };
 

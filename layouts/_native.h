@@ -47,6 +47,7 @@ typedef struct {
     size_t elem, src_block_bytes, dst_block_bytes;
     atomic_llong next;              /* first unit not yet taken */
     atomic_int failed;              /* a scratch could not be allocated */
+    int stream;                     /* contiguous runs of a page or more: non-temporal stores */
 } job_t;
 
 /* Take chunks of `job`'s units on the calling thread until none are left. */

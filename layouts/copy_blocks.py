@@ -9,10 +9,13 @@ import torch
 
 from kvx.layouts._kernels import (
     BlockIdsLike,
+    LayersPlan,
     as_words,
     block_index,
     gather_scatter,
     gather_scatter_layers,
+    layers_plan,
+    native_ids,
     native_layers,
     word_bytes,
 )
@@ -92,9 +95,9 @@ class KVBlockCopier:
                 dst.device,
             )
             groups.setdefault(geometry, []).append((name, src, dst))
-        # Per group of layers: (word views of the first, every layer's src and dst addresses)
-        # for one native call, or None and each layer's own word views (the PyTorch path).
-        self._layers: list[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]] = []
+        # Per group of layers: the plan of one native call (geometry of the first layer's word
+        # views, every layer's src and dst addresses), or each layer's own word views.
+        self._layers: list[LayersPlan] = []
         self._single: list[tuple[torch.Tensor, torch.Tensor]] = []
         for pairs in groups.values():
             first, src, dst = pairs[0]
@@ -105,7 +108,7 @@ class KVBlockCopier:
                     dst_offset = wd.data_ptr() - dst.data_ptr()
                     src_addrs = [s.data_ptr() + src_offset for _, s, _ in pairs]
                     dst_addrs = [d.data_ptr() + dst_offset for _, _, d in pairs]
-                    self._layers.append((ws, src_addrs, wd, dst_addrs))
+                    self._layers.append(layers_plan(ws, src_addrs, wd, dst_addrs))
                 continue
             for name, s, d in pairs:  # one layer at a time (the PyTorch path, or a lone layer)
                 self._single += views if s is src else _word_views(spec, name, s, d)
@@ -118,6 +121,13 @@ class KVBlockCopier:
             _refuse_unpaired(n_src, n_dst)
         if n_src == 0:
             return
+        for plan in self._layers:  # lists go as they are (the kernel checks them); a tensor
+            # of ids is kept (`_*_kept`) until its call returns
+            src_ids, _src_kept = native_ids(src_block_ids, plan.src_blocks, "src_block_ids")
+            dst_ids, _dst_kept = native_ids(dst_block_ids, plan.dst_blocks, "dst_block_ids")
+            gather_scatter_layers(plan, src_ids, n_src, dst_ids, n_dst)
+        if not self._single:
+            return
         indices: dict[tuple[str, torch.device, int], torch.Tensor] = {}
 
         def index(arg: str, ids: BlockIdsLike, view: torch.Tensor) -> torch.Tensor:
@@ -126,15 +136,6 @@ class KVBlockCopier:
                 indices[key] = block_index(ids, view.shape[0], view.device, arg)
             return indices[key]
 
-        for ws, src_addrs, wd, dst_addrs in self._layers:
-            gather_scatter_layers(
-                ws,
-                src_addrs,
-                index("src_block_ids", src_block_ids, ws),
-                wd,
-                dst_addrs,
-                index("dst_block_ids", dst_block_ids, wd),
-            )
         for ws, wd in self._single:
             gather_scatter(
                 ws,

@@ -2,14 +2,6 @@
 
 import kvx
 
-kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec.in_package(
-        __package__,
-        "LMCacheConnectorV1",
-        config="LMCacheConfig",
-        aliases=("LMCacheConnector",),
-        summary="stores and loads KV chunks through LMCache (CPU, disk, redis://, lm://)",
-        requires=("lmcache",),
-        extra="lmcache",
-    )
+kvx_connectors = kvx.provides_connector(
+    __package__, "LMCacheConnectorV1", "LMCacheConfig", aliases="LMCacheConnector", needs="lmcache"
 )

@@ -1,4 +1,7 @@
-"""MultiConnector: compose several connectors (vLLM's MultiConnector semantics)."""
+"""MultiConnector: composes connectors: load from the first with a hit, save to all.
+
+vLLM's MultiConnector semantics.
+"""
 
 from kvx.plugins.multi.connector import MultiConnector
 from kvx.plugins.multi.metadata import MultiKVConnectorMetadata

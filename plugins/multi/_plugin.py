@@ -2,12 +2,6 @@
 
 import kvx
 
-kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec.in_package(
-        __package__,
-        "MultiConnector",
-        config="MultiConnectorConfig",
-        summary="composes connectors: load from the first with a hit, save to all",
-        child_configs_key="connectors",
-    )
+kvx_connectors = kvx.provides_connector(
+    __package__, "MultiConnector", "MultiConnectorConfig", child_configs_key="connectors"
 )

@@ -2,14 +2,6 @@
 
 import kvx
 
-kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec.in_package(
-        __package__,
-        "NixlConnector",
-        config="NixlConfig",
-        aliases=("NixlPullConnector",),
-        summary="prefill/decode hand-off: D reads P's KV blocks with NIXL (UCX) READs",
-        requires=("nixl",),
-        extra="nixl",
-    )
+kvx_connectors = kvx.provides_connector(
+    __package__, "NixlConnector", "NixlConfig", aliases="NixlPullConnector", needs="nixl"
 )

@@ -1,4 +1,4 @@
-"""OffloadingConnector: a CPU tier for KV blocks with LRU or ARC eviction."""
+"""OffloadingConnector: offloads KV chunks to a CPU tier (LRU or ARC) and loads them back async."""
 
 from kvx.plugins.offload.connector import OffloadingConnector
 

@@ -2,11 +2,4 @@
 
 import kvx
 
-kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec.in_package(
-        __package__,
-        "OffloadingConnector",
-        config="OffloadingConfig",
-        summary="offloads KV chunks to a CPU tier (LRU or ARC) and loads them back async",
-    )
-)
+kvx_connectors = kvx.provides_connector(__package__, "OffloadingConnector", "OffloadingConfig")

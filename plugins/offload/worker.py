@@ -36,6 +36,29 @@ def by_source(src: list[int], dst: list[int]) -> tuple[list[int], list[int]]:
     return [src[i] for i in order], [dst[i] for i in order]
 
 
+def _settled(error: Exception | None) -> Future[None]:
+    """A finished job's future: one shared done future when it succeeded (an inline copy then
+    builds no Future, whose lock and condition cost ~30 us when the forward has evicted them
+    from the caches), else a new one holding `error`."""
+    if error is None:
+        return _DONE
+    future: Future[None] = Future()
+    future.set_exception(error)
+    return future
+
+
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
+
+
+def _failed(future: Future[None]) -> bool | None:
+    """None while `future`'s job runs, else whether it failed (the shared done future without
+    taking its lock: a Future's every query takes it)."""
+    if future is _DONE:
+        return False
+    return None if not future.done() else future.exception() is not None
+
+
 class OffloadWorker(ConnectorWorker[OffloadMetadata]):
     def __init__(
         self,
@@ -100,7 +123,8 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         """Wait for every submitted store: preempted blocks may be overwritten next."""
         for jobs in self._stores.values():
             for future, _ in jobs:
-                future.exception()
+                if future is not _DONE:
+                    future.exception()
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         self._held.update(meta.held)
@@ -118,62 +142,74 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         stores, self._pending_stores = self._pending_stores, []
         if not stores:
             return
-        futures: list[Future[None]] = [Future() for _ in stores]
+        nbytes = sum(len(s.gpu_blocks) for s in stores) * self._block_bytes()
+        if self._inline(nbytes):
+            futures = [_settled(error) for error in self._store_step(stores)]
+        else:
+            futures = [Future() for _ in stores]
+            self._submit(self._settle_stores, stores, futures)
         for store, future in zip(stores, futures, strict=True):
             self._stores.setdefault(store.req_id, []).append((future, store.keys))
-        nbytes = sum(len(s.gpu_blocks) for s in stores) * self._block_bytes()
-        self._run(nbytes, self._store_step, stores, futures)
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
         """Queue `fn(*args)` on the copy thread, after every job queued before it."""
         self._last = self._pool.submit(fn, *args)
         return self._last
 
+    def _inline(self, nbytes: int) -> bool:
+        """Whether a copy of `nbytes` (-1: not only host memory) runs on this thread: at most
+        `inline_bytes`, and the copy thread idle (nothing may run out of order)."""
+        return 0 <= nbytes <= self.inline_bytes and (self._last is None or self._last.done())
+
     def _run(self, nbytes: int, fn: Callable[..., None], *args: Any) -> Future[None]:
-        """`fn(*args)` on this thread when it copies at most `inline_bytes` (`nbytes` >= 0) and
-        the copy thread is idle (nothing may run out of order), else queued on the copy thread;
+        """`fn(*args)` on this thread when `_inline(nbytes)`, else queued on the copy thread;
         a future either way."""
-        if not 0 <= nbytes <= self.inline_bytes or not (self._last is None or self._last.done()):
+        if not self._inline(nbytes):
             return self._submit(fn, *args)
-        future: Future[None] = Future()
         try:
             fn(*args)
         except Exception as exc:  # reported like a failed job of the copy thread
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-        return future
+            return _settled(exc)
+        return _settled(None)
 
     def _block_bytes(self) -> int:
         """Bytes of one engine block over every layer."""
         return self._block_nbytes
 
-    def _store_step(self, stores: list[StoreSpec], futures: list[Future[None]]) -> None:
-        """A step's stores in one block copy, settling each store's future; if that copy fails,
-        each store again on its own, so only the failing ones are reported failed."""
+    def _store_step(self, stores: list[StoreSpec]) -> list[Exception | None]:
+        """A step's stores in one block copy; if that copy fails, each store again on its own,
+        so only the failing ones are reported failed. Each store's error, or None."""
         try:
             self._store(
                 [b for s in stores for b in s.gpu_blocks],
                 [slot for s in stores for slot in s.slots],
             )
         except Exception:
-            for store, future in zip(stores, futures, strict=True):
+            errors: list[Exception | None] = []
+            for store in stores:
                 try:
                     self._store(store.gpu_blocks, store.slots)
                 except Exception as exc:
-                    future.set_exception(exc)
+                    errors.append(exc)
                 else:
-                    future.set_result(None)
-        else:
-            for future in futures:
+                    errors.append(None)
+            return errors
+        return [None] * len(stores)
+
+    def _settle_stores(self, stores: list[StoreSpec], futures: list[Future[None]]) -> None:
+        """`_store_step` on the copy thread, settling each store's future."""
+        for future, error in zip(futures, self._store_step(stores), strict=True):
+            if error is None:
                 future.set_result(None)
+            else:
+                future.set_exception(error)
 
     def _store(self, gpu_blocks: list[int], slots: list[int]) -> None:
         """One gather/scatter pass (kvx.layouts' block copy) of `gpu_blocks` into the chunk
         `slots`, `blocks_per_chunk` blocks per slot."""
         start = time.perf_counter()
         per = self.per_chunk
-        cpu_blocks = [s * per + o for s in slots for o in range(per)]
+        cpu_blocks = slots if per == 1 else [s * per + o for s in slots for o in range(per)]
         self._to_cpu(*by_source(gpu_blocks, cpu_blocks))
         nbytes = len(cpu_blocks) * self._block_bytes()
         self.stats.count("store", nbytes, time.perf_counter() - start)
@@ -258,20 +294,22 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         """Requests whose loads are done, and held requests with no store left."""
         recving = set()
         for req_id, future in list(self._loads.items()):
-            if future.done():
+            failed = _failed(future)
+            if failed is not None:
                 del self._loads[req_id]
                 recving.add(req_id)
-                if future.exception() is not None:
+                if failed:
                     self._load_errors.update(self._load_blocks.pop(req_id, []))
                 else:
                     self._load_blocks.pop(req_id, None)
         for req_id, jobs in list(self._stores.items()):
             still = []
             for future, keys in jobs:
-                if not future.done():
+                failed = _failed(future)
+                if failed is None:
                     still.append((future, keys))
                     continue
-                target = self._failed if future.exception() is not None else self._stored
+                target = self._failed if failed else self._stored
                 for key in keys:
                     target[key] = target.get(key, 0) + 1
             if still:

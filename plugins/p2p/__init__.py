@@ -1,2 +1,5 @@
-"""P2pNcclConnector: prefill/decode KV hand-off between engine workers, ZMQ control plane,
-NCCL data plane on CUDA and a ZMQ-frame data plane on CPU (vLLM's legacy P2P NCCL design)."""
+"""P2pNcclConnector: prefill/decode hand-off: P pushes (PUT, PUT_ASYNC) or D pulls (GET) KV
+between workers; ZMQ control, NCCL data on CUDA, ZMQ frames on CPU.
+
+vLLM's legacy P2P NCCL design.
+"""

@@ -2,13 +2,6 @@
 
 import kvx
 
-kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec.in_package(
-        __package__,
-        "P2pNcclConnector",
-        config="P2pConfig",
-        aliases=("P2pNcclConnectorV1",),
-        summary="prefill/decode hand-off: P pushes (PUT, PUT_ASYNC) or D pulls (GET) KV "
-        "between workers; ZMQ control, NCCL data on CUDA, ZMQ frames on CPU",
-    )
+kvx_connectors = kvx.provides_connector(
+    __package__, "P2pNcclConnector", "P2pConfig", aliases="P2pNcclConnectorV1"
 )

@@ -342,7 +342,9 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     XXH64_hash_t *digests = NULL;
     Py_buffer *parts = NULL;
     uint64_t *hashes = NULL; /* per value its key's hash, to find it in a segment file */
-    kvx_segment_cache_t segment = {0, 0, 0, NULL};
+    kvx_segment_cache_t segment = {0};
+    Py_ssize_t unsupported = -1; /* the first value found in a segment of an unknown version */
+    int unsupported_version = 0;
     if (kvx_hold_call(paths, heads, seeds, blocks, spec, PyBUF_WRITABLE, where, &call) < 0 ||
         kvx_hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0 ||
         (keys != Py_None && (hashes = kvx_key_hashes(keys, call.n)) == NULL))
@@ -368,20 +370,40 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         parts[0].buf = tops.buffers[i].buf;
         parts[0].len = tops.buffers[i].len;
         kvx_fill_parts(parts + 1, table, call.ids[i]);
-        Py_ssize_t total = tops.buffers[i].len + call.payload, base = 0;
+        Py_ssize_t total = tops.buffers[i].len + call.payload;
+        kvx_segment_value_t where = {0, 0, (Py_ssize_t)st.st_size, NULL, 0, 0};
         sizes[i] = (Py_ssize_t)st.st_size;
         if (hashes != NULL && sizes[i] > total) { /* a segment file holding several values? */
-            int found = kvx_segment_find(fd, &st, hashes[i], &segment, &base, &sizes[i]);
-            if (found < 0 || (found == 0 && segment.ino == st.st_ino && segment.dev == st.st_dev))
-                sizes[i] = -(Py_ssize_t)(found < 0 ? errno : ENOENT) - 1; /* not in it */
+            int found = kvx_segment_find(fd, &st, hashes[i], &segment, &where);
+            if (found == KVX_SEG_UNSUPPORTED && unsupported < 0) {
+                unsupported = i;
+                unsupported_version = segment.version;
+            }
+            if (found == KVX_SEG_FOUND) sizes[i] = where.head_len + where.length;
+            else if (found != KVX_SEG_NOT_SEGMENT) /* not in it, or unreadable: not read */
+                sizes[i] = -(Py_ssize_t)(found < 0 ? errno : found == KVX_SEG_NO_KEY ? ENOENT
+                                                                                      : EPROTO) - 1;
         }
+        if (sizes[i] == total && where.prefix != NULL && where.head_len != parts[0].len)
+            sizes[i] = -(Py_ssize_t)EINVAL - 1; /* a header of another length: never half-read */
         if (sizes[i] == total) {
             XXH3_state_t state;
             XXH3_64bits_reset(&state);
             XXH3_64bits_update(&state, call.named.buffers[i].buf,
                                (size_t)call.named.buffers[i].len);
-            Py_ssize_t got =
-                read_hashed_impl(fd, base, parts, table->n + 1, update, &state, s0, s1);
+            Py_ssize_t got, skip = 0;
+            if (where.prefix != NULL) { /* version 2: the header is in the segment's index */
+                unsigned char *head = parts[0].buf;
+                memcpy(head, where.prefix, (size_t)where.head_len - 8);
+                for (int b = 0; b < 8; b++)
+                    head[where.head_len - 8 + b] = (unsigned char)(where.checksum >> (8 * b));
+                if (update != NULL)
+                    hash_piece(update, &state, parts[0].buf, 0, where.head_len, s0, s1);
+                skip = where.head_len;
+            }
+            got = read_hashed_impl(fd, where.offset, parts + (skip ? 1 : 0),
+                                   table->n + (skip ? 0 : 1), update, &state, s0 - skip, s1 - skip);
+            if (got >= 0) got += skip;
             if (got < 0) sizes[i] = -(Py_ssize_t)errno - 1;
             else if (got != total) sizes[i] = got; /* shrank since fstat: no digest */
             else if (hashed) digests[i] = XXH3_64bits_digest(&state);
@@ -389,6 +411,14 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         close(fd);
     }
     Py_END_ALLOW_THREADS
+    if (unsupported >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: a segment file of version %d; this kvx reads segment versions 1 and %d "
+                     "(written by a newer kvx? load it with that one, or remove the file)",
+                     PyBytes_AS_STRING(call.named.paths[unsupported]), unsupported_version,
+                     KVX_SEG_VERSION);
+        goto done;
+    }
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
         Py_ssize_t total = tops.buffers[i].len + call.payload;
@@ -434,15 +464,17 @@ static PyMethodDef methods[] = {
      "digest is None and size the file's size, or None with the errno that stopped it. "
      "Without the GIL; `baseline` as for write_blocks. With `keys` (bytes, one per value), a "
      "file longer than the value that is a segment (write_segment) is read from the value of "
-     "keys[i] in it, and a segment without that key counts as absent (ENOENT). With "
-     "hashed=False nothing is hashed (digest is None) and a value of up to 1023 regions moves "
-     "in one preadv."},
+     "keys[i] in it (version 2: the header from the segment's index, the payload from the "
+     "file), and a segment without that key counts as absent (ENOENT); a segment of a version "
+     "other than 1 and 2 raises ValueError naming the file. With hashed=False nothing is "
+     "hashed (digest is None) and a value of up to 1023 regions moves in one preadv."},
     {"write_segment", kvx_write_segment, METH_VARARGS,
      "write_segment(paths, keys, tmp_path, seeds, prefix, regions, blocks, baseline=False, "
-     "mode=0o600) -> errnos: write every value as write_blocks would, back to back into one new "
-     "file tmp_path after a segment header indexing them by XXH3-64 of keys[i] (`_segment.c`), "
-     "then hard-link it as each paths[i] (replacing what is there) and remove tmp_path. Per "
-     "value 0, or the errno that stopped it. Without the GIL."},
+     "mode=0o600) -> errnos: write 1 to 4096 values as write_blocks would into one new file "
+     "tmp_path, a version-2 segment (`_segment.c`): the payloads back to back from a 2 MiB "
+     "boundary, after an index holding the common prefix and per value the XXH3-64 of keys[i] "
+     "and its checksum; then hard-link it as each paths[i] (replacing what is there) and "
+     "remove tmp_path. Per value 0, or the errno that stopped it. Without the GIL."},
     {"vector", vector, METH_NOARGS, "vector() -> 'avx2' or 'baseline': the XXH3 build in use."},
     {NULL, NULL, 0, NULL},
 };

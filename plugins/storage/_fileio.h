@@ -68,33 +68,48 @@ PyObject *kvx_write_blocks(PyObject *self, PyObject *args);
 PyObject *kvx_write_segment(PyObject *self, PyObject *args);
 
 /* Segment files (`_segment.c`). */
-#define KVX_SEG_VERSION 1
-#define KVX_SEG_FIXED 16
-#define KVX_SEG_ENTRY 24
+#define KVX_SEG_VERSION 2 /* written; version 1 is still read */
 #define KVX_SEG_ALIGN 4096
+#define KVX_SEG_DATA_ALIGN (2 << 20) /* where payloads start: a huge page's boundary */
 #define KVX_SEG_MAX_VALUES 4096
+
+/* What kvx_segment_find says of a file (or -1 with errno set when it cannot be read). */
+#define KVX_SEG_NOT_SEGMENT 0 /* not a well-formed segment: a value of its own, or damaged */
+#define KVX_SEG_FOUND 1
+#define KVX_SEG_NO_KEY 2      /* a segment that does not hold the key */
+#define KVX_SEG_UNSUPPORTED 3 /* a segment of a version this reader does not know */
 
 typedef struct { /* the index of the segment file last looked into */
     dev_t dev;
     ino_t ino;
+    int version; /* also set for KVX_SEG_UNSUPPORTED (then index is NULL) */
     Py_ssize_t count;
-    unsigned char *index; /* its header, malloc'd */
+    Py_ssize_t head_len, payload_len, data_start; /* version 2 */
+    unsigned char *index;                          /* its header, malloc'd */
 } kvx_segment_cache_t;
 
-/* Bytes before the first value of a segment of `count` values. */
-Py_ssize_t kvx_segment_header_len(Py_ssize_t count);
-/* Where value i of a segment of `count` values of `value_len` bytes (a header of `head_len`
- * bytes, then the payload) begins: its payload starts on a KVX_SEG_ALIGN boundary. */
-Py_ssize_t kvx_segment_value_at(Py_ssize_t count, Py_ssize_t i, Py_ssize_t head_len,
-                                Py_ssize_t value_len);
-/* Fill `out` (kvx_segment_header_len(count) bytes): value i (kvx_segment_value_at) under key
- * hash key_hashes[i]. */
+typedef struct { /* where one value lies in a segment */
+    Py_ssize_t index;          /* its place in the segment (version 2) */
+    Py_ssize_t offset, length; /* version 1: the whole value; version 2: its payload */
+    const unsigned char *prefix; /* version 2: its header up to the checksum (in the cache) */
+    Py_ssize_t head_len;       /* version 2: bytes of its header, checksum included */
+    uint64_t checksum;         /* version 2: its header's last 8 bytes */
+} kvx_segment_value_t;
+
+/* Bytes before the first payload's 2 MiB boundary holds the index (version 2). */
+Py_ssize_t kvx_segment_header_len(Py_ssize_t count, Py_ssize_t head_len);
+/* Where the payloads of a version-2 segment begin. */
+Py_ssize_t kvx_segment_data_start(Py_ssize_t count, Py_ssize_t head_len);
+/* Fill `out` (kvx_segment_header_len(count, head_len) bytes) with a version-2 index: value i,
+ * under key hash key_hashes[i], is `prefix` (head_len - 8 bytes) and checksums[i], then its
+ * payload of payload_len bytes. */
 void kvx_segment_header(unsigned char *out, Py_ssize_t count, const uint64_t *key_hashes,
-                        Py_ssize_t head_len, Py_ssize_t value_len);
-/* Where the value of key hash `key_hash` lies in the file `fd` (`st` its fstat): 1 with
- * `offset` and `length` set; 0 if the file is not a well-formed segment or has no such key;
- * -1 with errno set when it cannot be read. Without the GIL; keeps the index in `cache`. */
+                        const uint64_t *checksums, const unsigned char *prefix,
+                        Py_ssize_t head_len, Py_ssize_t payload_len);
+/* Where the value of key hash `key_hash` lies in the file `fd` (`st` its fstat): a KVX_SEG_*
+ * code (`value` set for KVX_SEG_FOUND), or -1 with errno set. Without the GIL; keeps the
+ * index in `cache`. */
 int kvx_segment_find(int fd, const struct stat *st, uint64_t key_hash,
-                     kvx_segment_cache_t *cache, Py_ssize_t *offset, Py_ssize_t *length);
+                     kvx_segment_cache_t *cache, kvx_segment_value_t *value);
 void kvx_segment_forget(kvx_segment_cache_t *cache);
 #endif

@@ -63,12 +63,12 @@ static Py_ssize_t write_hashed_impl(int fd, Py_buffer *views, Py_ssize_t n, kvx_
     return offset - start;
 }
 
-/* Allocate a new file's `size` bytes in one go: on ext4 one extent instead of a delayed
+/* Allocate `size` bytes of a new file from `offset` in one go: on ext4 one extent instead of a delayed
  * allocation per 4 KiB block as the data goes in, 10-20% of a write's time. 0, or the errno of
  * a real failure (a filesystem without fallocate is not one). */
-static int preallocate(int fd, Py_ssize_t size) {
+static int preallocate(int fd, Py_ssize_t offset, Py_ssize_t size) {
 #ifdef __linux__
-    if (size > 0 && fallocate(fd, 0, 0, (off_t)size) < 0)
+    if (size > 0 && fallocate(fd, 0, (off_t)offset, (off_t)size) < 0)
         return errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL ? 0 : errno;
 #endif
     return 0;
@@ -142,7 +142,7 @@ PyObject *kvx_write_blocks(PyObject *self, PyObject *args) {
             continue;
         }
         kvx_fill_parts(parts, table, call.ids[i]);
-        int error = preallocate(fd, head_len + call.payload);
+        int error = preallocate(fd, 0, head_len + call.payload);
         XXH3_state_t state;
         XXH3_64bits_reset(&state);
         XXH3_64bits_update(&state, call.named.buffers[i].buf, (size_t)call.named.buffers[i].len);
@@ -172,22 +172,20 @@ done:
     return result;
 }
 
-/* Write values i (header: `head` with its checksum; payload: the regions in `parts` of block
- * ids[i]) back to back into `fd` after a segment header; 0 or an errno. Without the GIL. */
-static int write_segment_values(int fd, const call_t *call, unsigned char *head,
-                                Py_ssize_t prefix_len, kvx_update_fn update, Py_buffer *parts) {
-    Py_ssize_t head_len = prefix_len + 8, value_len = head_len + call->payload;
+/* Write the payloads (the regions in `parts` of block ids[i]) back to back into `fd` from
+ * `start`, each hashed as it is written after its seed; its checksum into checksums[i]. 0 or
+ * an errno. Without the GIL. */
+static int write_segment_values(int fd, const call_t *call, Py_ssize_t start, kvx_update_fn update,
+                                Py_buffer *parts, uint64_t *checksums) {
     for (Py_ssize_t i = 0; i < call->n; i++) {
-        Py_ssize_t at = kvx_segment_value_at(call->n, i, head_len, value_len);
         kvx_fill_parts(parts, &call->table, call->ids[i]);
         XXH3_state_t state;
         XXH3_64bits_reset(&state);
         XXH3_64bits_update(&state, call->named.buffers[i].buf, (size_t)call->named.buffers[i].len);
-        if (write_hashed_impl(fd, parts, call->table.n, update, &state, at + head_len) < 0)
+        Py_ssize_t at = start + i * call->payload;
+        if (write_hashed_impl(fd, parts, call->table.n, update, &state, at) < 0)
             return errno;
-        XXH64_hash_t digest = XXH3_64bits_digest(&state);
-        for (int b = 0; b < 8; b++) head[prefix_len + b] = (unsigned char)(digest >> (8 * b));
-        if (kvx_write_all(fd, head, head_len, at) < 0) return errno;
+        checksums[i] = XXH3_64bits_digest(&state);
     }
     return 0;
 }
@@ -206,40 +204,42 @@ PyObject *kvx_write_segment(PyObject *self, PyObject *args) {
     call_t call;
     int *errors = NULL;
     Py_buffer *parts = NULL;
-    uint64_t *hashes = NULL;
-    unsigned char *head = NULL, *header = NULL;
+    uint64_t *hashes = NULL, *checksums = NULL;
+    unsigned char *header = NULL;
     char *alt = NULL;
     if (kvx_hold_call(paths, keys, seeds, blocks, spec, PyBUF_SIMPLE, where, &call) < 0 ||
         (hashes = kvx_key_hashes(call.fast[1], call.n)) == NULL)
         goto done;
-    Py_ssize_t n = call.n;
-    if (n > KVX_SEG_MAX_VALUES) {
-        PyErr_Format(PyExc_ValueError, "%zd values; a segment holds at most %d", n,
+    Py_ssize_t n = call.n, head_len = prefix.len + 8;
+    if (n < 1 || n > KVX_SEG_MAX_VALUES || head_len > 4096) {
+        PyErr_Format(PyExc_ValueError, "%zd values with a %zd-byte prefix; a segment holds 1 to "
+                     "%d values, each with a prefix of at most 4088 bytes", n, prefix.len,
                      KVX_SEG_MAX_VALUES);
         goto done;
     }
     const char *tmp = PyBytes_AS_STRING(tmp_obj);
     size_t tmp_len = (size_t)PyBytes_GET_SIZE(tmp_obj);
-    Py_ssize_t first = kvx_segment_header_len(n), value_len = prefix.len + 8 + call.payload;
-    errors = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int));
+    Py_ssize_t header_len = kvx_segment_header_len(n, head_len);
+    Py_ssize_t start = kvx_segment_data_start(n, head_len);
+    errors = PyMem_Calloc((size_t)n, sizeof(int));
+    checksums = PyMem_Calloc((size_t)n, sizeof(uint64_t));
     parts = PyMem_Calloc(call.table.n > 0 ? (size_t)call.table.n : 1, sizeof(Py_buffer));
-    head = PyMem_Malloc((size_t)prefix.len + 8);
-    header = PyMem_Malloc((size_t)first);
+    header = PyMem_Malloc((size_t)header_len);
     alt = PyMem_Malloc(tmp_len + 24);
-    if (errors == NULL || parts == NULL || head == NULL || header == NULL || alt == NULL) {
+    if (errors == NULL || checksums == NULL || parts == NULL || header == NULL || alt == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    memcpy(head, prefix.buf, (size_t)prefix.len);
-    kvx_segment_header(header, n, hashes, prefix.len + 8, value_len);
     Py_BEGIN_ALLOW_THREADS
     int error = 0;
     int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, (mode_t)mode);
     if (fd < 0) error = errno;
-    Py_ssize_t size = n > 0 ? kvx_segment_value_at(n, n - 1, prefix.len + 8, value_len) + value_len : first;
-    if (!error) error = preallocate(fd, size);
-    if (!error) error = write_segment_values(fd, &call, head, prefix.len, update, parts);
-    if (!error && kvx_write_all(fd, header, first, 0) < 0) error = errno;
+    if (!error) error = preallocate(fd, start, n * call.payload); /* the payloads; not the hole */
+    if (!error) error = write_segment_values(fd, &call, start, update, parts, checksums);
+    if (!error) {
+        kvx_segment_header(header, n, hashes, checksums, prefix.buf, head_len, call.payload);
+        if (kvx_write_all(fd, header, header_len, 0) < 0) error = errno;
+    }
     if (fd >= 0 && close(fd) < 0 && !error) error = errno;
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *path = PyBytes_AS_STRING(call.named.paths[i]);
@@ -260,7 +260,7 @@ PyObject *kvx_write_segment(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(alt);
     PyMem_Free(header);
-    PyMem_Free(head);
+    PyMem_Free(checksums);
     PyMem_Free(hashes);
     PyMem_Free(parts);
     PyMem_Free(errors);

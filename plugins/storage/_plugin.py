@@ -3,14 +3,8 @@ imported until a connector or backend is built)."""
 
 import kvx
 
-kvx_connectors = kvx.provides(
-    kvx.ConnectorSpec.in_package(
-        __package__,
-        "SharedStorageConnector",
-        config="SharedStorageConfig",
-        aliases=("ExampleConnector",),
-        summary="stores full KV blocks by prefix hash in files, object stores or Redis",
-    )
+kvx_connectors = kvx.provides_connector(
+    __package__, "SharedStorageConnector", "SharedStorageConfig", aliases="ExampleConnector"
 )
 
 kvx_storage_backends = kvx.provides(

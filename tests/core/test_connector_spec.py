@@ -73,3 +73,48 @@ def test_a_wrong_part_names_the_field(args: tuple[str | None, str], field: str) 
 def test_a_config_with_its_module_names_the_field() -> None:
     with pytest.raises(RegistryError, match=r"config='pkg.config:Cfg' is not a class name"):
         ConnectorSpec.in_package("pkg", "C", config="pkg.config:Cfg")
+
+
+def test_needs_is_the_module_and_the_extra_that_installs_it() -> None:
+    spec = ConnectorSpec.in_package("p", "C", needs="mylib", summary="s")
+    assert spec.requires == ("mylib",) and spec.extra == "mylib"
+    with pytest.raises(RegistryError, match=r"needs='mylib' is not given together with requires="):
+        ConnectorSpec.in_package("p", "C", needs="mylib", extra="other")
+    with pytest.raises(RegistryError, match=r"needs='my-lib' is not a top-level module name"):
+        ConnectorSpec.in_package("p", "C", needs="my-lib")
+
+
+def test_one_alias_may_be_given_as_a_string() -> None:
+    assert ConnectorSpec.in_package("p", "C", aliases="C1").aliases == ("C1",)
+    assert ConnectorSpec.in_package("p", "C", aliases=("C1", "C2")).aliases == ("C1", "C2")
+
+
+def test_the_summary_defaults_to_the_package_docstring() -> None:
+    import kvx.plugins.nixl
+
+    doc_first_line = (kvx.plugins.nixl.__doc__ or "").splitlines()[0]
+    assert doc_first_line == (
+        "NixlConnector: prefill/decode hand-off: D reads P's KV blocks with NIXL (UCX) READs."
+    )
+    spec = get_registry().connector("NixlConnector").spec
+    assert spec.summary == "prefill/decode hand-off: D reads P's KV blocks with NIXL (UCX) READs"
+    assert ConnectorSpec.in_package("kvx.plugins.nixl", "X", summary="mine").summary == "mine"
+    # A package that is not imported is not imported for its docstring.
+    assert ConnectorSpec.in_package("kvx_never_installed.pkg", "C").summary == ""
+
+
+def test_a_two_line_first_paragraph_becomes_one_line() -> None:
+    summary = get_registry().connector("P2pNcclConnector").spec.summary
+    assert summary.startswith("prefill/decode hand-off: P pushes") and "\n" not in summary
+    assert "KV between workers" in summary and not summary.endswith(".")
+
+
+def test_provides_connector_is_the_whole_hook() -> None:
+    import kvx
+
+    hook = kvx.provides_connector("pkg", "C", "Cfg", aliases="C1", needs="lib", summary="s")
+    (spec,) = hook()
+    assert spec == ConnectorSpec.in_package(
+        "pkg", "C", "Cfg", aliases="C1", needs="lib", summary="s"
+    )
+    assert getattr(hook, "kvx_impl", None) is not None  # marked with @kvx.hookimpl

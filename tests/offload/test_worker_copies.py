@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 import kvx
 from kvx import EngineContext, KVCacheSpec, KVConnectorRole, KVTransferConfig, ParallelInfo
 from kvx.layouts import NHD
+from kvx.plugins.offload import worker as worker_module
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, OffloadWorkerMeta, StoreSpec
 from kvx.plugins.offload.worker import OffloadWorker, by_source
 
@@ -116,6 +118,28 @@ def test_small_copies_run_on_the_calling_thread_when_idle(make_worker: Any) -> N
     assert worker._loads["b"].done() and seen == [threading.get_ident()] * 2
     expect_copied(gpu_before, caches, {12: blocks(gpu_before, 7), 0: blocks(gpu_before, 3)})
     assert worker.get_finished(set()) == (set(), {"b"})
+
+
+def test_inline_copies_that_succeed_build_no_future(make_worker: Any) -> None:
+    """A successful inline store or load is reported through one shared done future (a new
+    Future's lock and condition are a third of a small step's cost once the forward evicted
+    them from the caches); the bytes and what get_finished reports are unchanged."""
+    worker, caches = make_worker()
+    gpu_before = {n: t.clone() for n, t in caches.items()}
+    cpu_before = {n: t.clone() for n, t in worker.cpu.items()}
+
+    def no_future() -> None:
+        raise AssertionError("an inline copy built a Future")
+
+    with patch.object(worker_module, "Future", no_future):
+        step(worker, OffloadMetadata(stores=[StoreSpec("a", ["k3", "k7"], [5, 1], [3, 7])]))
+        step(worker, OffloadMetadata(loads=[LoadSpec("b", [12, 0], [1, 5], [0, 0])]))
+        assert worker.get_finished(set()) == (set(), {"b"})
+    expect_copied(cpu_before, worker.cpu, {5: blocks(caches, 3), 1: blocks(caches, 7)})
+    expect_copied(gpu_before, caches, {12: blocks(gpu_before, 7), 0: blocks(gpu_before, 3)})
+    meta = worker.take_worker_meta()
+    assert isinstance(meta, OffloadWorkerMeta)
+    assert meta.stored == {"k3": 1, "k7": 1} and meta.failed == {}
 
 
 @pytest.mark.parametrize("case", ["inline_copy_bytes 0", "bigger than inline_copy_bytes"])

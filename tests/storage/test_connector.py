@@ -115,8 +115,9 @@ def corrupt_file(tmp_path: Path, key: str) -> None:
     data = bytearray(path.read_bytes())
     with path.open("rb") as f:
         name = path.relative_to(tmp_path).as_posix()
-        start, length = segments.locate(f.fileno(), len(data), name) or (0, len(data))
-    data[start + length // 2] ^= 0x40
+        where = segments.locate(f.fileno(), len(data), name)
+    start, length = (where.offset, where.length) if where else (0, len(data))
+    data[start + length // 2] ^= 0x40  # in the payload
     path.write_bytes(bytes(data))
 
 

@@ -25,6 +25,7 @@ from kvx import (
 from kvx.engine.disagg import baseline_tokens
 from kvx.engine.engine import Engine, EngineConfig
 from kvx.engine.scheduler import RequestOutput
+from kvx.plugins.storage.backends import segments
 
 BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16)
 MAX_TOKENS = 4
@@ -105,8 +106,13 @@ def _truncate(value: bytes) -> bytes:
 
 
 def _flip(value: bytes) -> bytes:
+    """Flip 8 bytes in the middle of the stored payloads (a version-2 segment file keeps them
+    after a hole, from its data_start on)."""
     data = bytearray(value)
-    middle = len(data) // 2
+    start = 0
+    if data[:4] == segments.MAGIC:
+        start = segments.V2_FIXED.unpack_from(data)[-1]
+    middle = (start + len(data)) // 2
     data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
     return bytes(data)
 

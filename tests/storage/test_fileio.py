@@ -259,11 +259,9 @@ def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
     value = 64 + 6000
     with open(tmp_path / keys[0], "rb") as f:
         where = [segments.locate(f.fileno(), stats[0].st_size, key) for key in keys]
-    # each payload starts on a page (a write never begins inside one), values in batch order
-    slot = 4096 + 8192  # the header's page, then the payload's pages
-    first = segments.header_len(3) + 4096 - 64
-    assert where == [(first + i * slot, value) for i in range(3)]
-    assert stats[0].st_size == first + 2 * slot + value
+    # version 2: payloads back to back from 2 MiB, in batch order; headers in the index
+    assert [(w.offset, w.length) for w in where] == [((2 << 20) + i * 6000, 6000) for i in range(3)]
+    assert stats[0].st_size == (2 << 20) + 3 * 6000
     dst, dst_table = _cache(5, 3000)
     dst[:] = bytes(len(dst))
     heads = [bytearray(64) for _ in keys]
@@ -275,6 +273,9 @@ def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
     for got, want in ((0, 4), (1, 0), (3, 2)):
         for half in (0, 5):
             assert dst[(half + got) * 3000 :][:3000] == src[(half + want) * 3000 :][:3000]
+    for untouched in (2, 4):  # blocks no value was read into
+        for half in (0, 5):
+            assert dst[(half + untouched) * 3000 :][:3000] == bytes(3000)
     # the Python read paths (values read into buffers, get_many) find the same values
     plain = backend.get_many(keys, value)
     rows = [memoryview(bytearray(value)) for _ in keys]
@@ -293,24 +294,23 @@ def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
 
 
 def test_segments_written_back_to_back_still_load(tmp_path: Path) -> None:
-    """Segments from before page-aligned payloads (values back to back after the index) are
-    found through their index and read whole, by the native and the Python read paths."""
+    """Version-1 segments from before page-aligned payloads (values back to back after the
+    index) are found through their index and read whole, by the native and the Python read
+    paths."""
     backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
     src, table = _cache(3, 3000)
     keys = ["ns/a", "ns/b", "ns/c"]
     seeds = [k.encode() + b"p" * 56 for k in keys]
     backend.put_blocks_hashed(keys, seeds, b"p" * 56, table, [2, 0, 1])
-    value, data = 64 + 6000, (tmp_path / keys[0]).read_bytes()
-    with open(tmp_path / keys[0], "rb") as f:
-        spans = [segments.locate(f.fileno(), len(data), key) for key in keys]
-    values = [data[at : at + n] for at, n in spans]  # type: ignore[misc]
+    value = 64 + 6000
+    values = backend.get_many(keys, value)  # whole values: header, then payload
     hlen = segments.header_len(3)
-    index = segments.FIXED.pack(segments.MAGIC, segments.VERSION, 0, 0, 3, hlen) + b"".join(
+    index = segments.FIXED.pack(segments.MAGIC, 1, 0, 3, hlen) + b"".join(
         segments.ENTRY.pack(xxhash.xxh3_64_intdigest(key.encode()), hlen + i * value, value)
         for i, key in enumerate(keys)
     )
     old = index + xxhash.xxh3_64_intdigest(index).to_bytes(8, "little")
-    old = old.ljust(hlen, b"\0") + b"".join(values)
+    old = old.ljust(hlen, b"\0") + b"".join(v or b"" for v in values)
     for key in keys:  # one old segment, linked under every key
         (tmp_path / key).unlink()
     (tmp_path / keys[0]).write_bytes(old)

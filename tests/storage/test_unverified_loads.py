@@ -81,8 +81,8 @@ def test_unverified_loads_go_native_and_refuse_torn_values(
     with path.open("rb") as f:
         name = path.relative_to(tmp_path).as_posix()
         size = path.stat().st_size
-        start, length = segments.locate(f.fileno(), size, name) or (0, size)
-        value = f.read()[start : start + length]
+        where = segments.locate(f.fileno(), size, name) or segments.Located(b"", 0, size)
+        value = where.head + f.read()[where.offset : where.offset + where.length]
     path.unlink()  # other keys keep the segment file
     path.write_bytes(value[:-100])
     again = make_rig(url, extra={"verify_checksums": False})

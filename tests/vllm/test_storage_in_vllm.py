@@ -138,10 +138,15 @@ def noisy_copy(stored: Stored, dest: Path, prompt: int) -> int:
             data = bytearray(path.read_bytes())
             with path.open("rb") as f:  # its own file, or its place in a segment file
                 name = path.relative_to(dest).as_posix()
-                start, size = segments.locate(f.fileno(), len(data), name) or (0, len(data))
-            payload = (size - HEADER.size) // 4
-            noise = torch.randn(payload, generator=gen).numpy().tobytes()
-            data[start + HEADER.size : start + size] = noise
+                where = segments.locate(f.fileno(), len(data), name)
+            # the payload: after the header in its own file, where the index says in a segment
+            # (version 2: the header is in the index; version 1: at the value's offset)
+            start, end = (HEADER.size, len(data))
+            if where is not None:
+                start = where.offset + (0 if where.head else HEADER.size)
+                end = where.offset + where.length
+            noise = torch.randn((end - start) // 4, generator=gen).numpy().tobytes()
+            data[start:end] = noise
             path.write_bytes(bytes(data))
             changed += 1
     return changed

@@ -125,10 +125,11 @@ class FsspecBackend(StorageBackend):
         try:
             if self.local:
                 with open(path, "rb", buffering=0) as raw:
-                    where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key)
+                    where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key, path)
                     if where is None:
                         return raw.read(max_bytes + 1)
-                    return os.pread(raw.fileno(), min(where[1], max_bytes + 1), where[0])
+                    want = min(where.size, max_bytes + 1) - len(where.head)
+                    return where.head + os.pread(raw.fileno(), max(want, 0), where.offset)
             with self.fs.open(path, "rb") as f:
                 data: bytes = f.read(max_bytes + 1)
                 return data
@@ -168,12 +169,17 @@ class FsspecBackend(StorageBackend):
             logger.warning("kvx storage: cannot read %s: %s", path, exc)
             return None
         try:
-            size, start = os.fstat(fd).st_size, 0
-            if size > total and (where := locate(fd, size, key)) is not None:
-                start, size = where  # one of the values of a segment file
+            size, start, head = os.fstat(fd).st_size, 0, b""
+            if size > total and (where := locate(fd, size, key, path)) is not None:
+                start, size, head = where.offset, where.size, where.head  # in a segment file
             if size != total:
                 return size
-            views, i, got = byte_views(parts), 0, 0
+            views, i = byte_views(parts), 0
+            if head:  # version 2: the value's header came from the segment's index
+                copy_into(_cut(views, len(head)), head)
+                i = advance(views, 0, len(head))
+                start -= len(head)  # file offsets below count the header's bytes too
+            got = len(head)
             while i < len(views):
                 n = os.preadv(fd, views[i : i + _IOV_MAX], start + got)
                 if n == 0:
@@ -332,6 +338,17 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     views, i = byte_views(parts), 0
     while i < len(views):
         i = advance(views, i, os.writev(fd, views[i : i + _IOV_MAX]))
+
+
+def _cut(views: list[memoryview], n: int) -> list[memoryview]:
+    """The views covering the first `n` bytes of their concatenation (the last one cut)."""
+    out: list[memoryview] = []
+    for view in views:
+        if n <= 0:
+            break
+        out.append(view[:n])
+        n -= len(view)
+    return out
 
 
 _IOV_MAX = iov_max()
