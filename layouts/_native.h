@@ -1,5 +1,6 @@
-/* Shared by kvx.layouts._native's two files: the copy planning and walking (_native.c) and
- * the thread pool that runs a call's units on several cores (_native_pool.c). */
+/* Shared by kvx.layouts._native's three files: the Python entry points (_native.c), the copy
+ * planning and walking (_native_walk.c) and the thread pool that runs a call's units on several
+ * cores (_native_pool.c). */
 #ifndef KVX_LAYOUTS_NATIVE_H
 #define KVX_LAYOUTS_NATIVE_H
 
@@ -49,6 +50,17 @@ typedef struct {
     atomic_int failed;              /* a scratch could not be allocated */
     int stream;                     /* contiguous runs of a page or more: non-temporal stores */
 } job_t;
+
+/* Whether this CPU can stream (see job_t.stream): x86-64 with AVX2. */
+__attribute__((visibility("hidden"))) int can_stream(void);
+
+/* The walk that copies one block of `s` to (to_scratch) or from a contiguous scratch. */
+__attribute__((visibility("hidden"))) void plan_scratch(const side_t *s, size_t elem,
+                                                        int to_scratch, walk_t *w);
+
+/* The direct copy of a unit from `src` to `dst`, if their block shapes nest (else 0). */
+__attribute__((visibility("hidden"))) int plan_direct(const side_t *src, const side_t *dst,
+                                                      size_t elem, direct_t *p);
 
 /* Take chunks of `job`'s units on the calling thread until none are left. */
 __attribute__((visibility("hidden"))) void run_job(job_t *job);
