@@ -73,6 +73,31 @@ def _read_native(
     return out, heads, dst
 
 
+def _check_native_reads(
+    backend: FsspecBackend,
+    keys: list[str],
+    payloads: list[bytes],
+    targets: list[int],
+    untouched: int,
+) -> list[bytearray]:
+    """Read `keys` natively into blocks `targets`, with and without checksums: every byte of
+    each payload lands, each header and checksum is the writer's, block `untouched` stays zero.
+    Returns the headers read."""
+    size, value = V1_SHAPE.layer_bytes, V1_SHAPE.value_bytes
+    for checksum in (True, False):
+        out, heads, dst = _read_native(backend, keys, targets, checksum)
+        assert [o[0] for o in out] == [value] * len(keys)
+        for (_, digest), head, key, payload, target in zip(
+            out, heads, keys, payloads, targets, strict=True
+        ):
+            assert bytes(head[: CHECKSUM_SPAN[0]]) == header_prefix(V1_SHAPE)
+            assert checksum_ok(key, head, [memoryview(payload)])  # the checksum the writer hashed
+            assert digest == (stored_checksum(head) if checksum else None)
+            assert _block(dst, 3, 4, size, target) == payload
+        assert _block(dst, 3, 4, size, untouched) == bytes(3 * size)  # no value was read into it
+    return heads
+
+
 def test_v2_segments_hold_payloads_back_to_back_and_round_trip_every_byte(tmp_path: Path) -> None:
     keys, blocks = ["ns/a", "ns/b", "ns/c"], [3, 0, 2]
     backend, src = _v2_store(tmp_path, keys, blocks)
@@ -84,17 +109,7 @@ def test_v2_segments_hold_payloads_back_to_back_and_round_trip_every_byte(tmp_pa
     assert (magic, version, zero, count, head_len) == (b"KVXS", 2, 0, 3, HEADER.size)
     assert (payload_len, start) == (V1_SHAPE.payload_bytes, 2 << 20)
     assert data[start:] == b"".join(payloads)  # back to back, nothing between or after
-    for checksum in (True, False):
-        out, heads, dst = _read_native(backend, keys, [1, 2, 0], checksum)
-        assert [o[0] for o in out] == [value] * 3
-        for (_, digest), head, key, payload, target in zip(
-            out, heads, keys, payloads, [1, 2, 0], strict=True
-        ):
-            assert bytes(head[: CHECKSUM_SPAN[0]]) == header_prefix(V1_SHAPE)
-            assert checksum_ok(key, head, [memoryview(payload)])  # the checksum the writer hashed
-            assert digest == (stored_checksum(head) if checksum else None)
-            assert _block(dst, 3, 4, size, target) == payload
-        assert _block(dst, 3, 4, size, 3) == bytes(3 * size)  # no value was read into it
+    heads = _check_native_reads(backend, keys, payloads, [1, 2, 0], untouched=3)
     whole = [bytes(h) + p for h, p in zip(heads, payloads, strict=True)]
     assert backend.get_many(keys, value) == whole  # the Python read paths
     rows = [memoryview(bytearray(value)) for _ in keys]
@@ -119,17 +134,7 @@ def test_stored_version_1_segments_still_load(tmp_path: Path) -> None:
     src, _ = _cache(3, 4, V1_SHAPE.layer_bytes)
     payloads = [_block(src, 3, 4, V1_SHAPE.layer_bytes, b) for b in V1_BLOCKS]
     value = V1_SHAPE.value_bytes
-    for checksum in (True, False):
-        out, heads, dst = _read_native(backend, V1_KEYS, [0, 1, 3], checksum)
-        assert [o[0] for o in out] == [value] * 3
-        for (_, digest), head, key, payload, target in zip(
-            out, heads, V1_KEYS, payloads, [0, 1, 3], strict=True
-        ):
-            assert bytes(head[: CHECKSUM_SPAN[0]]) == header_prefix(V1_SHAPE)
-            assert checksum_ok(key, head, [memoryview(payload)])
-            assert digest == (stored_checksum(head) if checksum else None)
-            assert _block(dst, 3, 4, V1_SHAPE.layer_bytes, target) == payload
-        assert _block(dst, 3, 4, V1_SHAPE.layer_bytes, 2) == bytes(3 * V1_SHAPE.layer_bytes)
+    heads = _check_native_reads(backend, V1_KEYS, payloads, [0, 1, 3], untouched=2)
     whole = [bytes(h) + p for h, p in zip(heads, payloads, strict=True)]
     assert backend.get_many(V1_KEYS, value) == whole
 
