@@ -16,6 +16,8 @@ import kvx
 from kvx import (
     ForwardContext,
     KVCacheBlocks,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVTransferConfig,
     NewRequestData,
@@ -86,28 +88,34 @@ class StorageCase:
         assert self.load_meta.loads and not self.load_meta.stores
 
     def save(self) -> None:
-        worker = self.producer
-        worker.bind_connector_metadata(self.save_meta)
-        worker.start_load_kv(ForwardContext(kv_caches=self.kv.src))
-        for name in self.kv.layers:
-            worker.wait_for_layer_load(name)
-            worker.save_kv_layer(name, self.kv.src[name], None)
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
-        stats = worker.get_kv_connector_stats()
+        self._forward(self.producer, self.save_meta, self.kv.src, save=True)
+        stats = self.producer.get_kv_connector_stats()
         if stats is not None and stats.data.get("save_errors"):
             raise SystemExit(f"saving through {self.producer} failed: {stats.data}")
 
     def load(self) -> None:
-        worker = self.consumer
-        worker.bind_connector_metadata(self.load_meta)
-        worker.start_load_kv(ForwardContext(kv_caches=self.kv.dst))
+        self._forward(self.consumer, self.load_meta, self.kv.dst, save=False)
+        if self.consumer.get_block_ids_with_load_errors():
+            raise SystemExit("the storage connector reported load errors")
+
+    def _forward(
+        self,
+        worker: KVConnectorBase_V1,
+        meta: KVConnectorMetadata,
+        caches: dict[str, torch.Tensor],
+        *,
+        save: bool,
+    ) -> None:
+        """One engine step of `worker` as vLLM's forward drives it: bind `meta`, start loads,
+        wait for each layer (and save it, when `save`), wait for the saves, clear."""
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(ForwardContext(kv_caches=caches))
         for name in self.kv.layers:
             worker.wait_for_layer_load(name)
+            if save:
+                worker.save_kv_layer(name, caches[name], None)
         worker.wait_for_save()
         worker.clear_connector_metadata()
-        if worker.get_block_ids_with_load_errors():
-            raise SystemExit("the storage connector reported load errors")
 
     def close(self) -> None:
         for connector in (self.producer, self.consumer, self.scheduler):
