@@ -4,7 +4,7 @@ transfer plan, which P ranks this worker notifies, and the descriptor lists prep
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +12,13 @@ import torch
 
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.handshake import (
+    MAX_IDS_PER_NOTIFICATION,
     AgentMetadata,
     HandshakeError,
+    Notification,
     compatibility_hash,
     differing_factors,
+    seal_notification,
 )
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.regions import heads_outermost_in_block
@@ -249,6 +252,19 @@ class RemoteEngine:
             raise ValueError(
                 f"remote_block_ids {bad[:4]} are outside P's {self.block_limit} blocks"
             )
+
+    def sealed(self, note: Notification, secret: str | None) -> Iterator[tuple[str, bytes]]:
+        """(agent, message) for each worker of this engine D tells, with the reads it expects:
+        `note` sealed in pieces of at most `MAX_IDS_PER_NOTIFICATION` request ids (P refuses a
+        larger one whole)."""
+        ids = note.request_ids
+        for i in range(0, len(ids), MAX_IDS_PER_NOTIFICATION):
+            piece = ids[i : i + MAX_IDS_PER_NOTIFICATION]
+            for key, count in self.notify.items():
+                yield (
+                    self.agents[key],
+                    seal_notification(secret, Notification(note.kind, piece, count)),
+                )
 
     def remote_dlist(self, key: RankKey, head_offset: int, num_heads: int, make: Callable) -> Any:
         """The prepared descriptor list of remote worker `key` (cached)."""

@@ -23,13 +23,11 @@ from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
 from kvx.plugins.nixl.handshake import (
-    MAX_IDS_PER_NOTIFICATION,
     AgentMetadata,
     Notification,
     Region,
     compatibility_factors,
     open_notification,
-    seal_notification,
 )
 from kvx.plugins.nixl.hugepages import collapse_to_huge_pages
 from kvx.plugins.nixl.leases import Leases
@@ -415,14 +413,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- D: notifications -----------------------------------------------------------------
 
     def _notify(self, remote: RemoteEngine, note: Notification) -> None:
-        for key, count in remote.notify.items():
-            message = seal_notification(
-                self.secret, Notification(note.kind, note.request_ids, count)
-            )
+        for agent, message in remote.sealed(note, self.secret):
             try:
-                self.agent.send_notif(remote.agents[key], message)
+                self.agent.send_notif(agent, message)
             except Exception as exc:
-                logger.warning("notifying %s failed: %s", remote.agents[key], exc)
+                logger.warning("notifying %s failed: %s", agent, exc)
                 self.stats.count("num_failed_notifications")
 
     def _send_done(self) -> None:
@@ -430,8 +425,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         all its requests (one seal and one send instead of one per request)."""
         done, self._done = self._done, {}
         for remote, ids in done.values():
-            for i in range(0, len(ids), MAX_IDS_PER_NOTIFICATION):
-                self._notify(remote, Notification("done", ids[i : i + MAX_IDS_PER_NOTIFICATION]))
+            self._notify(remote, Notification("done", ids))
 
     def _heartbeat(self) -> None:
         """While reads are in flight, tell P to keep the blocks (vLLM's lease heartbeats)."""

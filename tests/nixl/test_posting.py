@@ -16,7 +16,12 @@ import pytest
 from kvx.engine.disagg import DisaggregatedPair, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.engine.server import LocalEngine
-from kvx.plugins.nixl.handshake import AgentMetadata, Notification
+from kvx.plugins.nixl.handshake import (
+    MAX_IDS_PER_NOTIFICATION,
+    AgentMetadata,
+    Notification,
+    open_notification,
+)
 from kvx.plugins.nixl.posting import DirectRead, ReadJob, ReadPoster, RegionPairs
 from kvx.plugins.nixl.remote import RemoteEngine
 from kvx.plugins.nixl.worker import NixlWorker
@@ -158,3 +163,26 @@ def test_a_refused_post_fails_only_its_request(pair: DisaggregatedPair, monkeypa
 
 def _count(engine: LocalEngine, key: str) -> int:
     return sum(int(s.to_dict().get(key, 0)) for s in engine.engine.kv_stats)
+
+
+@pytest.mark.timeout(120)
+def test_a_notification_over_the_id_bound_goes_in_pieces_p_accepts(
+    pair: DisaggregatedPair,
+) -> None:
+    """D heartbeats more request ids than one notification may carry: they go in pieces
+    within the bound, so P refuses none (a piece over the bound is refused whole), and the
+    pair keeps loading byte-exact."""
+    assert isinstance(pair.decode, LocalEngine) and isinstance(pair.prefill, LocalEngine)
+    worker = pair.decode.engine.workers[0].connector.worker
+    assert isinstance(worker, NixlWorker)
+    (remote,) = worker._remotes.values()
+    ids = [f"absent-{i}" for i in range(MAX_IDS_PER_NOTIFICATION + 5)]
+    assert [
+        len(open_notification(worker.secret, m).request_ids)
+        for _, m in remote.sealed(Notification("heartbeat", ids), worker.secret)
+    ] == [MAX_IDS_PER_NOTIFICATION, 5]
+    refused_before = _count(pair.prefill, "num_refused_notifications")
+    worker._notify(remote, Notification("heartbeat", ids))
+    report = pair.run({"after": prompt(30, 17)}, 2)  # P polls its notifications meanwhile
+    assert report.results["after"].identical and not report.kv_mismatches
+    assert _count(pair.prefill, "num_refused_notifications") == refused_before
