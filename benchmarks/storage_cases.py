@@ -6,6 +6,7 @@ the raw baselines of storage_baselines.py."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,26 @@ from kvx import (
 from kvx.plugins.offload.metadata import LoadSpec, OffloadMetadata, StoreSpec
 
 # -- SharedStorageConnector ---------------------------------------------------------------------
+
+
+def forward_step(
+    worker: KVConnectorBase_V1,
+    meta: KVConnectorMetadata,
+    caches: dict[str, torch.Tensor],
+    layers: Sequence[str] = (),
+    *,
+    save: bool = False,
+) -> None:
+    """One engine step of `worker` as vLLM's forward drives it: bind `meta`, start loads, wait
+    for each of `layers` (and save it, when `save`), wait for the saves, clear."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(ForwardContext(kv_caches=caches))
+    for name in layers:
+        worker.wait_for_layer_load(name)
+        if save:
+            worker.save_kv_layer(name, caches[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
 
 
 def plan_step(
@@ -88,34 +109,15 @@ class StorageCase:
         assert self.load_meta.loads and not self.load_meta.stores
 
     def save(self) -> None:
-        self._forward(self.producer, self.save_meta, self.kv.src, save=True)
+        forward_step(self.producer, self.save_meta, self.kv.src, self.kv.layers, save=True)
         stats = self.producer.get_kv_connector_stats()
         if stats is not None and stats.data.get("save_errors"):
             raise SystemExit(f"saving through {self.producer} failed: {stats.data}")
 
     def load(self) -> None:
-        self._forward(self.consumer, self.load_meta, self.kv.dst, save=False)
+        forward_step(self.consumer, self.load_meta, self.kv.dst, self.kv.layers)
         if self.consumer.get_block_ids_with_load_errors():
             raise SystemExit("the storage connector reported load errors")
-
-    def _forward(
-        self,
-        worker: KVConnectorBase_V1,
-        meta: KVConnectorMetadata,
-        caches: dict[str, torch.Tensor],
-        *,
-        save: bool,
-    ) -> None:
-        """One engine step of `worker` as vLLM's forward drives it: bind `meta`, start loads,
-        wait for each layer (and save it, when `save`), wait for the saves, clear."""
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(ForwardContext(kv_caches=caches))
-        for name in self.kv.layers:
-            worker.wait_for_layer_load(name)
-            if save:
-                worker.save_kv_layer(name, caches[name], None)
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
 
     def close(self) -> None:
         for connector in (self.producer, self.consumer, self.scheduler):
@@ -155,19 +157,13 @@ class OffloadCase:
 
     def save(self) -> None:
         worker = self.worker
-        worker.bind_connector_metadata(self.store_meta)
-        worker.start_load_kv(ForwardContext(kv_caches=self.caches))
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
+        forward_step(worker, self.store_meta, self.caches)
         worker.handle_preemptions(set())  # returns when every submitted store is done
         worker.get_finished(set())
 
     def load(self) -> None:
         worker = self.worker
-        worker.bind_connector_metadata(self.load_meta)
-        worker.start_load_kv(ForwardContext(kv_caches=self.caches))
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
+        forward_step(worker, self.load_meta, self.caches)
         while True:
             _, recving = worker.get_finished(set())
             if recving:
