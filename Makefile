@@ -22,7 +22,7 @@ TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 INSTALL_TORCH = $(1) -m pip install --quiet '$(TORCH)' 2>/dev/null || $(1) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) '$(TORCH)'
 
-NATIVE_SOURCES := layouts/_native.c layouts/_native_walk.c layouts/_native_pool.c layouts/_native.h plugins/storage/_fileio.c plugins/storage/_filewrite.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
+NATIVE_SOURCES := layouts/_native.c layouts/_native_walk.c layouts/_native_pool.c layouts/_native.h plugins/storage/_fileio.c plugins/storage/_fileread.c plugins/storage/_filewrite.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
 
 $(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
 	$(NEED_PYTHON)

@@ -1,5 +1,5 @@
 /* Read stored values from files into the KV cache, checksumming them in the same pass, without
- * the GIL; the module's method table (writes: `_filewrite.c`).
+ * the GIL; the module's method table (reads: `_fileread.c`, writes: `_filewrite.c`).
  *
  * A stored value (header, then every layer's K and V of one block) lives in the engine's KV
  * cache as many scattered regions. `write_blocks` / `read_blocks` take a batch of values as
@@ -18,83 +18,15 @@
 #include <Python.h>
 
 #include <errno.h>
-#include <fcntl.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <sys/uio.h>
-#include <unistd.h>
 
 #include "_fileio.h"
-
-#define CHUNK_BYTES (256 * 1024) /* read, then hashed while in the L2 cache */
-#define CHUNK_IOVS 64
-#define MAX_IOVS 1024 /* IOV_MAX on Linux: a whole value per preadv when nothing is hashed */
 
 void kvx_update_baseline(XXH3_state_t *state, const void *data, size_t len) {
     XXH3_64bits_update(state, data, len);
 }
 
 kvx_update_fn kvx_best_update = kvx_update_baseline;
-
-/* Hash `len` bytes of the stream at offset `at` from `data`, leaving out [s0, s1). */
-static void hash_piece(kvx_update_fn update, XXH3_state_t *state, const char *data, Py_ssize_t at,
-                       Py_ssize_t len, Py_ssize_t s0, Py_ssize_t s1) {
-    Py_ssize_t end = at + len;
-    if (end <= s0 || at >= s1) {
-        update(state, data, (size_t)len);
-        return;
-    }
-    if (at < s0) update(state, data, (size_t)(s0 - at));
-    if (end > s1) update(state, data + (s1 - at), (size_t)(end - s1));
-}
-
-/* Read from `fd` (offset `base` on) straight into the buffers until they are full or the file
- * ends, about CHUNK_BYTES per preadv, hashing each chunk right after it is read (while it is
- * in the cache; `s0`, `s1` count from `base`); without `update`, nothing is hashed and each
- * preadv takes up to MAX_IOVS buffers whatever their size. The bytes read, or -1 with errno
- * set. */
-static Py_ssize_t read_hashed_impl(int fd, Py_ssize_t base, Py_buffer *views, Py_ssize_t n,
-                                   kvx_update_fn update, XXH3_state_t *state, Py_ssize_t s0,
-                                   Py_ssize_t s1) {
-    struct iovec iov[MAX_IOVS];
-    Py_ssize_t index = 0, offset_in = 0, done = 0;
-    const Py_ssize_t chunk = update != NULL ? CHUNK_BYTES : PY_SSIZE_T_MAX;
-    const int most = update != NULL ? CHUNK_IOVS : MAX_IOVS;
-    while (index < n) {
-        int count = 0;
-        Py_ssize_t batch = 0;
-        for (Py_ssize_t i = index; i < n && count < most && batch < chunk; i++) {
-            Py_ssize_t skip = i == index ? offset_in : 0;
-            iov[count].iov_base = (char *)views[i].buf + skip;
-            iov[count].iov_len = (size_t)(views[i].len - skip);
-            batch += views[i].len - skip;
-            count++;
-        }
-        if (batch == 0) { /* only empty buffers left */
-            index = n;
-            break;
-        }
-        ssize_t got = preadv(fd, iov, count, (off_t)(base + done));
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        if (got == 0) break; /* the file is shorter than the buffers */
-        for (int k = 0; k < count && got > 0; k++) {
-            Py_ssize_t take = (Py_ssize_t)iov[k].iov_len < got ? (Py_ssize_t)iov[k].iov_len : got;
-            if (update != NULL) hash_piece(update, state, iov[k].iov_base, done, take, s0, s1);
-            done += take;
-            got -= take;
-            offset_in += take;
-            if (offset_in == views[index].len) {
-                index++;
-                offset_in = 0;
-            }
-        }
-        while (index < n && views[index].len == 0) index++;
-    }
-    return done;
-}
 
 /* The buffers of a sequence, each held as a contiguous Py_buffer (`flags` adds to that);
  * NULL with an exception set on failure. `*held` is how many to release. */
@@ -326,120 +258,6 @@ uint64_t *kvx_key_hashes(PyObject *keys, Py_ssize_t n) {
     return hashes;
 }
 
-static PyObject *read_blocks(PyObject *self, PyObject *args) {
-    PyObject *paths, *seeds, *heads, *spec, *blocks, *keys = Py_None;
-    Py_ssize_t s0, s1;
-    int baseline = 0, hashed = 1;
-    if (!PyArg_ParseTuple(args, "OOnnOOO|pOp:read_blocks", &paths, &seeds, &s0, &s1, &heads, &spec,
-                          &blocks, &baseline, &keys, &hashed))
-        return NULL;
-    kvx_update_fn update = !hashed ? NULL : baseline ? kvx_update_baseline : kvx_best_update;
-    static const int where[4] = {1, 5, 2, 7};
-    PyObject *result = NULL;
-    call_t call;
-    batch_t tops = {0, NULL, NULL};
-    Py_ssize_t *sizes = NULL;
-    XXH64_hash_t *digests = NULL;
-    Py_buffer *parts = NULL;
-    uint64_t *hashes = NULL; /* per value its key's hash, to find it in a segment file */
-    kvx_segment_cache_t segment = {0};
-    Py_ssize_t unsupported = -1; /* the first value found in a segment of an unknown version */
-    int unsupported_version = 0;
-    if (kvx_hold_call(paths, heads, seeds, blocks, spec, PyBUF_WRITABLE, where, &call) < 0 ||
-        kvx_hold_batch(NULL, call.fast[1], call.n, PyBUF_WRITABLE, &tops) < 0 ||
-        (keys != Py_None && (hashes = kvx_key_hashes(keys, call.n)) == NULL))
-        goto done;
-    Py_ssize_t n = call.n;
-    const table_t *table = &call.table;
-    sizes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Py_ssize_t));
-    digests = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(XXH64_hash_t));
-    parts = PyMem_Calloc((size_t)table->n + 1, sizeof(Py_buffer));
-    if (sizes == NULL || digests == NULL || parts == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int fd = open(PyBytes_AS_STRING(call.named.paths[i]), O_RDONLY | O_CLOEXEC);
-        struct stat st;
-        if (fd < 0 || fstat(fd, &st) < 0) {
-            sizes[i] = -(Py_ssize_t)errno - 1; /* -1 - errno: not read */
-            if (fd >= 0) close(fd);
-            continue;
-        }
-        parts[0].buf = tops.buffers[i].buf;
-        parts[0].len = tops.buffers[i].len;
-        kvx_fill_parts(parts + 1, table, call.ids[i]);
-        Py_ssize_t total = tops.buffers[i].len + call.payload;
-        kvx_segment_value_t where = {0, 0, (Py_ssize_t)st.st_size, NULL, 0, 0};
-        sizes[i] = (Py_ssize_t)st.st_size;
-        if (hashes != NULL && sizes[i] > total) { /* a segment file holding several values? */
-            int found = kvx_segment_find(fd, &st, hashes[i], &segment, &where);
-            if (found == KVX_SEG_UNSUPPORTED && unsupported < 0) {
-                unsupported = i;
-                unsupported_version = segment.version;
-            }
-            if (found == KVX_SEG_FOUND) sizes[i] = where.head_len + where.length;
-            else if (found != KVX_SEG_NOT_SEGMENT) /* not in it, or unreadable: not read */
-                sizes[i] = -(Py_ssize_t)(found < 0 ? errno : found == KVX_SEG_NO_KEY ? ENOENT
-                                                                                      : EPROTO) - 1;
-        }
-        if (sizes[i] == total && where.prefix != NULL && where.head_len != parts[0].len)
-            sizes[i] = -(Py_ssize_t)EINVAL - 1; /* a header of another length: never half-read */
-        if (sizes[i] == total) {
-            XXH3_state_t state;
-            XXH3_64bits_reset(&state);
-            XXH3_64bits_update(&state, call.named.buffers[i].buf,
-                               (size_t)call.named.buffers[i].len);
-            Py_ssize_t got, skip = 0;
-            if (where.prefix != NULL) { /* version 2: the header is in the segment's index */
-                unsigned char *head = parts[0].buf;
-                memcpy(head, where.prefix, (size_t)where.head_len - 8);
-                for (int b = 0; b < 8; b++)
-                    head[where.head_len - 8 + b] = (unsigned char)(where.checksum >> (8 * b));
-                if (update != NULL)
-                    hash_piece(update, &state, parts[0].buf, 0, where.head_len, s0, s1);
-                skip = where.head_len;
-            }
-            got = read_hashed_impl(fd, where.offset, parts + (skip ? 1 : 0),
-                                   table->n + (skip ? 0 : 1), update, &state, s0 - skip, s1 - skip);
-            if (got >= 0) got += skip;
-            if (got < 0) sizes[i] = -(Py_ssize_t)errno - 1;
-            else if (got != total) sizes[i] = got; /* shrank since fstat: no digest */
-            else if (hashed) digests[i] = XXH3_64bits_digest(&state);
-        }
-        close(fd);
-    }
-    Py_END_ALLOW_THREADS
-    if (unsupported >= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: a segment file of version %d; this kvx reads segment versions 1 and %d "
-                     "(written by a newer kvx? load it with that one, or remove the file)",
-                     PyBytes_AS_STRING(call.named.paths[unsupported]), unsupported_version,
-                     KVX_SEG_VERSION);
-        goto done;
-    }
-    result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        Py_ssize_t total = tops.buffers[i].len + call.payload;
-        PyObject *item = sizes[i] < 0 ? Py_BuildValue("(OOi)", Py_None, Py_None, (int)(-1 - sizes[i]))
-                         : sizes[i] == total && hashed
-                             ? Py_BuildValue("(nKi)", sizes[i], (unsigned long long)digests[i], 0)
-                             : Py_BuildValue("(nOi)", sizes[i], Py_None, 0);
-        if (item == NULL) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, i, item);
-    }
-done:
-    kvx_segment_forget(&segment);
-    PyMem_Free(hashes);
-    PyMem_Free(parts);
-    PyMem_Free(digests);
-    PyMem_Free(sizes);
-    kvx_release_batch(&tops);
-    kvx_release_call(&call);
-    return result;
-}
-
 static PyObject *vector(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(kvx_best_update == kvx_update_baseline ? "baseline" : "avx2");
 }
@@ -455,7 +273,7 @@ static PyMethodDef methods[] = {
      "seeds[i] then the regions, and rename it to paths[i]. `regions` is a sequence of "
      "(buffer, start, size, step): block b's region is buffer[start + b * step:][:size]. "
      "Per value 0, or the errno that stopped it (its temporary file removed). Without the GIL."},
-    {"read_blocks", read_blocks, METH_VARARGS,
+    {"read_blocks", kvx_read_blocks, METH_VARARGS,
      "read_blocks(paths, seeds, skip_start, skip_end, heads, regions, blocks, baseline=False, "
      "keys=None, hashed=True) -> per value "
      "(size, digest, errno): when the file is as long as heads[i] and the regions of "

@@ -1,6 +1,7 @@
-/* Shared by `_fileio.c` (reads, the module), `_filewrite.c` (writes), `_fileio_avx2.c` and
- * `_segment.c`: XXH3-64 streaming updates, one build per instruction set (the same result from
- * either), the held arguments of a batch of values, and the segment-file format. */
+/* Shared by `_fileio.c` (the module), `_fileread.c` (reads), `_filewrite.c` (writes),
+ * `_fileio_avx2.c` and `_segment.c`: XXH3-64 streaming updates, one build per instruction set
+ * (the same result from either), the held arguments of a batch of values, and the segment-file
+ * format. */
 #ifndef KVX_STORAGE_FILEIO_H
 #define KVX_STORAGE_FILEIO_H
 #define PY_SSIZE_T_CLEAN
@@ -63,7 +64,9 @@ void kvx_release_batch(batch_t *batch);
 void kvx_fill_parts(Py_buffer *parts, const table_t *table, Py_ssize_t block);
 /* XXH3-64 of each of `n` keys (bytes-like), as a PyMem array; NULL with an exception. */
 uint64_t *kvx_key_hashes(PyObject *keys, Py_ssize_t n);
-/* write_blocks / write_segment (`_filewrite.c`; see the method table in `_fileio.c`). */
+/* read_blocks (`_fileread.c`), write_blocks / write_segment (`_filewrite.c`; see the method
+ * table in `_fileio.c`). */
+PyObject *kvx_read_blocks(PyObject *self, PyObject *args);
 PyObject *kvx_write_blocks(PyObject *self, PyObject *args);
 PyObject *kvx_write_segment(PyObject *self, PyObject *args);
 
