@@ -10,7 +10,7 @@ round trip (`StorageBackend.group_bytes`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -127,20 +127,27 @@ class DirectIO:
         return self.backend.hashed_io and self.mac_key is None
 
     def fetch(
-        self, unit: Unit, targets: list[int | None], name_of: Callable[[str], str]
+        self, unit: Unit, targets: list[int | None], names_of: Callable[[list[str]], list[str]]
     ) -> Fetched:
         """Read a unit's values straight into the engine blocks they load into (`targets`, per
-        row) and check them (an IO thread); rows no block needs are not read. `name_of` gives
-        a stored block's value name from its key."""
-        shape = unit.shape
-        value_bytes, expected = shape.value_bytes, header_prefix(shape)
-        headers = memoryview(bytearray(HEADER.size * len(unit.keys)))
-        rows = [row for row, block in enumerate(targets) if block is not None]
-        names = [name_of(unit.keys[row]) for row in rows]
-        heads = [headers[row * HEADER.size : (row + 1) * HEADER.size] for row in rows]
+        row) and check them (an IO thread); rows no block needs are not read. `names_of` gives
+        stored blocks' value names from their keys."""
         blocks = [block for block in targets if block is not None]
+        rows: Sequence[int] = range(len(targets))
+        keys = unit.keys
+        if len(blocks) < len(targets):
+            rows = [row for row, block in enumerate(targets) if block is not None]
+            keys = [keys[row] for row in rows]
+        names = names_of(keys)
+        size, (span, _), shape = HEADER.size, CHECKSUM_SPAN, unit.shape
+        raw = bytearray(size * len(rows))  # the values' headers, back to back
+        headers = memoryview(raw)
+        heads = [headers[at : at + size] for at in range(0, len(raw), size)]
         errors: list[BlockFormatError | None] = [None] * len(unit.keys)
         foreign = False
+        # a value holding the header this engine writes for the unit, byte for byte, is of the
+        # unit's shape: nothing to parse, only its checksum to compare
+        own = header_prefix(shape) if (shape.order, shape.k_order) == self.order else None
         per = max(1, len(names) if self.native else self.backend.group_bytes // shape.value_bytes)
         for at in range(0, len(names), per):
             group = slice(at, at + per)
@@ -148,25 +155,47 @@ class DirectIO:
                 read = self._read(names[group], heads[group], blocks[group])
             except Exception as exc:  # an unreachable store fails these loads, not the step
                 return Fetched(unit, None, None, [], error=exc)
-            for name, head, block, row, (size, digest) in zip(
-                names[group], heads[group], blocks[group], rows[group], read, strict=True
-            ):
+            for i, (got, digest) in enumerate(read, at):
+                if (
+                    own is not None
+                    and got == shape.value_bytes
+                    and raw.startswith(own, i * size)
+                    and (
+                        not self.verify
+                        or digest == int.from_bytes(raw[i * size + span : (i + 1) * size], "little")
+                    )
+                ):
+                    continue
                 try:
-                    check_size(name, size, value_bytes)
-                    # the header this engine writes, byte for byte: no field to parse
-                    same = head[: CHECKSUM_SPAN[0]] == expected
-                    stored = shape if same else read_header(name, head, shape)
-                    if (stored.order, stored.k_order) != self.order:
-                        foreign = True
-                    elif self.verify and not (
-                        digest == stored_checksum(head)
-                        if digest is not None
-                        else checksum_ok(name, head, self.regions(block), self.mac_key)
-                    ):
-                        raise BlockFormatError(mismatch(name, self.mac_key))
+                    foreign |= self._check(names[i], got, digest, heads[i], blocks[i], unit.shape)
                 except BlockFormatError as exc:
-                    errors[row] = exc
+                    errors[rows[i]] = exc
         return Fetched(unit, None, None, errors, foreign=foreign)
+
+    def _check(
+        self,
+        name: str,
+        size: int | None,
+        digest: int | None,
+        head: memoryview,
+        block: int,
+        shape: BlockShape,
+    ) -> bool:
+        """Check a value read into `head` and engine block `block` (`size` as stored, `digest`
+        its checksum when computed while reading): whether it is stored in another element
+        order (to be read again and converted), or raise `BlockFormatError`."""
+        check_size(name, size, shape.value_bytes)
+        same = head[: CHECKSUM_SPAN[0]] == header_prefix(shape)
+        stored = shape if same else read_header(name, head, shape)
+        if (stored.order, stored.k_order) != self.order:
+            return True
+        if self.verify and not (
+            digest == stored_checksum(head)
+            if digest is not None
+            else checksum_ok(name, head, self.regions(block), self.mac_key)
+        ):
+            raise BlockFormatError(mismatch(name, self.mac_key))
+        return False
 
     def _read(
         self, names: list[str], heads: list[memoryview], blocks: list[int]

@@ -95,10 +95,16 @@ class Stage:
 
 def value_key(namespace: str, block_size: int, block_key: str, stage: Stage, heads: range) -> str:
     """The storage key of one block's KV for every layer of one stage and one head shard."""
-    return (
-        f"{namespace}/b{block_size}/{block_key[:2]}/{block_key}."
-        f"{quote(stage.tag, safe='')}.h{heads.start}-{heads.stop}"
-    )
+    return value_keys(namespace, block_size, [block_key], stage, heads)[0]
+
+
+def value_keys(
+    namespace: str, block_size: int, block_keys: list[str], stage: Stage, heads: range
+) -> list[str]:
+    """`value_key` of each of `block_keys` (the common parts formatted once)."""
+    root = f"{namespace}/b{block_size}/"
+    tail = f".{quote(stage.tag, safe='')}.h{heads.start}-{heads.stop}"
+    return [f"{root}{key[:2]}/{key}{tail}" for key in block_keys]
 
 
 @cache
@@ -196,3 +202,6 @@ class Geometry:
 
     def value_key(self, block_key: str, stage: Stage, heads: range) -> str:
         return value_key(self.namespace, self.block_size, block_key, stage, heads)
+
+    def value_keys(self, block_keys: list[str], stage: Stage, heads: range) -> list[str]:
+        return value_keys(self.namespace, self.block_size, block_keys, stage, heads)

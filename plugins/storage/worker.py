@@ -187,14 +187,18 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         return self._direct_io.fetch(
             unit,
             targets(unit, self.geo),
-            lambda key: self.geo.value_key(key, unit.stage, unit.heads),
+            lambda keys: self.geo.value_keys(keys, unit.stage, unit.heads),
         )
 
     def _load_units(self, units: list[Unit]) -> None:
         """Units are read and checked (`_fetch`) on the IO threads, a few ahead, while this
         thread applies the finished ones in order (`_apply`)."""
-        if len(units) == 1 and self._is_direct(units[0]):  # nothing to overlap: no hand-off
-            self._settle(self._fetch_direct(units[0]))
+        if (len(units) == 1 or self._io_threads == 1) and all(map(self._is_direct, units)):
+            # nothing to overlap (direct reads need no scatter) and no IO threads to read in
+            # parallel: read on this thread, no hand-off
+            for unit in units:
+                if not all(seg.first >= seg.load.bad for seg in unit.segments):
+                    self._settle(self._fetch_direct(unit))
             return
         window = self._io_threads + 1
         fetches: deque[Future[Fetched] | None] = deque()
@@ -241,7 +245,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
     def _fetch(self, unit: Unit) -> Fetched:
         """Read and check a unit's values into a pooled buffer (an IO thread)."""
         flat = self._read_buffers.take(len(unit.keys) * unit.shape.value_bytes)
-        names = [self.geo.value_key(key, unit.stage, unit.heads) for key in unit.keys]
+        names = self.geo.value_keys(unit.keys, unit.stage, unit.heads)
         per = max(1, GROUP_BYTES // unit.shape.value_bytes)  # big pipelines are slower
         return fetch_into(unit, names, flat, self.backend, per, self.verify, self.mac_key)
 

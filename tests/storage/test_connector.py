@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -398,3 +399,36 @@ def test_a_direct_save_is_one_segment_per_io_thread(
     loaded = consumer.prefill("d", tokens, compute=False)
     assert loaded.num_external == 96 and loaded.errors == [set()]
     consumer.check(tokens, loaded.block_ids, 96)
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_direct_loads_with_one_io_thread_are_read_on_the_loading_thread(
+    tmp_path: Path, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch, io_threads: int
+) -> None:
+    """Direct reads have no scatter to overlap: with one IO thread each unit is read on the
+    thread that loads, in order, with no hand-off, and a unit after the load's first bad
+    block is not read; with more IO threads units are read on them."""
+    from kvx.plugins.storage import worker
+    from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+
+    url = f"file://{tmp_path}"
+    tokens = prompt(100, seed=12)  # six full blocks
+    make_rig(url).prefill("p", tokens)
+    corrupt_file(tmp_path, block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[2])
+    monkeypatch.setattr(worker, "READ_BYTES", 1)  # a unit per value
+    readers: list[threading.Thread] = []
+    real = FsspecBackend.get_blocks_hashed
+
+    def recorded(self: FsspecBackend, *args: Any, **kwargs: Any) -> Any:
+        readers.append(threading.current_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsspecBackend, "get_blocks_hashed", recorded)
+    consumer = make_rig(url, extra={"io_threads": io_threads})
+    run = consumer.prefill("d", tokens, compute=False)
+    assert run.num_external == 96 and run.errors == [set(run.block_ids[2:6])]
+    consumer.check(tokens, run.block_ids[:2], 32, failed=run.block_ids[2:6])
+    if io_threads == 1:
+        assert readers == [threading.current_thread()] * 3  # blocks 0, 1, 2; not 3, 4, 5
+    else:
+        assert len(readers) >= 3 and threading.current_thread() not in readers
