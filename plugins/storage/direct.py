@@ -148,7 +148,8 @@ class DirectIO:
         # a value holding the header this engine writes for the unit, byte for byte, is of the
         # unit's shape: nothing to parse, only its checksum to compare
         own = header_prefix(shape) if (shape.order, shape.k_order) == self.order else None
-        per = max(1, len(names) if self.native else self.backend.group_bytes // shape.value_bytes)
+        value_bytes = shape.value_bytes
+        per = max(1, len(names) if self.native else self.backend.group_bytes // value_bytes)
         for at in range(0, len(names), per):
             group = slice(at, at + per)
             try:
@@ -158,7 +159,7 @@ class DirectIO:
             for i, (got, digest) in enumerate(read, at):
                 if (
                     own is not None
-                    and got == shape.value_bytes
+                    and got == value_bytes
                     and raw.startswith(own, i * size)
                     and (
                         not self.verify
@@ -203,7 +204,8 @@ class DirectIO:
         """Read each value into its head and engine block: per value its stored size (None if
         absent) and its checksum when the backend computed it while reading (else None)."""
         if self.native:
-            seeds = [name.encode() for name in names]
+            # without checksums the seeds are not hashed
+            seeds = [name.encode() for name in names] if self.verify else [b""] * len(names)
             return self.backend.get_blocks_hashed(
                 names, seeds, CHECKSUM_SPAN, heads, self.table, blocks, self.verify
             )

@@ -263,7 +263,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             for seg in unit.segments:
                 seg.load.bad = 0  # later units skip it; every block is reported as a load error
             return
-        for seg in unit.segments:
+        for seg in unit.segments if any(fetched.errors) else ():
             for k, row in enumerate(seg.rows):
                 error = fetched.errors[row]
                 if error is not None:
