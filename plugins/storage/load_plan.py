@@ -73,45 +73,51 @@ def plan_units(
     align = ebs // bs if ebs > bs else 1
     units: list[Unit] = []
     open_units: dict[tuple[range, bytes, range], Unit] = {}
-    writers: dict[tuple[int, int], tuple[list[Stage], list[range]]] = {}  # per (PP, TP) split
+    # per (PP, TP) split of writers: the (unit key, stage, head shard) of each overlapping one
+    writers: dict[tuple[int, int], list[tuple[tuple[range, bytes, range], Stage, range]]] = {}
     for load in loads:
         spec = load.spec
+        keys, stages_of, shards_of = spec.keys, spec.stages, spec.shards
         j = 0
-        while j < len(spec.keys):
+        while j < len(keys):
             if j % align:  # another writer's values begin inside an engine block
                 load.bad = min(load.bad, j - j % align)  # rare: that block is recomputed
                 break
-            part = (spec.stages[j], spec.shards[j])
+            stage_split, shard_split = stages_of[j], shards_of[j]
             end = j + 1
-            while end < len(spec.keys) and (spec.stages[end], spec.shards[end]) == part:
+            while (
+                end < len(keys) and stages_of[end] == stage_split and shards_of[end] == shard_split
+            ):
                 end += 1
-            if part not in writers:  # the same for every load of a step, nearly always
-                writers[part] = (
-                    [s for s in geo.stages(part[0]) if overlap(s.layers, own.layers)],
-                    [h for h in shard_ranges(geo.total_heads, part[1]) if overlap(h, heads)],
-                )
-            stages, shards = writers[part]
-            for stage in stages:
-                for shard in shards:
-                    at = j
-                    while at < end:
-                        key = (stage.layers, stage.layer_set, shard)
-                        unit = open_units.get(key)
-                        room = 0 if unit is None else unit.capacity - len(unit.keys)
-                        take = min(end - at, room // align * align)
-                        if take <= 0:
-                            shape = shape_of(stage, shard)
-                            unit = Unit(stage, shard, shape, 0)
-                            per = max(1, unit_bytes(unit, len(units)) // shape.value_bytes)
-                            unit.capacity = max(align, per // align * align)
-                            open_units[key] = unit
-                            units.append(unit)
-                            continue
-                        assert unit is not None
-                        rows = range(len(unit.keys), len(unit.keys) + take)
-                        unit.segments.append(Segment(load, at, rows))
-                        unit.keys.extend(spec.keys[at : at + take])
-                        at += take
+            part = (stage_split, shard_split)
+            writer = writers.get(part)
+            if writer is None:  # the same for every load of a step, nearly always
+                writer = writers[part] = [
+                    ((s.layers, s.layer_set, h), s, h)
+                    for s in geo.stages(stage_split)
+                    if overlap(s.layers, own.layers)
+                    for h in shard_ranges(geo.total_heads, shard_split)
+                    if overlap(h, heads)
+                ]
+            for key, stage, shard in writer:
+                at = j
+                while at < end:
+                    unit = open_units.get(key)
+                    room = 0 if unit is None else unit.capacity - len(unit.keys)
+                    take = min(end - at, room // align * align)
+                    if take <= 0:
+                        shape = shape_of(stage, shard)
+                        unit = Unit(stage, shard, shape, 0)
+                        per = max(1, unit_bytes(unit, len(units)) // shape.value_bytes)
+                        unit.capacity = max(align, per // align * align)
+                        open_units[key] = unit
+                        units.append(unit)
+                        continue
+                    assert unit is not None
+                    rows = range(len(unit.keys), len(unit.keys) + take)
+                    unit.segments.append(Segment(load, at, rows))
+                    unit.keys.extend(keys[at : at + take])
+                    at += take
             j = end
     return units
 
@@ -126,6 +132,13 @@ def targets(unit: Unit, geo: Geometry) -> list[int | None]:
     for seg in unit.segments:
         spec = seg.load.spec
         t0 = (spec.first_block + seg.first) * bs
+        first, n = t0 - spec.start, len(seg.rows)
+        if bs == ebs and first >= 0 and first + (n - 1) * bs < spec.num_tokens:
+            # every row is an engine block of the load, in order (nearly always)
+            blocks = spec.block_ids[first // ebs : first // ebs + n]
+            if len(blocks) == n:
+                out[seg.rows.start : seg.rows.stop] = blocks
+                continue
         for k, row in enumerate(seg.rows):
             t = t0 + k * bs
             if spec.start <= t < spec.start + spec.num_tokens:

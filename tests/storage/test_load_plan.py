@@ -92,3 +92,17 @@ def test_a_bad_stored_block_fails_its_engine_blocks_and_the_rest() -> None:
     assert valid_tokens(load, 16) == 48
     unit = Unit(geo.stages(1)[0], range(4), shape_of(geo)(geo.stages(1)[0], range(4)), 8)
     assert targets(unit, geo) == []  # an empty unit targets nothing
+
+
+def test_each_row_targets_the_engine_block_of_its_first_token() -> None:
+    """Rows of loads that need all of them, that start after a load's first stored block, and
+    whose last block is partly needed."""
+    geo = geometry(16, 16)
+    whole, later, partial = spec(4), spec(3, start=16), spec(3)
+    later.block_ids = [200, 201]  # tokens 16-47: row 0 holds none of them
+    partial.num_tokens = 40  # row 2 (tokens 32-47) is needed for tokens 32-39
+    loads = [Load(whole), Load(later), Load(partial)]
+    (unit,) = plan_units(
+        loads, geo, geo.stages(1)[0], range(4), shape_of(geo), lambda u, i: 1 << 30
+    )
+    assert targets(unit, geo) == [100, 101, 102, 103, None, 200, 201, 100, 101, 102]
