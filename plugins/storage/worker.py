@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -177,9 +178,10 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
 
     def _unit_bytes(self, unit: Unit, planned: int) -> int:
         """Bytes of values a unit holds at most: direct reads need no scatter to start early
-        (big groups); others start small, each next unit twice as big."""
+        (big groups; with one IO thread nothing reads in parallel: one unit, read on this
+        thread); others start small, each next unit twice as big."""
         if self._is_direct(unit):
-            return READ_BYTES
+            return READ_BYTES if self._io_threads > 1 else sys.maxsize
         return min(self._read_bytes, FIRST_READ_BYTES << planned)
 
     def _fetch_direct(self, unit: Unit) -> Fetched:
@@ -193,12 +195,8 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
     def _load_units(self, units: list[Unit]) -> None:
         """Units are read and checked (`_fetch`) on the IO threads, a few ahead, while this
         thread applies the finished ones in order (`_apply`)."""
-        if (len(units) == 1 or self._io_threads == 1) and all(map(self._is_direct, units)):
-            # nothing to overlap (direct reads need no scatter) and no IO threads to read in
-            # parallel: read on this thread, no hand-off
-            for unit in units:
-                if not all(seg.first >= seg.load.bad for seg in unit.segments):
-                    self._settle(self._fetch_direct(unit))
+        if len(units) == 1 and self._is_direct(units[0]):  # nothing to overlap: no hand-off
+            self._settle(self._fetch_direct(units[0]))
             return
         window = self._io_threads + 1
         fetches: deque[Future[Fetched] | None] = deque()

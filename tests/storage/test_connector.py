@@ -402,12 +402,13 @@ def test_a_direct_save_is_one_segment_per_io_thread(
 
 
 @pytest.mark.parametrize("io_threads", [1, 2])
-def test_direct_loads_with_one_io_thread_are_read_on_the_loading_thread(
+def test_direct_loads_with_one_io_thread_are_one_read_on_the_loading_thread(
     tmp_path: Path, make_rig: MakeRig, monkeypatch: pytest.MonkeyPatch, io_threads: int
 ) -> None:
-    """Direct reads have no scatter to overlap: with one IO thread each unit is read on the
-    thread that loads, in order, with no hand-off, and a unit after the load's first bad
-    block is not read; with more IO threads units are read on them."""
+    """Direct reads have no scatter to overlap: with one IO thread a load's values are one
+    native read on the thread that loads (no hand-off), whatever READ_BYTES says; with more
+    IO threads they are read on them, in units of READ_BYTES. A bad block fails its load
+    from there on either way."""
     from kvx.plugins.storage import worker
     from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 
@@ -415,13 +416,13 @@ def test_direct_loads_with_one_io_thread_are_read_on_the_loading_thread(
     tokens = prompt(100, seed=12)  # six full blocks
     make_rig(url).prefill("p", tokens)
     corrupt_file(tmp_path, block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[2])
-    monkeypatch.setattr(worker, "READ_BYTES", 1)  # a unit per value
-    readers: list[threading.Thread] = []
+    monkeypatch.setattr(worker, "READ_BYTES", 1)  # a unit per value (with IO threads)
+    reads: list[tuple[threading.Thread, int]] = []
     real = FsspecBackend.get_blocks_hashed
 
-    def recorded(self: FsspecBackend, *args: Any, **kwargs: Any) -> Any:
-        readers.append(threading.current_thread())
-        return real(self, *args, **kwargs)
+    def recorded(self: FsspecBackend, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append((threading.current_thread(), len(keys)))
+        return real(self, keys, *args, **kwargs)
 
     monkeypatch.setattr(FsspecBackend, "get_blocks_hashed", recorded)
     consumer = make_rig(url, extra={"io_threads": io_threads})
@@ -429,6 +430,7 @@ def test_direct_loads_with_one_io_thread_are_read_on_the_loading_thread(
     assert run.num_external == 96 and run.errors == [set(run.block_ids[2:6])]
     consumer.check(tokens, run.block_ids[:2], 32, failed=run.block_ids[2:6])
     if io_threads == 1:
-        assert readers == [threading.current_thread()] * 3  # blocks 0, 1, 2; not 3, 4, 5
-    else:
-        assert len(readers) >= 3 and threading.current_thread() not in readers
+        assert reads == [(threading.current_thread(), 6)]
+    else:  # blocks 0-2 at least; those after the bad one may be read ahead
+        assert len(reads) >= 3 and {n for _, n in reads} == {1}
+        assert threading.current_thread() not in {thread for thread, _ in reads}
