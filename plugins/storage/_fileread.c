@@ -5,9 +5,12 @@
  * lookup walks only the last components of a path. Consecutive values of a segment file
  * (`_segment.c`) are hard links of one file: it is opened once and kept open while its index
  * is cached, and each next value's path is looked up with a stat only; the open file is read
- * when the path names that file now (the same device and inode), otherwise the path is opened
- * anew. A file kept open cannot be deleted and its inode number reused while its index is
- * cached, so a cached index always belongs to the file it is read from.
+ * when the path names that file (the same device and inode), otherwise the path is opened
+ * anew. While a segment is kept, the next LOOKAHEAD paths are looked up together before their
+ * values are read: a lookup right after another finds the directory entries in the CPU's
+ * caches, one after copying a value does not (about 1 us less per value). A file kept open
+ * cannot be deleted and its inode number reused while its index is cached, so a cached index
+ * always belongs to the file it is read from.
  */
 #define _GNU_SOURCE /* O_PATH */
 #define PY_SSIZE_T_CLEAN
@@ -25,6 +28,7 @@
 #define CHUNK_BYTES (256 * 1024) /* read, then hashed while in the L2 cache */
 #define CHUNK_IOVS 64
 #define MAX_IOVS 1024 /* IOV_MAX on Linux: a whole value per preadv when nothing is hashed */
+#define LOOKAHEAD 32   /* paths looked up together while a segment file is kept open */
 
 /* Hash `len` bytes of the stream at offset `at` from `data`, leaving out [s0, s1). */
 static void hash_piece(kvx_update_fn update, XXH3_state_t *state, const char *data, Py_ssize_t at,
@@ -94,12 +98,22 @@ typedef struct {
     int segment; /* the segment file whose index is cached, kept open; or -1 */
     dev_t dev;   /* its identity */
     ino_t ino;
+    Py_ssize_t ahead_from, ahead_count; /* the values whose paths were looked up ahead */
+    struct stat ahead[LOOKAHEAD];       /* what each path named then */
+    int ahead_errno[LOOKAHEAD];         /* or why it could not be looked up */
 } files_t;
+
+static void no_files(files_t *files) {
+    files->dir = AT_FDCWD;
+    files->skip = 0;
+    files->segment = -1;
+    files->ahead_from = files->ahead_count = 0;
+}
 
 /* Open the longest directory every path of the batch lies under (a prefix ending in '/'); with
  * none but the root, or when it cannot be opened, paths are looked up whole. */
 static void open_common_dir(files_t *files, PyObject *const *paths, Py_ssize_t n) {
-    *files = (files_t){AT_FDCWD, 0, -1, 0, 0};
+    no_files(files);
     if (n < 2) return;
     const char *first = PyBytes_AS_STRING(paths[0]);
     size_t common = (size_t)PyBytes_GET_SIZE(paths[0]);
@@ -117,34 +131,63 @@ static void open_common_dir(files_t *files, PyObject *const *paths, Py_ssize_t n
     dir[common] = '\0';
     int fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
     PyMem_RawFree(dir);
-    if (fd >= 0) *files = (files_t){fd, common, -1, 0, 0};
+    if (fd >= 0) {
+        files->dir = fd;
+        files->skip = common;
+    }
 }
 
 static void close_files(files_t *files) {
     if (files->segment >= 0) close(files->segment);
     if (files->dir != AT_FDCWD) close(files->dir);
-    *files = (files_t){AT_FDCWD, 0, -1, 0, 0};
+    no_files(files);
 }
 
-/* The file at `path` open for reading, and its fstat in `st`: the segment file kept open when
- * the path names it now (`*kept` set: not to be closed), else a new descriptor; -1 with errno
- * set if it cannot be opened. */
-static int open_value(const files_t *files, const char *path, struct stat *st, int *kept) {
+/* Where `path` is looked up from: the directory (`*dir`) and the rest of the path. */
+static const char *relative(const files_t *files, const char *path, int *dir) {
     const char *rest = path + files->skip;
     while (*rest == '/') rest++;
-    int dir = files->dir;
+    *dir = files->dir;
     if (files->skip == 0 || *rest == '\0') { /* looked up whole */
-        rest = path;
-        dir = AT_FDCWD;
+        *dir = AT_FDCWD;
+        return path;
     }
+    return rest;
+}
+
+/* Look up the paths of values `i` on (up to LOOKAHEAD of them) one after another. */
+static void look_ahead(files_t *files, PyObject *const *paths, Py_ssize_t n, Py_ssize_t i) {
+    files->ahead_from = i;
+    files->ahead_count = n - i < LOOKAHEAD ? n - i : LOOKAHEAD;
+    for (Py_ssize_t k = 0; k < files->ahead_count; k++) {
+        int dir;
+        const char *rest = relative(files, PyBytes_AS_STRING(paths[i + k]), &dir);
+        files->ahead_errno[k] = fstatat(dir, rest, &files->ahead[k], 0) < 0 ? errno : 0;
+    }
+}
+
+/* The file of value `i` open for reading, and its fstat in `st`: the segment file kept open
+ * when the value's path names it (`*kept` set: not to be closed), else a new descriptor; -1
+ * with errno set if it cannot be opened. */
+static int open_value(files_t *files, PyObject *const *paths, Py_ssize_t n, Py_ssize_t i,
+                      struct stat *st, int *kept) {
     *kept = 0;
     if (files->segment >= 0) {
-        if (fstatat(dir, rest, st, 0) < 0) return -1;
+        if (i < files->ahead_from || i >= files->ahead_from + files->ahead_count)
+            look_ahead(files, paths, n, i);
+        Py_ssize_t k = i - files->ahead_from;
+        if (files->ahead_errno[k] != 0) {
+            errno = files->ahead_errno[k];
+            return -1;
+        }
+        *st = files->ahead[k];
         if (st->st_dev == files->dev && st->st_ino == files->ino) {
             *kept = 1;
             return files->segment;
         }
     }
+    int dir;
+    const char *rest = relative(files, PyBytes_AS_STRING(paths[i]), &dir);
     int fd = openat(dir, rest, O_RDONLY | O_CLOEXEC);
     if (fd >= 0 && fstat(fd, st) < 0) {
         int error = errno;
@@ -201,7 +244,7 @@ PyObject *kvx_read_blocks(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         struct stat st;
         int kept;
-        int fd = open_value(&files, PyBytes_AS_STRING(call.named.paths[i]), &st, &kept);
+        int fd = open_value(&files, call.named.paths, n, i, &st, &kept);
         if (fd < 0) {
             sizes[i] = -(Py_ssize_t)errno - 1; /* -1 - errno: not read */
             continue;

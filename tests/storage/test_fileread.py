@@ -13,8 +13,8 @@ from kvx.plugins.storage import _fileio
 from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 
-SIZE = 3000  # bytes of a block's K (and of its V)
-BLOCKS = 6
+SIZE = 600  # bytes of a block's K (and of its V)
+BLOCKS = 48
 VALUE = 64 + 2 * SIZE  # a header, then K and V of one block
 
 
@@ -126,3 +126,21 @@ def test_paths_are_found_from_their_common_directory_whatever_they_share(
         ["nowhere/a", "nowhere/b"], [b"", b""], 0, 0, [bytearray(64)] * 2, table, [0, 1]
     )
     assert out == [(None, None, errno.ENOENT)] * 2
+
+
+def test_values_past_the_lookahead_of_a_kept_segment_are_each_checked(tmp_path: Path) -> None:
+    """A batch of 40 values of one segment (paths are looked up 32 at a time while it is kept
+    open): keys re-linked to another segment, or removed, on both sides of the 32nd are read
+    from what their paths name."""
+    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    old, new = b"p" * 56, b"q" * 56
+    keys = [f"ns/{i:02d}/v" for i in range(40)]
+    src = _store(backend, keys, list(range(40)), old)
+    _store(backend, [keys[5], keys[35]], [41, 42], new)
+    for gone in (keys[20], keys[32]):
+        (tmp_path / gone).unlink()
+    want: list[tuple[bytes, int] | None] = [(old, i) for i in range(40)]
+    want[5], want[35], want[20], want[32] = (new, 41), (new, 42), None, None
+    read = _read(backend, keys)
+    assert [read[0][i] for i in (20, 32)] == [(None, None)] * 2
+    _check(read, src, want)
