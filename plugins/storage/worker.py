@@ -14,9 +14,10 @@ Saves (planned without IO: `save_plan.py`): after the stage's last `save_kv_laye
 threads checksum and write the step's values, a group of blocks per backend round trip, while
 the forward pass goes on; `wait_for_save` returns when they are durable, so no write reads an
 engine block after the step. Loads are synchronous (all in `start_load_kv`): the IO threads
-read groups of values and check them a few groups ahead (a lone group is read on this thread),
-while this thread scatters the groups that need converting; which values a load reads and
-where they land is planned without IO (`load_plan.py`).
+read groups of values and check them a few groups ahead (a lone group is read on this thread;
+with one IO thread, direct reads are one group), while this thread scatters the groups that
+need converting; which values a load reads and where they land is planned without IO
+(`load_plan.py`).
 """
 
 from __future__ import annotations
