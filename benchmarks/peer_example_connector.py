@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from storage_baselines import freeze_startup_heap
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector,
     ExampleConnectorMetadata,
@@ -57,6 +58,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"save": [], "load": [], "save wall": [], "load wall": []}
     try:
         for round in range(args.repeat + 1):
+            freeze_startup_heap(round)
             prompts = [  # one token past the blocks: the last token is never stored
                 torch.randint(0, 32000, (args.tokens + 1,), generator=gen).tolist()
                 for _ in range(args.requests)

@@ -46,7 +46,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from storage_baselines import KV, make_kv
+from storage_baselines import KV, freeze_startup_heap, make_kv
 
 from kvx.layouts import NHD
 from kvx.plugins.lmcache.cpu_connector import PagedCPUConnector
@@ -193,6 +193,7 @@ def measure(cases: dict[str, Any], kv: KV, repeat: int) -> dict[str, dict[str, l
     check the bytes. Per case the CPU and wall times of the timed rounds."""
     times: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
     for round in range(repeat + 1):
+        freeze_startup_heap(round)
         for name, case in cases.items():
             getattr(case, "fresh", lambda: None)()
             for kind in ("save", "load"):

@@ -7,6 +7,7 @@ stored once, and a partial prefix hit loads what exists.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -210,21 +211,34 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
 
     def _partition_of(self, key: str) -> _Partition | None:
         """The first partition (own PP and TP first) under which every value of a block
-        exists, looked for in one round trip."""
-        names = [self._names(key, part) for part in self._partitions]
-        exists = self.backend.exists_many([n for group in names for n in group])
+        exists. One round trip asks for the own partition's values and the first value of
+        each other partition (not all of them: most lookups are hits under the own partition
+        or misses, and each name is a stat on local files); only partitions whose first value
+        was there are then asked for the rest."""
+        own, *others = self._partitions
+        mine = self._names(key, own)
+        exists = self.backend.exists_many(mine + [self._names(key, p, 1)[0] for p in others])
+        if all(exists[: len(mine)]):
+            return own
+        candidates = [p for p, hit in zip(others, exists[len(mine) :], strict=True) if hit]
+        if not candidates:
+            return None
+        rest = [self._names(key, part)[1:] for part in candidates]
+        exists = self.backend.exists_many([n for group in rest for n in group])
         at = 0
-        for part, group in zip(self._partitions, names, strict=True):
+        for part, group in zip(candidates, rest, strict=True):
             if all(exists[at : at + len(group)]):
                 return part
             at += len(group)
         return None
 
-    def _names(self, key: str, part: _Partition) -> list[str]:
-        """Every stage x head shard value of one stored block under one partition."""
+    def _names(self, key: str, part: _Partition, count: int | None = None) -> list[str]:
+        """Every stage x head shard value of one stored block under one partition (the first
+        `count` of them, when given)."""
         pp, shards = part
         heads = shard_ranges(self.geo.total_heads, shards)
         stages = self._stages.get(pp)
         if stages is None:
             stages = self._stages[pp] = self.geo.stages(pp)
-        return [self.geo.value_key(key, st, h) for st in stages for h in heads]
+        pairs = itertools.islice(itertools.product(stages, heads), count)
+        return [self.geo.value_key(key, st, h) for st, h in pairs]

@@ -250,9 +250,10 @@ def test_redis_does_one_round_trip_per_block_group(
 
         monkeypatch.setattr(RespConnection, method, vectored)
     rig.prefill("p", tokens)
-    # Scheduler: block 0 under every partition (PP 1 or 2 stages x 1, 2 or 4 shards), absent.
+    # Scheduler: block 0's values under its own partition (1 stage x 2 shards) and the first
+    # value under each other one (PP 1 or 2 x 1, 2 or 4 shards), absent: nothing more asked.
     # Each rank: one pipelined batch of SETs per group of blocks, each value holding both layers.
-    assert calls[0] == (1 + 2) * (1 + 2 + 4)
+    assert calls[0] == 2 + (2 * 3 - 1)
     assert sorted(calls[1:]) == sorted(groups * 2)
     client = redis.Redis.from_url(redis_url)
     assert len(client.keys("kvx/*")) == 12 * 2  # one value per block and head shard
@@ -264,10 +265,10 @@ def test_redis_does_one_round_trip_per_block_group(
     run = reader.prefill("d", tokens, compute=False)
     assert run.num_external == 192
     reader.check(tokens, run.block_ids, 192)
-    # Scheduler: block 0 under every partition, then blocks 1-11 under the one found (2 shards
-    # each). Workers: one pipelined batch of GETs per group; no stores (the partial block is
-    # never stored).
-    assert calls[:2] == [(1 + 2) * (1 + 2 + 4), 11 * 2]
+    # Scheduler: block 0 as above, found under its own partition, then blocks 1-11 under it
+    # (2 shards each). Workers: one pipelined batch of GETs per group; no stores (the partial
+    # block is never stored).
+    assert calls[:2] == [2 + (2 * 3 - 1), 11 * 2]
     assert sorted(calls[2:]) == sorted(groups * 2)
 
 

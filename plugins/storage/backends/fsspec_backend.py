@@ -313,6 +313,8 @@ class FsspecBackend(StorageBackend):
         return _fileio
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if self.local:  # a stat each, without fsspec's path handling (~5x the cost)
+            return [os.path.exists(self._path(key)) for key in keys]
         return [bool(self.fs.exists(self._path(key))) for key in keys]
 
     def _makedirs(self, directory: str) -> None:
