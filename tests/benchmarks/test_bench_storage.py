@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_storage.py"
-
 
 @pytest.mark.timeout(90)
-def test_bench_storage_tiny_run(tmp_path: Path) -> None:
+def test_bench_storage_tiny_run(tmp_path: Path, run_bench: Callable[..., str]) -> None:
     args = ["--layers", "2", "--requests", "2", "--tokens", "32", "--heads", "2"]
     args += ["--head-size", "16", "--repeat", "1", "--dir", str(tmp_path)]
-    result = subprocess.run(
-        [sys.executable, str(BENCH), *args],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        check=False,
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    out = run_bench("bench_storage.py", *args)
     for case in ("raw file", "safetensors per layer", "raw redis", "copy_ (memcpy)"):
         assert case in out
     targets = re.findall(r"^target (.+?) >= ([\d.]+)x (.+?): save [\d.]+x, load [\d.]+x", out, re.M)
