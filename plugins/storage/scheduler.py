@@ -171,7 +171,7 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
         shard value exists, each with the partition (writer PP size, head shard count) it was
         found under.
 
-        A block's partition is looked for among all candidates in one round trip; the blocks
+        A block's partition is looked for among all candidates (`_partition_of`); the blocks
         after it are then checked under the same partition in batches. If the store cannot be
         reached the run found so far is the answer (a miss: the engine computes the rest)."""
         found: dict[int, _Partition] = {}
