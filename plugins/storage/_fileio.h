@@ -75,6 +75,7 @@ PyObject *kvx_write_segment(PyObject *self, PyObject *args);
 #define KVX_SEG_ALIGN 4096
 #define KVX_SEG_DATA_ALIGN (2 << 20) /* where payloads start: a huge page's boundary */
 #define KVX_SEG_MAX_VALUES 4096
+#define KVX_SEG_MAX_HEAD 4096 /* a value's header, checksum included: 64 bytes in block format 3 */
 
 /* What kvx_segment_find says of a file (or -1 with errno set when it cannot be read). */
 #define KVX_SEG_NOT_SEGMENT 0 /* not a well-formed segment: a value of its own, or damaged */

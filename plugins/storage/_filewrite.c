@@ -211,10 +211,10 @@ PyObject *kvx_write_segment(PyObject *self, PyObject *args) {
         (hashes = kvx_key_hashes(call.fast[1], call.n)) == NULL)
         goto done;
     Py_ssize_t n = call.n, head_len = prefix.len + 8;
-    if (n < 1 || n > KVX_SEG_MAX_VALUES || head_len > 4096) {
+    if (n < 1 || n > KVX_SEG_MAX_VALUES || head_len > KVX_SEG_MAX_HEAD) {
         PyErr_Format(PyExc_ValueError, "%zd values with a %zd-byte prefix; a segment holds 1 to "
-                     "%d values, each with a prefix of at most 4088 bytes", n, prefix.len,
-                     KVX_SEG_MAX_VALUES);
+                     "%d values, each with a prefix of at most %d bytes", n, prefix.len,
+                     KVX_SEG_MAX_VALUES, KVX_SEG_MAX_HEAD - 8);
         goto done;
     }
     const char *tmp = PyBytes_AS_STRING(tmp_obj);

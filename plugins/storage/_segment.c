@@ -41,7 +41,6 @@
 #define V1_ENTRY 24
 #define V2_FIXED 40
 #define V2_ENTRY 16
-#define MAX_HEAD 4096 /* a value's header: 64 bytes in block format 3 */
 
 static uint64_t get_u64(const unsigned char *p) {
     uint64_t v = 0;
@@ -162,7 +161,7 @@ static int load_v2(int fd, const struct stat *st, const unsigned char *first, si
     if (got < V2_FIXED) return KVX_SEG_NOT_SEGMENT;
     uint64_t head_len = get_u32(first + 16), payload = get_u64(first + 24);
     uint64_t start = get_u64(first + 32), size = (uint64_t)st->st_size;
-    if (head_len < 8 || head_len > MAX_HEAD || get_u32(first + 20) != 0 ||
+    if (head_len < 8 || head_len > KVX_SEG_MAX_HEAD || get_u32(first + 20) != 0 ||
         header_len != (uint64_t)kvx_segment_header_len((Py_ssize_t)count, (Py_ssize_t)head_len) ||
         start % KVX_SEG_ALIGN != 0 || start < header_len || start > size ||
         payload > (size - start) / count)
