@@ -36,7 +36,7 @@ import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from storage_baselines import drop_files, drop_keys, make_kv, redis_server
+from storage_baselines import drop_files, drop_keys, freeze_startup_heap, make_kv, redis_server
 from storage_cases import StorageCase, plan_step
 
 
@@ -76,8 +76,7 @@ def measure(
 
         if not values:
             raise SystemExit(f"{url}: nothing was stored; no lookup to measure")
-        gc.collect()
-        gc.freeze()  # as vLLM's EngineCore does once started
+        freeze_startup_heap()
         return {
             "kvx hits": cpu_ms(
                 partial(plan_step, case.scheduler, case.prompts, kv.dst_blocks), repeat

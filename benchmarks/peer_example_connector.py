@@ -58,7 +58,8 @@ def main() -> None:
     times: dict[str, list[float]] = {"save": [], "load": [], "save wall": [], "load wall": []}
     try:
         for round in range(args.repeat + 1):
-            freeze_startup_heap(round)
+            if round == 1:
+                freeze_startup_heap()
             prompts = [  # one token past the blocks: the last token is never stored
                 torch.randint(0, 32000, (args.tokens + 1,), generator=gen).tolist()
                 for _ in range(args.requests)

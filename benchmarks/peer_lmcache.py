@@ -193,7 +193,8 @@ def measure(cases: dict[str, Any], kv: KV, repeat: int) -> dict[str, dict[str, l
     check the bytes. Per case the CPU and wall times of the timed rounds."""
     times: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
     for round in range(repeat + 1):
-        freeze_startup_heap(round)
+        if round == 1:
+            freeze_startup_heap()
         for name, case in cases.items():
             getattr(case, "fresh", lambda: None)()
             for kind in ("save", "load"):

@@ -46,14 +46,14 @@ class Case:
     inner: int = 1  # timed calls per round (for cases that may simply run again)
 
 
-def freeze_startup_heap(round: int) -> None:
-    """Before the first timed round (`round` 1), what vLLM's EngineCore does once it has started
-    (`freeze_gc_heap`, vllm/v1/engine/core.py): collect, then leave every object alive so far
-    out of the cyclic GC's scans, so the collections a step triggers walk only what serving
-    allocated, not the imported libraries. Every measuring process does it, peers included."""
-    if round == 1:
-        gc.collect()
-        gc.freeze()
+def freeze_startup_heap() -> None:
+    """What vLLM's EngineCore does once it has started (`freeze_gc_heap`,
+    vllm/v1/engine/core.py): collect, then leave every object alive so far out of the cyclic
+    GC's scans, so the collections a step triggers walk only what serving allocated, not the
+    imported libraries. Every measuring process does it before its first timed round, peers
+    included."""
+    gc.collect()
+    gc.freeze()
 
 
 def measure_rounds(cases: list[Case], repeat: int) -> dict[str, dict[str, list[float]]]:
@@ -62,7 +62,8 @@ def measure_rounds(cases: list[Case], repeat: int) -> dict[str, dict[str, list[f
     a warm-up round (allocator, connections); rounds interleave the cases."""
     times: dict[str, dict[str, list[float]]] = {c.name: {} for c in cases}
     for round in range(repeat + 1):
-        freeze_startup_heap(round)
+        if round == 1:
+            freeze_startup_heap()
         for case in cases:
             case.fresh()
             for kind, fn in (("save", case.save), ("load", case.load)):
