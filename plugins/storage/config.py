@@ -19,7 +19,7 @@ DEFAULT_STORAGE_URL = "file://" + user_cache_dir("kv")
 FILE_MODES = {"owner": 0o600, "group": 0o640}
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-REDIS_SCHEMES = ("redis", "rediss")
+REDIS_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
 REDIS_PASSWORD_KEY = "kv_connector_extra_config.redis_password"
 MIN_MAC_SECRET = 16
 

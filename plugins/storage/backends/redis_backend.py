@@ -18,23 +18,39 @@ One value per key, each written with a single SET (a value is whole or absent); 
 keys is one pipelined round trip. Nothing waits on a dead or hung server beyond `timeout_s`
 per socket call, and calls are not retried (a failed call raises; the connector turns that
 into load errors, lookup misses or save errors).
+
+`valkey://` and `valkeys://` are the same backend (Valkey speaks RESP). A URL naming a node
+of a Redis or Valkey Cluster opens the whole cluster (see `redis_cluster`): redis-py's
+cluster client for the plain calls, and the fast path sending each master the values of the
+keys it serves.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
-from kvx.plugins.storage.backends.resp import RespConnection
+from kvx.plugins.storage.backends.redis_cluster import (
+    Address,
+    SlotRoutes,
+    connect_kwargs,
+    is_cluster_node,
+    is_redirect,
+    open_cluster,
+)
+from kvx.plugins.storage.backends.resp import RespConnection, RespReplyError
 
 KEY_PREFIX = "kvx/"
-POOL_IDLE_MAX = 8  # idle RESP connections kept for reuse
+POOL_IDLE_MAX = 8  # idle RESP connections kept for reuse, per server
+VALKEY_SCHEMES = {"valkey": "redis", "valkeys": "rediss"}  # redis-py's names for them
 
 
 def _redacted(url: str) -> str:
@@ -45,6 +61,13 @@ def _redacted(url: str) -> str:
     netloc = parts.netloc.rpartition("@")[2]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def _cluster_db_message(url: str, db: int) -> str:
+    return (
+        f"storage_url {_redacted(url)!r} names database {db}, but it is a node of a Redis "
+        "Cluster, which has only database 0: use /0 or no database"
+    )
 
 
 class RedisBackend(StorageBackend):
@@ -58,12 +81,15 @@ class RedisBackend(StorageBackend):
         # small ones), so each is checksummed while it is in the CPU's cache; two IO threads
         # keep the server busy in between (measured: 16 MiB batches were 1.2-1.5x slower)
         self.group_bytes = 4 << 20
-        self._idle: list[RespConnection] = []
+        self._idle: list[RespConnection] = []  # of every server, newest last
         self._lock = threading.Lock()
         self._closed = False
+        self._routes: SlotRoutes | None = None
+        scheme, sep, rest = url.partition("://")
+        redis_url = VALKEY_SCHEMES.get(scheme.lower(), scheme) + sep + rest
         try:
-            self.client = redis.Redis.from_url(
-                url,
+            self.client: redis.Redis | RedisCluster = redis.Redis.from_url(
+                redis_url,
                 password=options.password,
                 socket_timeout=options.timeout_s,
                 socket_connect_timeout=options.timeout_s,
@@ -88,11 +114,42 @@ class RedisBackend(StorageBackend):
                 f"cannot reach the Redis server at {_redacted(url)!r}: {exc}. Start one (for "
                 "example `redis-server --port 6379 --bind 127.0.0.1`) or fix storage_url"
             ) from None
+        except redis.ResponseError as exc:  # SELECT db on a cluster node
+            self.client.close()
+            if "cluster mode" not in str(exc):
+                raise
+            db = self.client.connection_pool.connection_kwargs.get("db", 0)
+            raise ValueError(_cluster_db_message(url, db)) from None
         pool = self.client.connection_pool
         self._resp = (
             pool.connection_class is redis.connection.Connection and options.redis_client == "resp"
         )
-        self._connect_kwargs = pool.connection_kwargs
+        if is_cluster_node(self.client):
+            self._open_cluster(redis_url, options)
+        self._connect_kwargs = connect_kwargs(self.client)
+        self._address: Address = (
+            self._connect_kwargs.get("host", "localhost"),
+            int(self._connect_kwargs.get("port", 6379)),
+        )
+
+    def _open_cluster(self, url: str, options: BackendOptions) -> None:
+        """Replace the single-node client by a cluster client (the URL named a cluster node)."""
+        self.client.close()
+        try:
+            cluster = open_cluster(url, options.password, options.timeout_s)
+        except redis.RedisError as exc:
+            raise ConnectionError(
+                f"{_redacted(self.url)!r} is a Redis Cluster node, but the cluster could not "
+                f"be discovered from it: {exc}"
+            ) from None
+        self.client = cluster
+        self._routes = SlotRoutes(cluster)
+
+    def _by_node(self, keys: Sequence[str]) -> dict[Address, list[int]]:
+        """The indices of `keys` (with the prefix) grouped by the server that holds them."""
+        if self._routes is None:
+            return {self._address: list(range(len(keys)))}
+        return self._routes.by_node(keys)
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         if not items:
@@ -135,14 +192,17 @@ class RedisBackend(StorageBackend):
         if not self._resp:
             self.put_many([(key, b"".join(parts)) for key, parts in items])
             return
-        conn = self._take()
-        try:
-            values = [(KEY_PREFIX + key, [memoryview(p) for p in parts]) for key, parts in items]
-            conn.set_vectored(values, self.ttl_s)
-        except BaseException:
-            conn.close()
-            raise
-        self._give(conn)
+        values = [(KEY_PREFIX + key, [memoryview(p) for p in parts]) for key, parts in items]
+        for address, indices in self._by_node([key for key, _ in values]).items():
+            group = [values[i] for i in indices]
+            try:
+                with self._conn(address) as conn:
+                    conn.set_vectored(group, self.ttl_s)
+            except RespReplyError as exc:
+                if not self._redirected(exc):
+                    raise
+                # keys another node serves now: through redis-py, which follows redirects
+                self.put_many([(items[indices[i]][0], b"".join(group[i][1])) for i in exc.failed])
 
     def get_vectored(
         self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
@@ -155,14 +215,56 @@ class RedisBackend(StorageBackend):
             return []
         if not self._resp:
             return self._get_vectored_redis_py(keys, buffers)
-        conn = self._take()
+        full = [KEY_PREFIX + key for key in keys]
+        sizes: list[int | None] = [None] * len(keys)
+        for address, indices in self._by_node(full).items():
+            names, bufs = [full[i] for i in indices], [buffers[i] for i in indices]
+            try:
+                with self._conn(address) as conn:
+                    got = conn.get_vectored(names, bufs)
+            except RespReplyError as exc:
+                if not self._redirected(exc):
+                    raise
+                got = exc.sizes
+                moved = sorted(exc.failed)
+                retried = self._get_vectored_redis_py(
+                    [keys[indices[i]] for i in moved], [bufs[i] for i in moved]
+                )
+                for i, size in zip(moved, retried, strict=True):
+                    got[i] = size
+            for i, size in zip(indices, got, strict=True):
+                sizes[i] = size
+        return sizes
+
+    @contextmanager
+    def _conn(self, address: Address) -> Iterator[RespConnection]:
+        """A pooled RESP connection to `address` for one call (closed if the call fails; a
+        cluster's slot map is re-read when a node cannot be reached)."""
         try:
-            sizes = conn.get_vectored([KEY_PREFIX + key for key in keys], buffers)
+            conn = self._take(address)
+        except (ConnectionError, TimeoutError):
+            self._node_failed()
+            raise
+        try:
+            yield conn
+        except (ConnectionError, TimeoutError):
+            conn.close()
+            self._node_failed()
+            raise
         except BaseException:
             conn.close()
             raise
         self._give(conn)
-        return sizes
+
+    def _node_failed(self) -> None:
+        """A server could not be reached: a cluster's masters may have changed."""
+        if self._routes is not None:
+            self._routes.refresh()
+
+    def _redirected(self, exc: RespReplyError) -> bool:
+        """Whether every failed key of a cluster batch was only redirected (MOVED, ASK,
+        TRYAGAIN, CLUSTERDOWN), so redis-py can follow it."""
+        return self._routes is not None and all(is_redirect(m) for m in exc.failed.values())
 
     def _get_vectored_redis_py(
         self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
@@ -181,17 +283,19 @@ class RedisBackend(StorageBackend):
             sizes.append(len(value) if value else None)
         return sizes
 
-    def _take(self) -> RespConnection:
-        """An idle RESP connection, or a new one."""
+    def _take(self, address: Address) -> RespConnection:
+        """An idle RESP connection to `address`, or a new one."""
         with self._lock:
             if self._closed:
                 raise ConnectionError(f"the Redis backend for {_redacted(self.url)!r} is closed")
-            if self._idle:
-                return self._idle.pop()
+            wanted = f"{address[0]}:{address[1]}"
+            for i in range(len(self._idle) - 1, -1, -1):
+                if self._idle[i].address == wanted:
+                    return self._idle.pop(i)
         kw = self._connect_kwargs
         return RespConnection(
-            kw.get("host", "localhost"),
-            int(kw.get("port", 6379)),
+            address[0],
+            address[1],
             int(kw.get("db", 0)),
             kw.get("username"),
             kw.get("password"),
@@ -201,7 +305,8 @@ class RedisBackend(StorageBackend):
     def _give(self, conn: RespConnection) -> None:
         """Keep a connection after a successful call (a failed call's is closed instead)."""
         with self._lock:
-            if not self._closed and len(self._idle) < POOL_IDLE_MAX:
+            kept = sum(c.address == conn.address for c in self._idle)
+            if not self._closed and kept < POOL_IDLE_MAX:
                 self._idle.append(conn)
                 return
         conn.close()

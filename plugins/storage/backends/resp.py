@@ -29,12 +29,22 @@ ERROR_TEXT_MAX = 200  # a server error message is quoted up to this many charact
 
 
 class RespReplyError(RuntimeError):
-    """The server answered a command with an error reply (`-ERR ...`)."""
+    """The server answered a command with an error reply (`-ERR ...`). For a pipelined
+    batch, raised once every reply was read: `failed` maps the index of each key answered
+    with an error to its message, and `sizes` holds GET's results for the other keys."""
 
-    def __init__(self, command: str, message: str) -> None:
+    def __init__(
+        self,
+        command: str,
+        message: str,
+        failed: dict[int, str] | None = None,
+        sizes: list[int | None] | None = None,
+    ) -> None:
         super().__init__(f"{command} failed: {message}")
         self.command = command
         self.message = message
+        self.failed = failed or {}
+        self.sizes = sizes or []
 
 
 class RespProtocolError(ConnectionError):
@@ -105,8 +115,8 @@ class RespConnection:
             return
         with self._io("SET") as sock:
             self._send(sock, self._set_parts(items, ttl_s))
-            failed: tuple[str, str] | None = None
-            for key, _ in items:
+            failed: dict[int, str] = {}
+            for i, (key, _) in enumerate(items):
                 line = self._read_line(sock)
                 if line == b"+OK":
                     continue
@@ -115,9 +125,10 @@ class RespConnection:
                         f"Redis at {self.address} answered SET {key!r} with {_quote(line)!r}, "
                         "not +OK"
                     )
-                failed = failed or (key, _quote(line[1:]))
-            if failed is not None:
-                raise RespReplyError(f"SET {failed[0]!r}", failed[1])
+                failed[i] = _quote(line[1:])
+            if failed:
+                first = min(failed)
+                raise RespReplyError(f"SET {items[first][0]!r}", failed[first], failed)
 
     def get_vectored(
         self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
@@ -137,14 +148,14 @@ class RespConnection:
             for k in (key.encode() for key in keys)
         )
         sizes: list[int | None] = []
-        failed: tuple[str, str] | None = None
+        failed: dict[int, str] = {}
         with self._io("GET") as sock:
             self._budget(sock)
             sock.sendall(request)
-            for key, views in zip(keys, targets, strict=True):
+            for i, (key, views) in enumerate(zip(keys, targets, strict=True)):
                 line = self._read_line(sock)
                 if line[:1] == b"-":
-                    failed = failed or (key, _quote(line[1:]))
+                    failed[i] = _quote(line[1:])
                     sizes.append(None)
                     continue
                 size = self._bulk_length(key, line)
@@ -156,8 +167,9 @@ class RespConnection:
                 else:
                     self._discard(sock, size)
                 self._expect_crlf(sock)
-            if failed is not None:
-                raise RespReplyError(f"GET {failed[0]!r}", failed[1])
+            if failed:
+                first = min(failed)
+                raise RespReplyError(f"GET {keys[first]!r}", failed[first], failed, sizes)
         return sizes
 
     # -- requests ------------------------------------------------------------------------------
