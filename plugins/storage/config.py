@@ -124,6 +124,15 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
                 "storage_options: fsspec's options; a redis:// storage_url takes none (its "
                 "settings go in the URL, its password in redis_password)"
             )
+        if self.storage_options is not None:
+            where = _credential_in(self.storage_options, "storage_options")
+            if where is not None:
+                raise ValueError(
+                    f"{where}: credentials are not taken from the config (it is logged, copied "
+                    "and shared); give them to the store's client through its environment "
+                    "(s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY) or its credentials "
+                    "file (s3://: AWS_SHARED_CREDENTIALS_FILE, ~/.aws/credentials)"
+                )
         if self.redis_password is not None:
             if scheme not in REDIS_SCHEMES:
                 raise ValueError(
@@ -184,6 +193,28 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.shared_storage_path is not None:
             return "file://" + os.path.abspath(self.shared_storage_path)
         return self.storage_url
+
+
+CREDENTIAL_OPTIONS = frozenset(
+    {
+        *("key", "secret", "password", "session_token", "aws_access_key_id"),
+        *("aws_secret_access_key", "aws_session_token", "account_key", "sas_token"),
+        *("client_secret", "connection_string"),
+    }
+)
+"""fsspec options that carry a credential (s3fs, adlfs, ...), refused in storage_options."""
+
+
+def _credential_in(options: dict[str, Any], path: str) -> str | None:
+    """The path of the first credential option in `options` (nested dicts too), or None."""
+    for name, value in options.items():
+        if name in CREDENTIAL_OPTIONS:
+            return f"{path}.{name}"
+        if isinstance(value, dict):
+            found = _credential_in(value, f"{path}.{name}")
+            if found is not None:
+                return found
+    return None
 
 
 def _redis_url_problem(url: str) -> str | None:

