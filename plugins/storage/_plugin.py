@@ -23,4 +23,11 @@ kvx_storage_backends = kvx.provides(
         requires=("redis",),
         extra="redis",
     ),
+    kvx.StorageBackendSpec(
+        name="mooncake",
+        target="kvx.plugins.storage.backends.mooncake_backend:MooncakeBackend",
+        schemes=("mooncake",),
+        summary="Mooncake Store (mooncake_master + store clients over TCP)",
+        requires=("mooncake",),
+    ),
 )

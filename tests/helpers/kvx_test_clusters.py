@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -343,6 +345,90 @@ class SeaweedS3:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> SeaweedS3:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def ibverbs_dir() -> str:
+    """A directory with a `libibverbs.so.1` for Mooncake's binaries: `.venv/lib/kvx-ibverbs`
+    (links to the nixl wheel's copy, made by `make system-deps`), or "" when the system has
+    the library (Debian `libibverbs1`)."""
+    private = Path(sys.prefix) / "lib" / "kvx-ibverbs"
+    if (private / "libibverbs.so.1").exists():
+        return str(private)
+    if any(
+        Path(d).joinpath("libibverbs.so.1").exists()
+        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+    ):
+        return ""
+    raise MissingBinaryError(
+        "libibverbs.so.1 is needed by Mooncake Store (even over TCP) and was found neither in "
+        f"{private} nor in the system: run `make system-deps` (links the nixl wheel's copy), "
+        "or install Debian's libibverbs1"
+    )
+
+
+def mooncake_env() -> dict[str, str]:
+    """The environment a Mooncake process needs: libibverbs on LD_LIBRARY_PATH, loopback."""
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+    extra = ibverbs_dir()
+    if extra:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [extra, env.get("LD_LIBRARY_PATH")]))
+    return env
+
+
+class MooncakeMaster:
+    """`mooncake_master` (from the mooncake-transfer-engine-non-cuda wheel) with its HTTP
+    metadata server, every port on 127.0.0.1. `url` is the storage URL of a client."""
+
+    def __init__(self) -> None:
+        try:
+            import mooncake
+        except ImportError:
+            raise MissingBinaryError(
+                "mooncake_master is needed for the Mooncake tests: `make system-deps` (or "
+                "`pip install mooncake-transfer-engine-non-cuda`)"
+            ) from None
+        binary = Path(mooncake.__file__).parent / "mooncake_master"
+        ports: list[int] = []
+        for _ in range(3):
+            ports.append(_cluster_port(ports))
+        meta, rpc, metrics = ports
+        self.dir = Path(tempfile.mkdtemp(prefix="kvx-mooncake-"))
+        self.proc = subprocess.Popen(
+            [
+                str(binary),
+                *("-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1"),
+                f"-http_metadata_server_port={meta}",
+                *("-rpc_address=127.0.0.1", f"-rpc_port={rpc}"),
+                *("-metrics_host=127.0.0.1", f"-metrics_port={metrics}"),
+            ],
+            stdout=(self.dir / "log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env=mooncake_env(),
+        )
+        started = time.monotonic()
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", metrics), timeout=0.5):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
+                    log = (self.dir / "log").read_bytes()[-800:]
+                    self.stop()
+                    raise RuntimeError(f"mooncake_master did not start: {log!r}") from None
+                time.sleep(0.1)
+        self.url = f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{meta}/metadata"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> MooncakeMaster:
         return self
 
     def __exit__(self, *exc: object) -> None:

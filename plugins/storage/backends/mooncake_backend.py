@@ -1,0 +1,126 @@
+"""Mooncake Store backend: `mooncake://MASTER_HOST:RPC_PORT?metadata=URL` on a
+`mooncake_master` and its `MooncakeDistributedStore` clients.
+
+This process joins the store as a client: it contributes `segment_mib` of its own memory to
+the store's pool (other clients' values may live in it, so the values it holds vanish when it
+exits) and `buffer_mib` of transfer buffer. Query parameters: `metadata` (required: the
+master's HTTP metadata server, `http://host:port/metadata`, or `etcd://host:port`),
+`segment_mib` (default 512), `buffer_mib` (64), `replicas` (1: copies of each value, on
+different clients), `local_hostname` (127.0.0.1: the address this client advertises; it is
+also exported as `MC_TCP_BIND_ADDRESS` unless set). Mooncake 0.3.13's TCP transport and RPC
+listeners (and the master's HTTP metadata server) still listen on every interface (seen with
+`ss`): run the engines and the master in a network namespace or behind a firewall; the
+tests run them in a namespace with only loopback.
+
+The store's `store.so` links `libibverbs.so.1` even over TCP: Debian's `libibverbs1`, or a
+directory holding a `libibverbs.so.1` link to the copy the nixl wheel bundles, on
+`LD_LIBRARY_PATH` when the process starts (`make system-deps` makes one:
+`.venv/lib/kvx-ibverbs`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend
+
+KEY_PREFIX = "kvx/"
+PARAMS = ("metadata", "segment_mib", "buffer_mib", "replicas", "local_hostname")
+
+
+def _store_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ImportError(
+            f"Mooncake Store cannot be loaded ({exc}): install "
+            "`pip install mooncake-transfer-engine-non-cuda` and make `libibverbs.so.1` "
+            "loadable (Debian `libibverbs1`, or LD_LIBRARY_PATH naming a directory with a "
+            "libibverbs.so.1 link to the nixl wheel's copy; `make system-deps` makes "
+            ".venv/lib/kvx-ibverbs)"
+        ) from None
+    return MooncakeDistributedStore
+
+
+def _int_param(params: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = params.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ValueError(f"storage_url parameter {name}={text!r}: use a whole number {low}-{high}")
+    return int(text)
+
+
+class MooncakeBackend(StorageBackend):
+    """Values as Mooncake Store objects (`kvx/<key>`), this process one of the store's
+    clients."""
+
+    def __init__(self, url: str, options: BackendOptions) -> None:
+        self.url = url
+        parts = urlsplit(url)
+        if not parts.hostname or parts.port is None:
+            raise ValueError(
+                f"storage_url {url!r}: name the master's RPC address, "
+                "mooncake://HOST:PORT?metadata=http://HOST:PORT/metadata"
+            )
+        raw = parse_qs(parts.query, keep_blank_values=True)
+        unknown = sorted(set(raw) - set(PARAMS))
+        if unknown:
+            raise ValueError(
+                f"storage_url parameter {unknown[0]!r} is unknown; allowed: {', '.join(PARAMS)}"
+            )
+        params = {k: v[-1] for k, v in raw.items()}
+        metadata = params.get("metadata")
+        if not metadata:
+            raise ValueError(
+                f"storage_url {url!r} has no metadata=...: the master's metadata server, "
+                "e.g. metadata=http://127.0.0.1:8080/metadata"
+            )
+        segment = _int_param(params, "segment_mib", 512, 1, 1 << 20) << 20
+        buffer = _int_param(params, "buffer_mib", 64, 1, 1 << 16) << 20
+        self.replicas = _int_param(params, "replicas", 1, 1, 16)
+        local = params.get("local_hostname", "127.0.0.1")
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local)
+        self.store = _store_class()()
+        master = f"{parts.hostname}:{parts.port}"
+        rc = self.store.setup(local, metadata, segment, buffer, "tcp", "", master)
+        if rc != 0:
+            raise ConnectionError(
+                f"Mooncake Store at {master} (metadata {metadata}) refused this client "
+                f"(setup returned {rc}); is mooncake_master running there?"
+            )
+        self._config: Any = None
+        if self.replicas > 1:
+            from mooncake.store import ReplicateConfig
+
+            self._config = ReplicateConfig()
+            self._config.replica_num = self.replicas
+
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        for key, value in items:
+            data = bytes(value)
+            if self._config is None:
+                rc = self.store.upsert(KEY_PREFIX + key, data)
+            else:
+                rc = self.store.upsert(KEY_PREFIX + key, data, self._config)
+            if rc != 0:
+                raise OSError(f"Mooncake Store refused {key!r} ({len(data)} bytes): error {rc}")
+
+    def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            data = self.store.get(KEY_PREFIX + key)
+            out.append(bytes(data[: max_bytes + 1]) if data else None)
+        return out
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        found = self.store.batch_is_exist([KEY_PREFIX + key for key in keys])
+        return [n == 1 for n in found]
+
+    def close(self) -> None:
+        self.store.close()
