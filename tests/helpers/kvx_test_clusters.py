@@ -270,7 +270,7 @@ class SeaweedS3:
     `S3_ACCESS_KEY` / `S3_SECRET_KEY`. `endpoint` is its S3 URL; `bucket` exists."""
 
     def __init__(self, bucket: str = "kvx") -> None:
-        weed = shutil.which("weed")
+        weed = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
         if weed is None:
             raise MissingBinaryError(
                 "weed (SeaweedFS) is needed for the S3 tests and is not on PATH; install it "
