@@ -81,6 +81,7 @@ class KvxPromMetrics(KVConnectorPromMetrics):
         self._rebuild, self._connector = rebuild, connector
         self._metrics = {attr: _metric(attr, metric_types, labelnames) for attr in SERIES}
         self._warned = False
+        self._children: dict[tuple[object, ...], Any] = {}
         # failure series exist at 0 from the start, so an alert on their rate works at once
         for name in rebuild({}).figures_by_connector(connector):
             for labels in per_engine_labelvalues.values():
@@ -98,20 +99,27 @@ class KvxPromMetrics(KVConnectorPromMetrics):
                 self._warned = True
                 logger.warning("kvx: stats not recorded in Prometheus: %s: %s", type(exc), exc)
 
+    def _child(self, attr: str, *labels: object) -> Any:
+        """The labelled series (looked up once: `observe` runs every engine step)."""
+        key = (attr, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._metrics[attr].labels(*labels)
+        return child
+
     def _record(self, f: kvx.TransferFigures, labels: list[object]) -> None:
-        m = self._metrics
         for attr, by_key in (("bytes", f.bytes), ("blocks", f.blocks), ("hits", f.hits)):
             for key, value in by_key.items():
-                child = m[attr].labels(*labels, key)  # the series exists from its first report
+                child = self._child(attr, *labels, key)  # the series exists from its first report
                 if value:
                     child.inc(value)
         for kind, count in f.failures.items():
             if count:
-                m["failures"].labels(*labels, kind).inc(count)
+                self._child("failures", *labels, kind).inc(count)
         for direction, durations in f.seconds.items():
-            histogram = m["seconds"].labels(*labels, direction)
+            histogram = self._child("seconds", *labels, direction)
             for seconds in durations:
                 histogram.observe(seconds)
         if f.held_requests is not None:
-            m["held"].labels(*labels).set(f.held_requests)
-            m["held_age"].labels(*labels).set(f.held_oldest_seconds or 0.0)
+            self._child("held", *labels).set(f.held_requests)
+            self._child("held_age", *labels).set(f.held_oldest_seconds or 0.0)
