@@ -37,7 +37,8 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
         self.dim = kvx.get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
         self._caches: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-example")
-        self._saving: dict[str, tuple[Future[None], int]] = {}  # and how many blocks
+        self._saving: dict[str, Future[None]] = {}
+        self._save_blocks: dict[str, int] = {}  # how many blocks each save writes
         self._loading: dict[str, tuple[Future[None], list[int]]] = {}
         self._errors: set[int] = set()
         self._block_bytes = 0  # of one block, every layer: known once caches are registered
@@ -58,8 +59,8 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
             index = torch.tensor(save.block_ids, dtype=torch.long)
             snapshot = {name: t.index_select(self.dim, index) for name, t in self._caches.items()}
             path = self._path(self.engine_id, save.req_id)
-            future = self._pool.submit(_write_atomic, path, snapshot)
-            self._saving[save.req_id] = (future, len(save.block_ids))
+            self._saving[save.req_id] = self._pool.submit(_write_atomic, path, snapshot)
+            self._save_blocks[save.req_id] = len(save.block_ids)
         for load in metadata.loads:
             path = self._path(load.remote_engine_id, load.remote_request_id)
             future = self._pool.submit(self._load, path, load, self.dim)
@@ -87,11 +88,10 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Files written (P frees those blocks) and files loaded, failed ones included: a
         failed load reports its blocks as load errors."""
-        written = [rid for rid, (future, _) in self._saving.items() if future.done()]
+        written = [rid for rid, future in self._saving.items() if future.done()]
         for rid in written:
-            future, blocks = self._saving.pop(rid)
-            error = future.exception()
-            self._count("written", blocks, error)
+            error = self._saving.pop(rid).exception()
+            self._count("written", self._save_blocks.pop(rid, 0), error)
             if error is not None:  # D's load will time out and report the blocks as bad
                 logger.error("writing KV of request %s failed: %s", rid, error)
         loaded = [rid for rid, (future, _) in self._loading.items() if future.done()]
