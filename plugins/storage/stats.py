@@ -21,7 +21,8 @@ def failure_kind(exc: BaseException) -> str:
 
 
 class StorageStats(KVConnectorStats):
-    """Summed across workers: `loaded_tokens`, `loaded_blocks`, `loaded_bytes`, `load_errors`
+    """Summed across workers: `loaded_tokens`, `loaded_blocks`, `loaded_bytes` (KV bytes; the
+    stored values' headers are not counted), `load_errors`
     (engine blocks), `load_failed_<kind>` (loads cut short, by `failure_kind` of the read),
     `saved_blocks`, `saved_bytes`, `save_errors` (failed writes or unsaved steps); and
     `load_seconds` / `save_seconds`, one entry per step's loads and per write group."""

@@ -295,7 +295,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 self.layout,
             )
         blocks = sum(n for _, n in good)
-        self._tally.add(loaded_blocks=blocks, loaded_bytes=blocks * unit.shape.value_bytes)
+        self._tally.add(loaded_blocks=blocks, loaded_bytes=blocks * unit.shape.payload_bytes)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -383,7 +383,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 for name, value in buffers:
                     seal(name, shape, value, self.mac_key)
                 self.backend.put_many(buffers)
-            self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
+            self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.payload_bytes)
             self._tally.timed("save_seconds", time.perf_counter() - start)
         except Exception as exc:
             self._tally.failed([name for name, _ in items], f"{type(exc).__name__}: {exc}")
