@@ -17,6 +17,7 @@ from kvx import (
     KVConnectorStats,
     ParallelInfo,
     Request,
+    TransferFigures,
     create_connector,
 )
 from kvx.conformance.harness import PD_ROLES, Harness, run_engine
@@ -95,38 +96,86 @@ def clean_shutdown(h: Harness) -> None:
 
 @scenario(
     "stats_and_events_shape",
-    "stats reduce to numbers and rebuild from dicts; events are KV cache events",
+    "stats are reported, reduce to numbers, rebuild from dicts and give the shared "
+    "TransferFigures; events are KV cache events",
     PD,
 )
 def stats_and_events_shape(h: Harness) -> None:
     with h.pair() as pair:
         h.run_pair(pair, h.prompts([33, 70]))
+        engines = []
         for handle in (pair.prefill, pair.decode):
             assert isinstance(handle, LocalEngine)
-            engine = handle.engine
-            connector = engine.workers[0].connector
-            assert connector is not None
-            cls = type(connector)
-            for stats in engine.kv_stats:
-                check(
-                    isinstance(stats, KVConnectorStats),
-                    f"{cls.__name__} returned stats of type {type(stats).__name__}",
-                )
-                reduced = stats.reduce()
-                check(
-                    all(isinstance(v, (int, float)) for v in reduced.values()),
-                    f"reduce() must give numbers, got {reduced}",
-                )
-                rebuilt = cls.build_kv_connector_stats(stats.to_dict())
-                check(
-                    rebuilt is not None and rebuilt.to_dict() == stats.to_dict(),
-                    f"{cls.__name__}.build_kv_connector_stats does not rebuild its stats",
-                )
-            for events in engine.kv_events:
-                check(
-                    isinstance(events, KVConnectorKVEvents),
-                    f"events of type {type(events).__name__}",
-                )
+            engines.append(handle.engine)
+        _check_stats_and_events(engines)
+
+
+@scenario(
+    "stats_and_events_shape_stored",
+    "stats_and_events_shape for a store: one engine stores, a fresh one loads",
+    (Capability.STORE_REUSE,),
+    roles=BOTH,
+)
+def stats_and_events_shape_stored(h: Harness) -> None:
+    prompts = h.prompts([33, 70], seed=5)
+    with h.engine("kv_both") as first:
+        run_engine(first, prompts, 4)
+        with h.engine("kv_both") as second:
+            run_engine(second, prompts, 4)
+            _check_stats_and_events([first, second])
+
+
+@scenario(
+    "stats_and_events_shape_offloaded",
+    "stats_and_events_shape for a slower tier: an engine that offloads",
+    (Capability.OFFLOAD,),
+    roles=BOTH,
+)
+def stats_and_events_shape_offloaded(h: Harness) -> None:
+    with h.engine("kv_both") as engine:
+        run_engine(engine, h.prompts([33, 70], seed=6), 4)
+        _check_stats_and_events([engine])
+
+
+def _check_stats_and_events(engines: list[Any]) -> None:
+    """Every stats object is well formed, and together they report something in the shared
+    `TransferFigures` shape (a connector that moved KV and says nothing fails)."""
+    reported = False
+    for engine in engines:
+        connector = engine.workers[0].connector
+        assert connector is not None
+        cls = type(connector)
+        for stats in engine.kv_stats:
+            check(
+                isinstance(stats, KVConnectorStats),
+                f"{cls.__name__} returned stats of type {type(stats).__name__}",
+            )
+            reduced = stats.reduce()
+            check(
+                all(isinstance(v, (int, float)) for v in reduced.values()),
+                f"reduce() must give numbers, got {reduced}",
+            )
+            rebuilt = cls.build_kv_connector_stats(stats.to_dict())
+            check(
+                rebuilt is not None and rebuilt.to_dict() == stats.to_dict(),
+                f"{cls.__name__}.build_kv_connector_stats does not rebuild its stats",
+            )
+            figures = stats.figures_by_connector(cls.__name__)
+            check(
+                all(isinstance(f, TransferFigures) for f in figures.values()),
+                f"{cls.__name__} stats: figures_by_connector() must give TransferFigures",
+            )
+            reported |= any(not f.is_empty() for f in figures.values())
+        for events in engine.kv_events:
+            check(
+                isinstance(events, KVConnectorKVEvents),
+                f"events of type {type(events).__name__}",
+            )
+    check(
+        reported,
+        "the connector moved KV but reported no stats in the shared shape: "
+        "get_kv_connector_stats() gave nothing, or its stats' figures() are empty",
+    )
 
 
 @scenario(

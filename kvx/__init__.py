@@ -56,7 +56,7 @@ from kvx.specs import (
     StorageBackendSpec,
     TransformSpec,
 )
-from kvx.stats import KVConnectorStats
+from kvx.stats import DIRECTIONS, FAILURE_KINDS, KVConnectorStats, TransferFigures
 from kvx.storage import (
     StorageBackend,
     StorageBackendOptions,
@@ -83,6 +83,8 @@ from kvx.userdirs import make_private_dirs, user_cache_dir
 __all__ = [
     "ANY_GEOMETRY",
     "CONTRACT_VERSION",
+    "DIRECTIONS",
+    "FAILURE_KINDS",
     "AllBlocksCleared",
     "BlockIds",
     "BlockRemoved",
@@ -137,6 +139,7 @@ __all__ = [
     "StorageRegionTable",
     "SupportsHMA",
     "TrackedRequest",
+    "TransferFigures",
     "TransformSpec",
     "__version__",
     "copy_into",

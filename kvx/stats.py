@@ -1,9 +1,64 @@
-"""Connector statistics: what workers measure, merged across workers, reduced for logging."""
+"""Connector statistics: what workers measure, merged across workers, reduced for logging, and
+`TransferFigures`, the one shape every connector's stats reduce to for metrics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+DIRECTIONS = ("saved", "loaded", "sent", "received")
+"""Which way KV moved: into a store or tier (`saved`), back from one (`loaded`), to a peer
+engine (`sent`) or from one (`received`)."""
+
+FAILURE_KINDS = ("transport", "timeout", "checksum", "refused", "store_miss")
+"""Why a transfer failed: the transport or store broke (`transport`), a deadline or a lease ran
+out (`timeout`), the bytes did not match their checksum (`checksum`), the peer refused
+(`refused`), the store lacked what was expected (`store_miss`)."""
+
+
+def _check_keys(what: str, given: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    for key in given:
+        if key not in allowed:
+            raise ValueError(
+                f"TransferFigures.{what}: {key!r} is not allowed; use one of {', '.join(allowed)}"
+            )
+
+
+@dataclass
+class TransferFigures:
+    """What one connector moved since its last report, in the shape every connector shares.
+
+    `bytes`, `blocks` and `seconds` are keyed by direction (`DIRECTIONS`); `seconds` holds one
+    duration per transfer (for histograms). `hits` counts the tokens each source or tier
+    served (in whole blocks where a connector only knows blocks); `failures` counts failures
+    by kind (`FAILURE_KINDS`). `held_requests` and `held_oldest_seconds` are gauges: requests
+    whose blocks are held for a peer right now and how long the oldest has been held (None:
+    this connector holds none for a peer)."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    held_requests: int | None = None
+    held_oldest_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_keys("bytes", self.bytes, DIRECTIONS)
+        _check_keys("blocks", self.blocks, DIRECTIONS)
+        _check_keys("seconds", self.seconds, DIRECTIONS)
+        _check_keys("failures", self.failures, FAILURE_KINDS)
+
+    def is_empty(self) -> bool:
+        """Nothing moved, hit, failed or is held."""
+        return not (
+            any(self.bytes.values())
+            or any(self.blocks.values())
+            or any(self.seconds.values())
+            or any(self.hits.values())
+            or any(self.failures.values())
+            or self.held_requests
+        )
 
 
 @dataclass
@@ -57,6 +112,15 @@ class KVConnectorStats:
             elif isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
                 out[key] = sum(value)
         return out
+
+    def figures(self) -> TransferFigures:
+        """These stats in the shared shape; connectors override it (the base knows no keys)."""
+        return TransferFigures()
+
+    def figures_by_connector(self, name: str) -> dict[str, TransferFigures]:
+        """`figures()` keyed by connector name (`name`: this connector's); a composite
+        connector gives one entry per child instead."""
+        return {name: self.figures()}
 
     def clone_and_reset(self) -> KVConnectorStats:
         """Return a copy of the current figures and start counting afresh."""

@@ -24,6 +24,7 @@ validated against its schema before anything is built. See docs/vllm.md.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import vllm
@@ -53,6 +54,7 @@ from kvx.adapters.vllm_config import (
 )
 from kvx.adapters.vllm_guard import ReportGuard
 from kvx.adapters.vllm_plugin import PREFIX as PLUGIN_PREFIX
+from kvx.adapters.vllm_prom import KvxPromMetrics
 from kvx.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -342,10 +344,28 @@ class KvxConnector(KVConnectorBase_V1):
         metric_types: dict[Any, Any],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> payloads.PromMetrics:
-        """No Prometheus metrics (see `payloads.PromMetrics`), but an object vLLM's
-        MultiConnector requires of each child that reports stats."""
-        return payloads.PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    ) -> KvxPromMetrics:
+        """The kvx_* series (`vllm_prom.py`) in vLLM's /metrics, fed by the hosted connector's
+        stats; vLLM's MultiConnector also requires this object of each child with stats."""
+        name = cls.kvx_connector_name
+        # the name as kvx's registry knows it, from the config vLLM was given (not for a child
+        # of vLLM's MultiConnector: that config is its parent's)
+        with contextlib.suppress(ConfigError, ValueError, AttributeError):
+            name = kvx_transfer_config(vllm_config.kv_transfer_config, name).kv_connector
+        kvx_cls = load_kvx_class(name) if name else None
+
+        def rebuild(data: dict[str, Any]) -> kvx.KVConnectorStats:
+            stats = kvx_cls.build_kv_connector_stats(data) if kvx_cls is not None else None
+            return stats if stats is not None else kvx.KVConnectorStats(dict(data))
+
+        return KvxPromMetrics(
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            rebuild,
+            name or "kvx",
+        )
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> payloads.Stats:

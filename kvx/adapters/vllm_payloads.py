@@ -19,7 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
     KVConnectorStats,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -87,16 +86,6 @@ class Stats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return self.kvx_stats.is_empty()
-
-
-class PromMetrics(KVConnectorPromMetrics):
-    """The Prometheus side of a kvx connector's stats: none. kvx's figures reach vLLM's log
-    ("KV Transfer metrics: ..."), not its Prometheus registry. It exists because vLLM's own
-    MultiConnector asserts that every child whose stats it observes has one; without it the
-    first stats of a kvx child kill the API server's output handler."""
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        return None
 
 
 class WorkerEvents(vllm_events.KVConnectorKVEvents):

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,6 +23,7 @@ from kvx.proxy.config import ProxyConfig
 from kvx.proxy.errors import ProxyError, error_document
 from kvx.proxy.forward import Exchange, Forwarder
 from kvx.proxy.health import HealthChecker
+from kvx.proxy.metrics import MetricsMiddleware, ProxyMetrics
 from kvx.proxy.pool import Health, Role, ServerPool
 from kvx.proxy.routing import make_router
 
@@ -80,14 +82,17 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
     `app.state.pool`, to add or remove servers while it runs."""
     pool = pool if pool is not None else ServerPool(config.prefill, config.decode)
     routers = {role: make_router(config.routing) for role in Role}
+    metrics = ProxyMetrics(pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(
             timeout=config.request_timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             trust_env=False,  # never route to P and D through an HTTP(S)_PROXY of the env
             follow_redirects=False,
+            # the connection pool (and its limits) inside the transport that times each leg
+            transport=metrics.transport(httpx.AsyncHTTPTransport(limits=limits, trust_env=False)),
         ) as client:
             app.state.forwarder = Forwarder(pool, client, routers, config.request_timeout)
             checker = HealthChecker(pool, client, config.health_interval, config.health_timeout)
@@ -157,7 +162,9 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/kvx/servers", servers, methods=["GET"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
         ],
+        middleware=[Middleware(MetricsMiddleware, metrics=metrics)],
         exception_handlers={
             ProxyError: proxy_error,
             HTTPException: http_error,

@@ -25,7 +25,7 @@ from kvx.proxy.config import (
     ProxySettingError,
 )
 
-EXTRA_MODULES = ("starlette", "httpx", "uvicorn")
+EXTRA_MODULES = ("starlette", "httpx", "uvicorn", "prometheus_client")
 _DEFAULTS = ProxyConfig()
 
 

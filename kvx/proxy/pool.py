@@ -42,6 +42,7 @@ class Upstream:
     requests: int = 0
     failures: int = 0
     last_error: str | None = None
+    """Why the server is down; None while it is not (the fields of /kvx/servers agree)."""
     since: float = field(default_factory=time.time)
     """When `health` last changed (Unix time)."""
     checked_at: float | None = None
@@ -149,6 +150,8 @@ class ServerPool:
         return [s for s in self.servers(role) if s.eligible]
 
     def mark_up(self, server: Upstream) -> None:
+        """Health check passed: `last_error` (why it was down) no longer applies."""
+        server.last_error = None
         if server.health is not Health.UP:
             if server.health is Health.DOWN:
                 log.warning("%s server %s is up again", server.role, server.url)

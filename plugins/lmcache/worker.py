@@ -82,6 +82,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
         self.pool_key: str | None = None
         self.engine: Any = None
         self.tensors: list[torch.Tensor] = []
+        self.token_bytes = 0
         self.layer_index: dict[str, int] = {}
         self.server: LookupServer | None = None
         self._load_errors: set[int] = set()
@@ -95,6 +96,9 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.tensors = list(kv_caches.values())
+        slots = self.ctx.cache.num_blocks * self.block_size
+        total = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.token_bytes = total // slots if slots else 0  # this rank's KV bytes per token
         self.pool_key, self.engine = acquire_engine(
             self.options, self.ctx, self.layout, self.tensors
         )
@@ -136,7 +140,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
                     steps.close()
                 self._loads.append(pending)
                 continue
-            with self.stats.timed("load", load.end - load.start):
+            with self.stats.timed("load", load.end - load.start, self.token_bytes):
                 try:
                     got = self.engine.retrieve(tokens, mask, **kwargs)
                 except Exception as exc:
@@ -172,8 +176,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
                 self._fail(pending.load, f"layer-wise retrieve: {type(exc).__name__}: {exc}")
                 continue
             self._check(pending.load, got)
-            self.stats.count("loads")
-            self.stats.count("load_tokens", pending.load.end - pending.load.start)
+            self.stats.moved("load", pending.load.end - pending.load.start, self.token_bytes)
         self._loads = []
 
     def _check(self, load: LoadSpec, got: Any) -> None:
@@ -229,8 +232,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
             for store, steps in self._stores:
                 for _ in steps:  # layers the hooks did not reach, and the final put
                     pass
-                self.stats.count("stores")
-                self.stats.count("store_tokens", len(store.token_ids) - store.start)
+                self.stats.moved("store", len(store.token_ids) - store.start, self.token_bytes)
             self._record_events([store for store, _ in self._stores])
             for store, _ in self._stores:
                 self._wait_remote(store)
@@ -239,7 +241,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
         for store in meta.stores:
             tokens = token_list(store.token_ids)
             kwargs = self._kwargs(len(tokens), store.block_ids)
-            with self.stats.timed("store", len(tokens) - store.start):
+            with self.stats.timed("store", len(tokens) - store.start, self.token_bytes):
                 self.engine.store(tokens, mask=prefix_mask(len(tokens), store.start), **kwargs)
                 self._wait_remote(store)
         self._record_events(meta.stores)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvx import KVConnectorStats
+from kvx import KVConnectorStats, TransferFigures
 
 
 class MultiKVConnectorStats(KVConnectorStats):
@@ -25,6 +25,15 @@ class MultiKVConnectorStats(KVConnectorStats):
             else:
                 self.data[name] = stats
         return self
+
+    def figures_by_connector(self, name: str) -> dict[str, TransferFigures]:
+        """One entry per child, keyed by the child's name (not `name`: the children are the
+        connectors that moved the bytes)."""
+        return {
+            key: figures
+            for child, stats in self.data.items()
+            for key, figures in stats.figures_by_connector(child).items()
+        }
 
     def reduce(self) -> dict[str, int | float]:
         """Each child's reduced figures, keyed `<child>.<figure>`."""

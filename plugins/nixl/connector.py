@@ -31,6 +31,7 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
     extra_config_schema = NixlConfig
     stats_type = NixlKVConnectorStats
+    _held_reported = False
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -46,7 +47,13 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
         return NixlAgentHandshake(self.worker.handshake_payload())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Stats since the last call, with P's held requests as gauges: reported while any is
+        held and once more when none is (so a dashboard sees the hold end)."""
         stats = self.worker.stats
+        held, oldest = self.worker.held()
+        if held or self._held_reported:
+            stats.set_held(held, oldest)
+        self._held_reported = held > 0
         return None if stats.is_empty() else stats.clone_and_reset()
 
     @classmethod

@@ -25,6 +25,7 @@ MAX_EARLY = 4096
 @dataclass
 class SendState:
     deadline: float
+    since: float
     readers: set[str] = field(default_factory=set)
     expected: int | None = None
 
@@ -51,7 +52,7 @@ class Leases:
 
     def hold(self, req_id: str, lease_s: float, now: float) -> None:
         """Start the lease of a request P's scheduler finished."""
-        state = SendState(now + lease_s)
+        state = SendState(now + lease_s, now)
         self._sending[req_id] = state
         early = self._early.pop(req_id, None)
         if early is not None:  # D's reads finished before this step's metadata came
@@ -106,6 +107,11 @@ class Leases:
     def holding(self) -> bool:
         """Whether any request's blocks are held for D."""
         return bool(self._sending)
+
+    def held(self, now: float) -> tuple[int, float]:
+        """How many requests are held for D, and for how long the oldest has been (seconds)."""
+        oldest = min((s.since for s in self._sending.values()), default=now)
+        return len(self._sending), now - oldest
 
     def take_finished(self) -> set[str]:
         finished, self._finished = self._finished, set()

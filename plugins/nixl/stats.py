@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvx import KVConnectorStats
+from kvx import KVConnectorStats, TransferFigures
 
 LIST_KEYS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 COUNT_KEYS = (
@@ -16,6 +16,9 @@ COUNT_KEYS = (
     "num_refused_notifications",
     "num_unknown_notifications_dropped",
 )
+GAUGE_KEYS = ("held_requests", "held_oldest_seconds")
+"""P's holds at the time of the report: merged by maximum, not summed (every TP rank holds
+its shard of the same requests)."""
 MB = float(1 << 20)
 
 
@@ -45,11 +48,46 @@ class NixlKVConnectorStats(KVConnectorStats):
     def count(self, key: str, n: int = 1) -> None:
         self.data[key] += n
 
+    def set_held(self, requests: int, oldest_seconds: float) -> None:
+        """P's requests held for D now, and how long the oldest has been held."""
+        self.data["held_requests"] = requests
+        self.data["held_oldest_seconds"] = oldest_seconds
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        gauges = {k: max(self.data.get(k, 0), other.data.get(k, 0)) for k in GAUGE_KEYS}
+        present = any(k in self.data or k in other.data for k in GAUGE_KEYS)
+        super().aggregate(type(other)({k: v for k, v in other.data.items() if k not in GAUGE_KEYS}))
+        if present:
+            self.data.update(gauges)
+        return self
+
+    def figures(self) -> TransferFigures:
+        d = self.data
+        held = d.get("held_requests")
+        return TransferFigures(
+            bytes={"received": sum(d["bytes_transferred"])},
+            seconds={"received": list(d["transfer_duration"])},
+            failures={
+                "transport": d["num_failed_transfers"]
+                + d["num_failed_notifications"]
+                + d["num_failed_handshakes"],
+                "timeout": d["num_kv_expired_reqs"],
+                "refused": d["num_refused_notifications"],
+            },
+            held_requests=None if held is None else int(held),
+            held_oldest_seconds=d.get("held_oldest_seconds"),
+        )
+
     def reset(self) -> None:
         self.data = NixlKVConnectorStats().data
 
     def is_empty(self) -> bool:
-        return not self.data["transfer_duration"] and not any(self.data[k] for k in COUNT_KEYS)
+        """No transfer, failure or held-requests report."""
+        return (
+            not self.data["transfer_duration"]
+            and not any(self.data[k] for k in COUNT_KEYS)
+            and "held_requests" not in self.data
+        )
 
     def clone_and_reset(self) -> KVConnectorStats:
         clone = NixlKVConnectorStats(self.data)

@@ -191,6 +191,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._progress is not None:
             self._progress.set_wanted(self._leases.holding)
 
+    def held(self) -> tuple[int, float]:
+        """P side: requests held for D now, and the oldest one's age (seconds)."""
+        return self._leases.held(time.monotonic())
+
     def _start_load_kv(self, meta: NixlMetadata) -> None:
         now = time.monotonic()
         for req_id, lease in meta.reqs_to_send.items():

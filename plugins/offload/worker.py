@@ -91,6 +91,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._spills: list[tuple[str, Future[None]]] = []  # (chunk key, its write to disk)
         self.stats = OffloadStats()
         self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
+        self.block_size = ctx.cache.block_size
         self.fs: fsspec.AbstractFileSystem | None = None
         if disk_url is not None:
             try:
@@ -212,7 +213,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         cpu_blocks = slots if per == 1 else [s * per + o for s in slots for o in range(per)]
         self._to_cpu(*by_source(gpu_blocks, cpu_blocks))
         nbytes = len(cpu_blocks) * self._block_bytes()
-        self.stats.count("store", nbytes, time.perf_counter() - start)
+        self.stats.count("store", nbytes, time.perf_counter() - start, len(cpu_blocks))
 
     def _load(self, load: LoadSpec) -> None:
         start = time.perf_counter()
@@ -237,7 +238,10 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
                 "h2d",
                 layout=self.layout,
             )
-        self.stats.count("load", len(load.slots) * self._block_bytes(), time.perf_counter() - start)
+        blocks = len(load.slots)
+        self.stats.count("load", blocks * self._block_bytes(), time.perf_counter() - start, blocks)
+        self.stats.add("load_cpu_tokens", len(from_cpu) * self.block_size)
+        self.stats.add("load_disk_tokens", (blocks - len(from_cpu)) * self.block_size)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}.{self.rank}.kv"
@@ -300,6 +304,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
                 recving.add(req_id)
                 if failed:
                     self._load_errors.update(self._load_blocks.pop(req_id, []))
+                    self.stats.add("load_failures", 1)
                 else:
                     self._load_blocks.pop(req_id, None)
         for req_id, jobs in list(self._stores.items()):
@@ -343,7 +348,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
                 failed[key] = f"{type(exc).__name__}: {exc}"
         self._spills = still
         if failed:
-            self.stats.data["save_errors"] = self.stats.data.get("save_errors", 0) + len(failed)
+            self.stats.add("save_errors", len(failed))
         return failed
 
     def take_stats(self) -> KVConnectorStats | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvx import KVConnectorStats
+from kvx import KVConnectorStats, TransferFigures
 
 COUNT_KEYS = (
     "puts",
@@ -20,16 +20,19 @@ COUNT_KEYS = (
     "refused_messages",
     "spilled",
 )
+DURATION_KEYS = ("transfer_duration", "sent_duration", "received_duration")
 MB = float(1 << 20)
 
 
 class P2pKVConnectorStats(KVConnectorStats):
-    """`data`: counters (`COUNT_KEYS`) and `transfer_duration` (seconds per PUT or GET).
-    Background threads count through `count` (locked)."""
+    """`data`: counters (`COUNT_KEYS`), `transfer_duration` (seconds per PUT or GET) and the
+    same split by direction (`sent_duration`: PUTs, `received_duration`: GETs). Background
+    threads count through `count` (locked)."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=dict(data) if data else {})
-        self.data.setdefault("transfer_duration", [])
+        for key in DURATION_KEYS:
+            self.data.setdefault(key, [])
         for key in COUNT_KEYS:
             self.data.setdefault(key, 0)
         self._lock = threading.Lock()
@@ -47,9 +50,11 @@ class P2pKVConnectorStats(KVConnectorStats):
         with self._lock:
             self.data[key] += n
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float, direction: str) -> None:
+        """One PUT (`direction` "sent") or GET ("received") took `seconds`."""
         with self._lock:
             self.data["transfer_duration"].append(seconds)
+            self.data[f"{direction}_duration"].append(seconds)
 
     def reset(self) -> None:
         with self._lock:
@@ -63,6 +68,20 @@ class P2pKVConnectorStats(KVConnectorStats):
             clone = P2pKVConnectorStats(self.data)
             self.data = P2pKVConnectorStats().data
         return clone
+
+    def figures(self) -> TransferFigures:
+        d = self.data
+        return TransferFigures(
+            bytes={
+                "sent": d["put_bytes"] + d["served_bytes"],
+                "received": d["get_bytes"] + d["received_bytes"],
+            },
+            seconds={"sent": list(d["sent_duration"]), "received": list(d["received_duration"])},
+            failures={
+                "transport": d["failed_transfers"] + d["failed_loads"],
+                "refused": d["refused_puts"] + d["refused_messages"],
+            },
+        )
 
     def reduce(self) -> dict[str, int | float]:
         durations = self.data["transfer_duration"]

@@ -271,7 +271,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         landed = len(items) - len(failed)
         if landed:
             if seconds is not None:
-                self.stats.record(seconds)
+                self.stats.record(seconds, "sent")
             self.stats.count("puts", landed)
             bad = {id(m) for m, _ in failed}
             self.stats.count("put_bytes", sum(m.nbytes for m, _ in items if id(m) not in bad))
@@ -288,7 +288,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             sent, self._sent = self._sent, []
             self._account([(meta, []) for meta in sent], self.engine.settle(), None)
             if sent:
-                self.stats.record(time.perf_counter() - start)
+                self.stats.record(time.perf_counter() - start, "sent")
         timeout = self.options.transfer_timeout_s
         if self._sender is not None and not self._sender.drain(timeout):
             dropped = self._sender.cancel()
@@ -396,7 +396,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                 meta, t, keep = self.engine.get(
                     format_address(spec.prefill_host, port), get, deadline
                 )
-                self.stats.record(time.perf_counter() - start)
+                self.stats.record(time.perf_counter() - start, "received")
                 self.stats.count("gets")
                 self.stats.count("get_bytes", meta.nbytes)
                 got.append((layer, r, meta, t, keep))

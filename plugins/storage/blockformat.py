@@ -111,6 +111,10 @@ class BlockFormatError(ValueError):
     """A stored value is missing, torn, corrupt or not what the reader expects."""
 
 
+class NotStoredError(BlockFormatError):
+    """A stored value is missing (counted as a store miss, not as corruption)."""
+
+
 @dataclass(frozen=True)
 class BlockShape:
     """What one stored value holds (and what a reader expects)."""
@@ -279,7 +283,7 @@ def check_value(
     `BlockFormatError` if it is absent, torn, corrupt or of another shape, dtype, head range or
     layer set (only the element order may differ from `expect`)."""
     if data is None:
-        raise BlockFormatError(f"{key}: not stored")
+        raise NotStoredError(f"{key}: not stored")
     view = memoryview(data).cast("B")
     shape = read_header(key, view, expect)
     if len(view) != expect.value_bytes:

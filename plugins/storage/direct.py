@@ -22,6 +22,7 @@ from kvx.plugins.storage.blockformat import (
     HEADER,
     BlockFormatError,
     BlockShape,
+    NotStoredError,
     checksum_ok,
     checksum_seed,
     header,
@@ -86,7 +87,7 @@ class Fetched:
 
 def check_size(name: str, size: int | None, expected: int) -> None:
     if size is None:
-        raise BlockFormatError(f"{name}: not stored")
+        raise NotStoredError(f"{name}: not stored")
     if size != expected:
         raise BlockFormatError(
             f"{name}: value is {size} bytes, expected {expected} (torn, padded or of another "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -59,7 +60,7 @@ from kvx.plugins.storage.load_plan import (
 from kvx.plugins.storage.metadata import StorageMetadata, StorageWorkerMeta, StoreSpec
 from kvx.plugins.storage.save_plan import Item, SavePlan, buffered_plan, buffered_rows, direct_plan
 from kvx.plugins.storage.scatter import fetch_into, scatter
-from kvx.plugins.storage.stats import StorageStats, Tally
+from kvx.plugins.storage.stats import StorageStats, Tally, failure_kind
 from kvx.plugins.storage.values import layer_view, token_slice, unify_orders
 from kvx.topology import is_primary_holder, physical_head_range
 
@@ -167,6 +168,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             return
         if self.stage is None:
             raise RuntimeError("start_load_kv with loads before register_kv_caches")
+        start = time.perf_counter()
         units = plan_units(loads, self.geo, self.stage, self.heads, self._shape, self._unit_bytes)
         self._load_units(units)
         errors = tokens = 0
@@ -176,6 +178,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             errors += len(failed)
             tokens += valid_tokens(load, self.geo.block_size)
         self._tally.add(loaded_tokens=tokens, **({"load_errors": errors} if errors else {}))
+        self._tally.timed("load_seconds", time.perf_counter() - start)
 
     def _unit_bytes(self, unit: Unit, planned: int) -> int:
         """Bytes of values a unit holds at most: direct reads need no scatter to start early
@@ -261,11 +264,13 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
             )
             for seg in unit.segments:
                 seg.load.bad = 0  # later units skip it; every block is reported as a load error
+            self._tally.add(**{f"load_failed_{failure_kind(fetched.error)}": len(unit.segments)})
             return
         for seg in unit.segments if any(fetched.errors) else ():
             for k, row in enumerate(seg.rows):
                 error = fetched.errors[row]
                 if error is not None:
+                    self._tally.add(**{f"load_failed_{failure_kind(error)}": 1})
                     req = seg.load.spec.req_id
                     logger.warning("kvx storage: load of request %s failed: %s", req, error)
                     seg.load.bad = min(seg.load.bad, seg.first + k)
@@ -289,7 +294,8 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 self._by_index,
                 self.layout,
             )
-        self._tally.add(loaded_bytes=sum(n for _, n in good) * unit.shape.value_bytes)
+        blocks = sum(n for _, n in good)
+        self._tally.add(loaded_blocks=blocks, loaded_bytes=blocks * unit.shape.payload_bytes)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -365,6 +371,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
     def _write(self, items: list[Item], shape: BlockShape) -> None:
         """Checksum and write a group of values (an IO thread)."""
         direct = bool(items) and isinstance(items[0][1], int)
+        start = time.perf_counter()
         try:
             if direct:
                 names = [name for name, _ in items]
@@ -376,7 +383,8 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 for name, value in buffers:
                     seal(name, shape, value, self.mac_key)
                 self.backend.put_many(buffers)
-            self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.value_bytes)
+            self._tally.add(saved_blocks=len(items), saved_bytes=len(items) * shape.payload_bytes)
+            self._tally.timed("save_seconds", time.perf_counter() - start)
         except Exception as exc:
             self._tally.failed([name for name, _ in items], f"{type(exc).__name__}: {exc}")
             raise

@@ -29,6 +29,8 @@ UNCLAIMED = {
     "stored_block_size_mismatch",
     "stored_layout_conversion",
     "roles_store_reuse",
+    "stats_and_events_shape_stored",
+    "stats_and_events_shape_offloaded",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

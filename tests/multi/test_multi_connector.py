@@ -226,4 +226,6 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "stored_block_size_mismatch",
         "stored_layout_conversion",
         "roles_store_reuse",
+        "stats_and_events_shape_stored",
+        "stats_and_events_shape_offloaded",
     }

@@ -164,7 +164,7 @@ def test_stats_cross_a_process_boundary_by_value() -> None:
 
     stats = P2pKVConnectorStats()
     stats.count("puts", 3)
-    stats.record(0.5)
+    stats.record(0.5, "sent")
     copy = pickle.loads(pickle.dumps(stats.clone_and_reset()))
     assert copy.data["puts"] == 3
     assert copy.data["transfer_duration"] == [0.5]

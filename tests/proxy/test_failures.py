@@ -53,6 +53,9 @@ def test_killed_decode_server_leaves_rotation_and_returns(
 
     stub_process("D2", port)
     wait_until(lambda: health_of(client, proxy.url, "decode", d2_url) == "up", 10, "D2 up")
+    status = client.get(f"{proxy.url}/kvx/servers").json()["decode"][1]
+    assert (status["health"], status["last_error"]) == ("up", None)  # no stale reason
+    assert status["failures"] >= 1  # the history stays in the counter
     after = [client.post(f"{proxy.url}/v1/completions", json={"prompt": "c"}) for _ in "ab"]
     assert {a.headers["x-kvx-decode"] for a in after} == {d1.url, d2_url}
 

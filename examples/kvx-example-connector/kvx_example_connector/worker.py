@@ -38,12 +38,17 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
         self._caches: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-example")
         self._saving: dict[str, Future[None]] = {}
+        self._save_blocks: dict[str, int] = {}  # how many blocks each save writes
         self._loading: dict[str, tuple[Future[None], list[int]]] = {}
         self._errors: set[int] = set()
+        self._block_bytes = 0  # of one block, every layer: known once caches are registered
         self.stats = ExamplePDStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = dict(kv_caches)
+        self._block_bytes = sum(
+            t.numel() * t.element_size() // t.shape[self.dim] for t in kv_caches.values()
+        )
 
     def _path(self, engine_id: str, req_id: str) -> Path:
         return self.root / engine_id / req_id / f"{self.rank}.kv"
@@ -55,6 +60,7 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
             snapshot = {name: t.index_select(self.dim, index) for name, t in self._caches.items()}
             path = self._path(self.engine_id, save.req_id)
             self._saving[save.req_id] = self._pool.submit(_write_atomic, path, snapshot)
+            self._save_blocks[save.req_id] = len(save.block_ids)
         for load in metadata.loads:
             path = self._path(load.remote_engine_id, load.remote_request_id)
             future = self._pool.submit(self._load, path, load, self.dim)
@@ -85,18 +91,29 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
         written = [rid for rid, future in self._saving.items() if future.done()]
         for rid in written:
             error = self._saving.pop(rid).exception()
-            self.stats.count("files_failed" if error else "files_written")
+            self._count("written", self._save_blocks.pop(rid, 0), error)
             if error is not None:  # D's load will time out and report the blocks as bad
                 logger.error("writing KV of request %s failed: %s", rid, error)
         loaded = [rid for rid, (future, _) in self._loading.items() if future.done()]
         for rid in loaded:
             future, local = self._loading.pop(rid)
             error = future.exception()
-            self.stats.count("files_failed" if error else "files_loaded")
+            self._count("loaded", len(local), error)
             if error is not None:  # the engine only sees bad blocks: say why here
                 logger.error("loading KV of request %s failed: %s", rid, error)
                 self._errors.update(local)
         return set(written), set(loaded)
+
+    def _count(self, done: str, blocks: int, error: BaseException | None) -> None:
+        """One file `done` ("written" or "loaded") with `blocks` blocks, or failed."""
+        if error is None:
+            self.stats.count(f"files_{done}")
+            self.stats.count(f"blocks_{done}", blocks)
+            self.stats.count(f"bytes_{done}", blocks * self._block_bytes)
+        else:
+            self.stats.count("files_failed")
+            why = "timeout" if isinstance(error, TimeoutError) else "transport"
+            self.stats.count(f"failed_{why}")
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
