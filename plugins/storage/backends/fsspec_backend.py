@@ -7,6 +7,7 @@ import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,6 +34,23 @@ logger = logging.getLogger(__name__)
 # Object stores and the in-memory filesystem replace a value in one put: no rename is needed
 # (and renames there are copies). Everything else is written to a temporary name and renamed.
 _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+
+
+NOT_REGULAR = "not a regular file (a FIFO, device or socket is never read)"
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file `path`. O_NONBLOCK: opening a FIFO does not
+    wait for a writer; anything but a regular file is refused (OSError), so a load never blocks
+    on a special file planted in the store."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    raise OSError(errno.EINVAL, NOT_REGULAR, path)
 
 
 class FsspecBackend(StorageBackend):
@@ -124,7 +142,7 @@ class FsspecBackend(StorageBackend):
         path = self._path(key)
         try:
             if self.local:
-                with open(path, "rb", buffering=0) as raw:
+                with open(open_regular(path), "rb", buffering=0) as raw:
                     where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key, path)
                     if where is None:
                         return raw.read(max_bytes + 1)
@@ -162,7 +180,7 @@ class FsspecBackend(StorageBackend):
                 copy_into(parts, data)
             return None if data is None else len(data)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -301,7 +319,8 @@ class FsspecBackend(StorageBackend):
             strict=True,
         ):
             if error and error != errno.ENOENT:
-                logger.warning("kvx storage: cannot read %s: %s", path, os.strerror(error))
+                why = NOT_REGULAR if error == errno.EINVAL else os.strerror(error)
+                logger.warning("kvx storage: cannot read %s: %s", path, why)
             out.append((size, digest))
         return out
 
