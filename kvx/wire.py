@@ -183,4 +183,3 @@ def recv_frames(socket: Any, max_frames: int) -> tuple[list[Any], int]:
             frames.append(frame)
         if not frame.more:
             return frames, count
-

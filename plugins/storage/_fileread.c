@@ -188,8 +188,10 @@ static int open_value(files_t *files, PyObject *const *paths, Py_ssize_t n, Py_s
     }
     int dir;
     const char *rest = relative(files, PyBytes_AS_STRING(paths[i]), &dir);
-    /* O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read */
-    int fd = openat(dir, rest, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read.
+     * O_NOFOLLOW: a value that is a symbolic link is not followed (ELOOP), in or out of the
+     * store */
+    int fd = openat(dir, rest, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
     if (fd < 0) return -1;
     int error;
     if (fstat(fd, st) < 0) error = errno;

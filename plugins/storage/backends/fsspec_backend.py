@@ -37,13 +37,20 @@ _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfs
 
 
 NOT_REGULAR = "not a regular file (a FIFO, device or socket is never read)"
+A_LINK = "a symbolic link (values that are links are never followed)"
 
 
 def open_regular(path: str) -> int:
     """A read-only descriptor of the regular file `path`. O_NONBLOCK: opening a FIFO does not
     wait for a writer; anything but a regular file is refused (OSError), so a load never blocks
-    on a special file planted in the store."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    on a special file planted in the store. O_NOFOLLOW: a value that is a symbolic link is
+    refused (ELOOP), so no value is loaded from outside the store through one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, A_LINK, path) from None
+        raise
     mode = os.fstat(fd).st_mode
     if stat.S_ISREG(mode):
         return fd
@@ -81,6 +88,7 @@ class FsspecBackend(StorageBackend):
         self.file_mode, self.dir_mode = options.file_mode, options.dir_mode
         if self.local:
             kvx.make_private_dirs(self.root, self.dir_mode)
+            self._real_root = os.path.realpath(self.root)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -319,7 +327,9 @@ class FsspecBackend(StorageBackend):
             strict=True,
         ):
             if error and error != errno.ENOENT:
-                why = NOT_REGULAR if error == errno.EINVAL else os.strerror(error)
+                why = {errno.EINVAL: NOT_REGULAR, errno.ELOOP: A_LINK}.get(
+                    error, os.strerror(error)
+                )
                 logger.warning("kvx storage: cannot read %s: %s", path, why)
             out.append((size, digest))
         return out
@@ -341,6 +351,13 @@ class FsspecBackend(StorageBackend):
             return
         if self.local:
             kvx.make_private_dirs(directory, self.dir_mode)
+            real = os.path.realpath(directory)
+            if real != self._real_root and not real.startswith(self._real_root + "/"):
+                raise OSError(
+                    errno.ELOOP,
+                    f"{directory} leads out of the store (to {real}) through a symbolic link; "
+                    "the store saves into no directory outside it",
+                )
         else:
             self.fs.makedirs(directory, exist_ok=True)
         with self._dirs_lock:
