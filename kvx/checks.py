@@ -174,4 +174,8 @@ def check_config(items: list[ConnectorConfig], registry: Registry) -> list[Confi
             problems += _hook(item, "config_checks")
         except ConfigError as exc:
             problems += exc.problems
+        except Exception as exc:  # a schema's check that did not expect this failure
+            problems.append(
+                ConfigProblem(_extra_path(item.path), f"check failed: {type(exc).__name__}: {exc}")
+            )
     return list(dict.fromkeys(problems))  # a schema's own check may repeat the secret's

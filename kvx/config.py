@@ -134,6 +134,9 @@ class KVTransferConfig:
             from kvx.registry import get_registry
 
             registry = get_registry()
+        problem = _depth_problem(data)
+        if problem is not None:  # checked first: every later step may recurse
+            raise problem
         normalised = _validate(data, "", registry if check_extra else None, parent=None)
         return cls(**normalised)
 
@@ -207,24 +210,37 @@ def parse_json(text: str) -> Any:
         ) from None
     except (ValueError, RecursionError) as exc:
         raise ConfigError([ConfigProblem("", f"not valid JSON: {exc}")]) from None
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise ConfigError(
-            [ConfigProblem("", f"config nests deeper than {MAX_JSON_DEPTH} levels of JSON")]
-        )
+    problem = _depth_problem(value)
+    if problem is not None:
+        raise problem
     return value
 
 
-def _depth(value: Any) -> int:
-    """How deep objects and arrays nest in a parsed JSON value (iterative: no recursion)."""
-    deepest, todo = 0, [(value, 1)]
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH, path: str = "") -> str | None:
+    """The path of the first object or array nested deeper than `limit` levels in `value`
+    (None if none). Iterative and stopping at the limit: a value nested 100,000 deep, or one
+    that contains itself, costs at most `limit` levels of work per branch."""
+    todo: list[tuple[Any, int, str]] = [(value, 1, path)]
     while todo:
-        item, level = todo.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, level)
-            todo.extend(
-                (child, level + 1) for child in (item.values() if isinstance(item, dict) else item)
-            )
-    return deepest
+        item, level, where = todo.pop()
+        if not isinstance(item, dict | list):
+            continue
+        if level > limit:
+            return where
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        todo.extend((child, level + 1, schema.join_path(where, key)) for key, child in pairs)
+    return None
+
+
+def _depth_problem(value: Any) -> ConfigError | None:
+    where = too_deep(value)
+    if where is None:
+        return None
+    if len(where) > 120:
+        where = where[:117] + "..."
+    return ConfigError(
+        [ConfigProblem(where, f"nested deeper than {MAX_JSON_DEPTH} levels of objects and arrays")]
+    )
 
 
 def _not_allowed(value: Any, allowed: tuple[str, ...]) -> str:
@@ -312,6 +328,19 @@ def _validate(
             data["kv_connector_extra_config"] = _validate_extra(data, extra, path, registry, depth)
         except ConfigError as exc:
             problems += exc.problems
+    elif (
+        parent is not None
+        and not connector
+        and not data.get("kv_connector_module_path")
+        and schema.join_path(path, "kv_connector") not in bad_paths
+    ):
+        problems.append(
+            ConfigProblem(
+                schema.join_path(path, "kv_connector"),
+                "a child connector needs kv_connector (its connector's name) or "
+                "kv_connector_module_path; it has neither",
+            )
+        )
     elif connector is None and data.get("kv_connector_extra_config"):
         problems.append(
             ConfigProblem(

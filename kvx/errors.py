@@ -17,7 +17,9 @@ class ConfigProblem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path or '<config>'}: {self.message}"
+        text = f"{self.path or '<config>'}: {self.message}"
+        # a lone surrogate (a key or value given as "\ud800") shown escaped: it cannot be printed
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ConfigError(ValueError):
@@ -49,6 +51,8 @@ def quote(value: object) -> str:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(value)
+    except RecursionError:  # repr would recurse as deep
+        return f"<{type(value).__name__} nested too deep to show>"
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -41,6 +41,8 @@ def show(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
+    except RecursionError:  # repr would recurse as deep
+        text = "[...]" if isinstance(value, list) else "{...}"
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{text} ({_JSON_KINDS.get(type(value), type(value).__name__)})"

@@ -173,7 +173,7 @@ def open_storage_backend(url: str, options: StorageBackendOptions) -> StorageBac
         )
     try:
         backend: StorageBackend = cls(url, options)
-    except (OSError, ValueError, ImportError) as exc:  # unreachable, unwritable, missing extra
+    except Exception as exc:  # unreachable, unwritable, missing extra, a URL fsspec chokes on
         shown = (
             url if (password := urlsplit(url).password) is None else url.replace(password, "***")
         )

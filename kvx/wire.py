@@ -34,6 +34,7 @@ __all__ = [
     "decode_sealed",
     "encode",
     "mac",
+    "recv_frames",
     "seal",
     "unseal",
 ]
@@ -165,3 +166,20 @@ class ReplayGuard:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+def recv_frames(socket: Any, max_frames: int) -> tuple[list[Any], int]:
+    """One multipart message of a ZMQ socket (one that polled readable), read frame by frame:
+    (its first `max_frames` frames, how many it had). Frames past `max_frames` are read and
+    dropped one at a time, so a message of millions of tiny frames costs the caller no more
+    memory than `max_frames` of them (libzmq itself queues a whole message, about 64 bytes a
+    frame, before any of it can be read: no socket option caps the frame count)."""
+    frames: list[Any] = []
+    count = 0
+    while True:
+        frame = socket.recv(copy=False)
+        count += 1
+        if count <= max_frames:
+            frames.append(frame)
+        if not frame.more:
+            return frames, count

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -19,7 +18,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvx.proxy.config import ProxyConfig
+from kvx.proxy.bodies import parse_body
+from kvx.proxy.config import BODY_COPIES, ProxyConfig
 from kvx.proxy.errors import ProxyError, error_document
 from kvx.proxy.forward import Exchange, Forwarder
 from kvx.proxy.health import HealthChecker
@@ -33,13 +33,44 @@ CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 """A client's X-Request-Id the proxy passes on; any other gets a fresh id."""
 
 
-async def read_json_object(request: Request, limit: int, timeout: float) -> dict[str, Any]:
-    """The request's JSON object body, at most `limit` bytes, received within `timeout`."""
+class BodyBudget:
+    """Memory request bodies hold at once, over all requests (--max-body-memory): each body
+    counts BODY_COPIES times its size."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.used + n * BODY_COPIES > self.limit:
+            raise ProxyError(
+                503,
+                f"the proxy holds {self.used} bytes for request bodies; a {n}-byte body "
+                f"({BODY_COPIES}x that held) would pass --max-body-memory {self.limit}; "
+                "retry later",
+            )
+        self.used += n * BODY_COPIES
+
+    def give(self, n: int) -> None:
+        self.used -= n * BODY_COPIES
+
+
+async def read_json_object(
+    request: Request, limit: int, timeout: float, budget: BodyBudget
+) -> tuple[dict[str, Any], int]:
+    """The request's JSON object body, at most `limit` bytes, received within `timeout`, and
+    the bytes of `budget` it took (the caller gives them back). A declared length is
+    reserved before any byte is read; a chunked body as it arrives."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ProxyError(
             413, f"the request body is {declared} bytes; the limit is {limit} (--max-body-bytes)"
         )
+    reserved = int(declared) if declared.isdigit() else 0
+    try:
+        budget.take(reserved)
+    except ProxyError:
+        await _discard_body(request, limit, timeout)  # so the client reads the 503
+        raise
     body = bytearray()
     try:
         async with asyncio.timeout(timeout):
@@ -49,19 +80,51 @@ async def read_json_object(request: Request, limit: int, timeout: float) -> dict
                     raise ProxyError(
                         413, f"the request body exceeds {limit} bytes (--max-body-bytes)"
                     )
+                if len(body) > reserved:
+                    budget.take(len(body) - reserved)
+                    reserved = len(body)
+        return parse_body(body), reserved
     except TimeoutError:
+        budget.give(reserved)
         raise ProxyError(
-            408, f"the request body did not arrive within {timeout:g} s (--request-timeout)"
+            408, f"the request body did not arrive within {timeout:g} s (--body-timeout)"
         ) from None
+    except BaseException:
+        budget.give(reserved)
+        raise
+
+
+async def _discard_body(request: Request, limit: int, timeout: float) -> None:
+    """Read and drop a body the proxy will not serve (at most `limit` bytes, `timeout` s)."""
+    seen = 0
+    with contextlib.suppress(TimeoutError, ClientDisconnect):
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen > limit:
+                    return
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns once the client is gone (its body was read: nothing else may arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response | None:
+    """`work`'s answer; or None once the client disconnected first, `work` being cancelled
+    (its upstream requests closed, so P and D stop working for nobody)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProxyError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(document, dict):
-        raise ProxyError(
-            400, f"the request body must be a JSON object, not {type(document).__name__}"
-        )
-    return document
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
 
 
 def upstream_headers(request: Request) -> dict[str, str]:
@@ -104,15 +167,43 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
                 with contextlib.suppress(asyncio.CancelledError):
                     await health_task
 
+    budget = BodyBudget(config.max_body_memory)
+    serving = [0]
+
     async def completion(request: Request) -> Response:
+        if serving[0] >= config.max_concurrent_requests:
+            raise ProxyError(
+                503,
+                f"the proxy is serving {serving[0]} requests (--max-concurrent-requests); "
+                "retry later",
+            )
+        serving[0] += 1
         try:
-            body = await read_json_object(request, config.max_body_bytes, config.request_timeout)
+            return await _completion(request)
+        finally:
+            serving[0] -= 1
+
+    async def _completion(request: Request) -> Response:
+        try:
+            body, held = await read_json_object(
+                request, config.max_body_bytes, config.body_timeout, budget
+            )
         except ClientDisconnect:
             return Response(status_code=400)
-        headers = upstream_headers(request)
-        exchange = Exchange(request.url.path, body, headers, headers["x-request-id"])
-        forwarder: Forwarder = request.app.state.forwarder
-        return await forwarder.complete(exchange)
+        try:
+            headers = upstream_headers(request)
+            exchange = Exchange(request.url.path, body, headers, headers["x-request-id"])
+            del body
+            forwarder: Forwarder = request.app.state.forwarder
+            answer = await unless_client_leaves(request, forwarder.complete(exchange))
+        finally:
+            budget.give(held)
+        if answer is None:
+            log.info(
+                "request %s: the client left; its upstream work is cancelled", exchange.request_id
+            )
+            return Response(status_code=499)
+        return answer
 
     async def models(request: Request) -> Response:
         forwarder: Forwarder = request.app.state.forwarder
@@ -139,7 +230,8 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
 
     async def proxy_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProxyError)
-        return JSONResponse(exc.document(), exc.status)
+        headers = {"retry-after": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.document(), exc.status, headers=headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -86,6 +86,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES})",
     )
     parser.add_argument(
+        "--max-body-memory",
+        default=str(_DEFAULTS.max_body_memory),
+        metavar="N",
+        help="bytes of request bodies held at once over all requests; more get a 503 "
+        f"(default {_DEFAULTS.max_body_memory})",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        default=str(_DEFAULTS.header_timeout),
+        metavar="S",
+        help="seconds a client connection has to send its request headers "
+        f"(default {_DEFAULTS.header_timeout:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        default=str(_DEFAULTS.body_timeout),
+        metavar="S",
+        help=f"seconds a client has to send its request body (default {_DEFAULTS.body_timeout:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        default=str(_DEFAULTS.max_connections),
+        metavar="N",
+        help="open client connections; past it the one idle longest is closed "
+        f"(default {_DEFAULTS.max_connections}, at most a third of the descriptor limit)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        default=str(_DEFAULTS.max_concurrent_requests),
+        metavar="N",
+        help="requests served at once; more get a 503 "
+        f"(default {_DEFAULTS.max_concurrent_requests})",
+    )
+    parser.add_argument(
         "--discovery-port",
         default=None,
         metavar="PORT",
@@ -161,6 +195,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         "health_timeout": _number("--health-timeout", args.health_timeout, float, problems),
         "request_timeout": _number("--request-timeout", args.request_timeout, float, problems),
         "max_body_bytes": _number("--max-body-bytes", args.max_body_bytes, int, problems),
+        "max_body_memory": _number("--max-body-memory", args.max_body_memory, int, problems),
+        "header_timeout": _number("--header-timeout", args.header_timeout, float, problems),
+        "body_timeout": _number("--body-timeout", args.body_timeout, float, problems),
+        "max_connections": _number("--max-connections", args.max_connections, int, problems),
+        "max_concurrent_requests": _number(
+            "--max-concurrent-requests", args.max_concurrent_requests, int, problems
+        ),
     }
     if args.discovery_port is not None:
         numbers |= {

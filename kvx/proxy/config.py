@@ -21,6 +21,11 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 MAX_BODY_BYTES_LIMIT = 1024 * 1024 * 1024
 """The largest --max-body-bytes accepted: a client body is held in memory whole."""
+DEFAULT_MAX_BODY_MEMORY = 64 * 1024 * 1024
+BODY_COPIES = 4
+"""How many times over a request's body is held while it is served (as received, parsed,
+encoded for P, encoded for D): what it counts against --max-body-memory."""
+MAX_CONNECTIONS_LIMIT = 1 << 20
 
 
 class ProxySettingError(ConfigError):
@@ -130,8 +135,21 @@ class ProxyConfig:
     """Seconds a server has to answer GET /health before it counts as down."""
     request_timeout: float = 300.0
     """Seconds an upstream server has to connect, answer, and send each next chunk of a stream;
-    a non-streamed answer must arrive whole within it. Also bounds reading a client's body."""
+    a non-streamed answer must arrive whole within it."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_memory: int = DEFAULT_MAX_BODY_MEMORY
+    """Bytes request bodies may hold at once, over all requests, each counting BODY_COPIES
+    times its size; a body that does not fit gets a 503 (at least BODY_COPIES x
+    `max_body_bytes`)."""
+    header_timeout: float = 10.0
+    """Seconds a client connection has to send its request's headers."""
+    body_timeout: float = 60.0
+    """Seconds a client has to send its whole request body once its headers are in."""
+    max_connections: int = 1024
+    """Open client connections; past it the one waiting longest for its headers is closed
+    (lowered to a third of the process's descriptor limit)."""
+    max_concurrent_requests: int = 256
+    """Requests served at once; more get a 503 at once."""
     discovery_port: int | None = None
     """Listen for P and D servers announcing themselves on this port (0: a free one); None:
     no discovery (`kvx.proxy.discovery`)."""
@@ -183,6 +201,24 @@ class ProxyConfig:
                     f"{quote(self.max_body_bytes)} is not allowed; expected an integer in "
                     f"1-{MAX_BODY_BYTES_LIMIT}",
                 )
+            )
+        _positive_seconds("--header-timeout", self.header_timeout, problems)
+        _positive_seconds("--body-timeout", self.body_timeout, problems)
+        _int_in("--max-connections", self.max_connections, 1, MAX_CONNECTIONS_LIMIT, problems)
+        _int_in(
+            "--max-concurrent-requests",
+            self.max_concurrent_requests,
+            1,
+            MAX_CONNECTIONS_LIMIT,
+            problems,
+        )
+        if isinstance(self.max_body_bytes, int) and not isinstance(self.max_body_bytes, bool):
+            _int_in(
+                "--max-body-memory",
+                self.max_body_memory,
+                max(1, self.max_body_bytes) * BODY_COPIES,
+                64 * MAX_BODY_BYTES_LIMIT,
+                problems,
             )
         _discovery_problems(self, problems)
         if problems:

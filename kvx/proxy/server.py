@@ -5,6 +5,7 @@ is a clear `ProxySettingError` before anything starts."""
 from __future__ import annotations
 
 import errno
+import resource
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ from kvx.discovery import BackgroundService
 from kvx.errors import ConfigProblem
 from kvx.proxy.app import build_app
 from kvx.proxy.config import ProxyConfig, ProxySettingError
+from kvx.proxy.connections import guarded_protocol
 from kvx.proxy.discovery import DiscoveryListener, DiscoverySettings
 from kvx.proxy.pool import ServerPool
 
@@ -66,6 +68,15 @@ def start_discovery(config: ProxyConfig, pool: ServerPool) -> DiscoveryListener 
     return DiscoveryListener(pool, settings).start()
 
 
+def connection_limit(wanted: int) -> int:
+    """`wanted` open client connections, at most a third of this process's descriptor limit
+    (each client connection may need one to P and one to D)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, (soft - 64) // 3))
+
+
 def _server(
     config: ProxyConfig, pool: ServerPool, discovery: DiscoveryListener | None
 ) -> uvicorn.Server:
@@ -74,6 +85,7 @@ def _server(
     return uvicorn.Server(
         uvicorn.Config(
             app,
+            http=guarded_protocol(config.header_timeout, connection_limit(config.max_connections)),
             lifespan="on",
             log_config=None,  # keep the host program's logging as it is
             access_log=False,

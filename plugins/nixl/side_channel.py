@@ -23,7 +23,7 @@ from kvx.plugins.nixl.handshake import (
     HandshakeRequest,
     rank_bytes,
 )
-from kvx.wire import ReplayGuard, WireError, decode_sealed, encode, seal
+from kvx.wire import ReplayGuard, WireError, decode_sealed, encode, recv_frames, seal
 
 logger = logging.getLogger(__name__)
 GET_META = "get_meta_msg"
@@ -88,15 +88,24 @@ class SideChannelServer:
             try:
                 if not poller.poll(POLL_MS):
                     continue
-                frames = self._socket.recv_multipart(copy=True)
-                if len(frames) != 3 or frames[1] != b"":
-                    logger.warning("side channel: ignoring a message of %d frames", len(frames))
+                frames, count = recv_frames(self._socket, 3)
+                if count != 3 or frames[1].bytes != b"":
+                    self._dropped(f"a message of {count} frames (a REQ's three expected)")
                     continue
-                self._socket.send_multipart([frames[0], b"", self._answer(frames[2])])
+                answer = self._answer(frames[2].bytes)
+                self._socket.send_multipart([frames[0].bytes, b"", answer])
             except zmq.ContextTerminated:
                 return
             except Exception as exc:  # an untrusted peer must never stop the server
-                logger.warning("side channel: dropped a message: %s: %s", type(exc).__name__, exc)
+                self._dropped(f"{type(exc).__name__}: {exc}")
+
+    def _dropped(self, why: str) -> None:
+        """A message that gets no reply, logged at most every WARN_EVERY_S as refusals are."""
+        self.refused += 1
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + WARN_EVERY_S
+            logger.warning("side channel: dropped %s (%d refused so far)", why, self.refused)
 
     def _answer(self, data: bytes) -> bytes:
         """The reply to one request: `REPLY_OK` + the sealed payload, or `REPLY_REFUSED` +

@@ -96,8 +96,9 @@ class OffloadingConfig(msgspec.Struct, forbid_unknown_fields=True):
         try:
             fs, root = fsspec.core.url_to_fs(self.disk_url)
             fs.makedirs(root, exist_ok=True)
-        except (OSError, ValueError, ImportError) as exc:
-            return [ConfigProblem("disk_url", f"cannot open {self.disk_url[:200]!r}: {exc}")]
+        except Exception as exc:  # fsspec raises what its filesystem's constructor raises
+            why = f"{type(exc).__name__}: {exc}"
+            return [ConfigProblem("disk_url", f"cannot open {self.disk_url[:200]!r}: {why}")]
         return []
 
     def config_notes(self) -> list[ConfigProblem]:

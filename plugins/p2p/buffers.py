@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 RecvKey = tuple[str, str, int]
 """(P's request id, layer, first global KV head)."""
 REFUSALS_KEPT = 4096
+MAX_RECV_ENTRIES = 1 << 16
+"""Slices the receive buffer holds or has admitted at once, whatever their bytes (a flood of
+zero-byte PUTs is refused past it)."""
 
 
 @dataclass
@@ -40,9 +43,15 @@ class RecvBuffer:
     `pool_bytes` in host memory (a CUDA tensor is moved there); beyond both, `admit` refuses
     and the request is remembered as refused so D fails it at once instead of waiting."""
 
-    def __init__(self, device_bytes: int, pool_bytes: int, ttl_s: float) -> None:
+    def __init__(
+        self, device_bytes: int, pool_bytes: int, ttl_s: float, max_entries: int = MAX_RECV_ENTRIES
+    ) -> None:
         self.device_bytes, self.pool_bytes, self.ttl_s = device_bytes, pool_bytes, ttl_s
+        self.max_entries = max_entries
         self._entries: dict[RecvKey, Entry] = {}
+        """In the order they expire (one ttl for all; a replaced key moves to the end)."""
+        self._admitted = 0
+        """Slices admitted whose tensor has not been put (or unreserved) yet."""
         self._used_device = self._used_pool = 0
         self._refused: OrderedDict[str, float] = OrderedDict()
         self._cond = threading.Condition()
@@ -53,20 +62,26 @@ class RecvBuffer:
         with self._cond:
             self._expire(time.monotonic())
             n = meta.nbytes
-            if self._used_device + n <= self.device_bytes:
+            if len(self._entries) + self._admitted >= self.max_entries:
+                why = f"receive buffer full: it holds {self.max_entries} slices (the most it takes)"
+            elif self._used_device + n <= self.device_bytes:
                 self._used_device += n
+                self._admitted += 1
                 return None
-            if self._used_pool + n <= self.pool_bytes:
+            elif self._used_pool + n <= self.pool_bytes:
                 self._used_pool += n
+                self._admitted += 1
                 return "spill"
+            else:
+                why = (
+                    f"receive buffer full: {self._used_device} of kv_buffer_size "
+                    f"{self.device_bytes} and {self._used_pool} of mem_pool_size_gb "
+                    f"{self.pool_bytes} bytes in use, {n} more asked"
+                )
             self._refused[meta.request_id] = time.monotonic() + self.ttl_s
             while len(self._refused) > REFUSALS_KEPT:
                 self._refused.popitem(last=False)
-            return (
-                f"receive buffer full: {self._used_device} of kv_buffer_size {self.device_bytes} "
-                f"and {self._used_pool} of mem_pool_size_gb {self.pool_bytes} bytes in use, "
-                f"{n} more asked"
-            )
+            return why
 
     def put(
         self, key: RecvKey, meta: TensorMeta, segments: Segments, spill: bool, keep: Any = None
@@ -87,6 +102,7 @@ class RecvBuffer:
         if not entries:
             return
         with self._cond:
+            self._admitted = max(0, self._admitted - len(entries))
             for key, entry in entries:
                 old = self._entries.pop(key, None)
                 if old is not None:
@@ -97,6 +113,7 @@ class RecvBuffer:
     def unreserve(self, nbytes: int, spill: bool) -> None:
         """Give back an `admit`ted reservation whose tensor never arrived."""
         with self._cond:
+            self._admitted = max(0, self._admitted - 1)
             if spill:
                 self._used_pool -= nbytes
             else:
@@ -153,10 +170,17 @@ class RecvBuffer:
             self._used_device -= entry.nbytes
 
     def _expire(self, now: float) -> None:
-        for key, entry in list(self._entries.items()):
-            if entry.expires <= now:
-                logger.warning("dropping unclaimed KV %s after %.0fs", key, self.ttl_s)
-                self._release(self._entries.pop(key))
+        """Drop what expired: the oldest entries first, stopping at the first still valid
+        (O(1) per call besides what it drops)."""
+        dropped = 0
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if entry.expires > now:
+                break
+            self._release(self._entries.pop(key))
+            dropped += 1
+        if dropped:
+            logger.warning("dropped %d unclaimed KV slices after %.0fs", dropped, self.ttl_s)
         while self._refused and next(iter(self._refused.values())) <= now:
             self._refused.popitem(last=False)
 

@@ -22,7 +22,9 @@ from kvx.plugins.p2p.addresses import format_address
 from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
 from kvx.plugins.p2p.messages import (
+    MAX_BATCH,
     MAX_CONTROL_BYTES,
+    MAX_SEGMENTS,
     REFUSAL_CHARS,
     Geometry,
     Get,
@@ -37,13 +39,15 @@ from kvx.plugins.p2p.messages import (
 )
 from kvx.plugins.p2p.planes import DataPlane, PlaneError
 from kvx.plugins.p2p.tensors import gather, has_heads, meta_problem, physical
-from kvx.wire import ReplayGuard, WireError
+from kvx.wire import ReplayGuard, WireError, recv_frames
 
 logger = logging.getLogger(__name__)
 POLL_MS = 100
 MAX_PAIRS = 4096
 """DEALERs one listener pairs with before it refuses new ones."""
 WARN_EVERY_S = 10.0
+MAX_FRAMES = 2 + MAX_BATCH * MAX_SEGMENTS
+"""Frames of the largest message a peer may send: identity, envelope, a full batch's data."""
 
 
 class Listener:
@@ -110,10 +114,13 @@ class Listener:
             try:
                 if not router.poll(POLL_MS):
                     continue
-                frames = router.recv_multipart(copy=False)
+                frames, count = recv_frames(router, MAX_FRAMES)
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
+                continue
+            if count > MAX_FRAMES:
+                self._refused(f"{count} frames, at most {MAX_FRAMES} allowed")
                 continue
             try:
                 self._handle(router, frames)
@@ -282,6 +289,11 @@ class Listener:
         self.count("received_bytes", sum(meta.nbytes for meta, _, _, _ in kept))
 
     def _on_get(self, identity: bytes, get: Get, answer: Callable[..., None]) -> None:
+        if get.num_heads < 1:
+            why = f"{get.request_id}#{get.layer}: num_heads {get.num_heads}; at least 1 is asked"
+            self._refused(why)
+            answer(Reply(False, why))
+            return
         item = self.store.lookup(get.request_id, get.layer) if self.store else None
         if item is None:
             answer(

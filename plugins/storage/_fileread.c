@@ -188,14 +188,18 @@ static int open_value(files_t *files, PyObject *const *paths, Py_ssize_t n, Py_s
     }
     int dir;
     const char *rest = relative(files, PyBytes_AS_STRING(paths[i]), &dir);
-    int fd = openat(dir, rest, O_RDONLY | O_CLOEXEC);
-    if (fd >= 0 && fstat(fd, st) < 0) {
-        int error = errno;
-        close(fd);
-        errno = error;
-        return -1;
-    }
-    return fd;
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files are read.
+     * O_NOFOLLOW: a value that is a symbolic link is not followed (ELOOP), in or out of the
+     * store */
+    int fd = openat(dir, rest, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    if (fd < 0) return -1;
+    int error;
+    if (fstat(fd, st) < 0) error = errno;
+    else if (S_ISREG(st->st_mode)) return fd;
+    else error = S_ISDIR(st->st_mode) ? EISDIR : EINVAL; /* EINVAL: a FIFO, device or socket */
+    close(fd);
+    errno = error;
+    return -1;
 }
 
 /* Keep `fd` (`st` its fstat) open as the segment file whose index `cache` now holds. */

@@ -301,7 +301,8 @@ def test_nested_child_configs_are_validated_recursively(plugin_registry: Registr
         'unknown key (did you mean "kv_connector"?)'
     )
     assert found[f"{base}.prefer_frist"].startswith('unknown key (did you mean "prefer_first"?)')
-    assert len(found) == 5
+    assert found[f"{base}.connectors[3].kv_connector"].startswith("a child connector needs")
+    assert len(found) == 6
 
 
 def test_nested_children_inherit_engine_id_and_role(plugin_registry: Registry) -> None:

@@ -203,7 +203,7 @@ def test_prefill_answer_without_usable_kv_transfer_params_gives_502(stub, start_
 
 def test_client_body_that_never_ends_gives_408(stub, start_proxy, client):
     p, d = stub("P"), stub("D")
-    proxy = start_proxy([p.url], [d.url], request_timeout=0.5)
+    proxy = start_proxy([p.url], [d.url], body_timeout=0.5)
 
     def trickle():
         yield b'{"prompt": '
@@ -213,7 +213,7 @@ def test_client_body_that_never_ends_gives_408(stub, start_proxy, client):
     answer = client.post(f"{proxy.url}/v1/completions", content=trickle())
     assert answer.status_code == 408
     assert answer.json()["error"]["message"] == (
-        "the request body did not arrive within 0.5 s (--request-timeout)"
+        "the request body did not arrive within 0.5 s (--body-timeout)"
     )
 
 

@@ -60,6 +60,8 @@ class Behaviour:
     cut_stream_after: int | None = None
     """Send this many chunks, then drop the connection mid-answer."""
     received: list[Received] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    """Paths of held requests whose client (the proxy) disconnected while they were held."""
 
     def completions(self) -> list[Received]:
         return [r for r in self.received if r.path.endswith("completions")]
@@ -73,10 +75,14 @@ def default_stream(name: str) -> list[bytes]:
     return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
-async def _wait(event: threading.Event) -> None:
+async def _wait(event: threading.Event, request: Request | None = None) -> bool:
+    """Wait for `event` (at most HOLD_LIMIT_S); False if `request`'s client left first."""
     deadline = time.monotonic() + HOLD_LIMIT_S
     while not event.is_set() and time.monotonic() < deadline:
+        if request is not None and await request.is_disconnected():
+            return False
         await asyncio.sleep(0.01)
+    return True
 
 
 def build_upstream_app(behaviour: Behaviour) -> Starlette:
@@ -91,8 +97,9 @@ def build_upstream_app(behaviour: Behaviour) -> Starlette:
     async def completion(request: Request) -> Response:
         body = await request.json()
         behaviour.received.append(Received(request.url.path, body, dict(request.headers)))
-        if behaviour.hold is not None:
-            await _wait(behaviour.hold)
+        if behaviour.hold is not None and not await _wait(behaviour.hold, request):
+            behaviour.left.append(request.url.path)
+            return Response(status_code=499)
         if behaviour.completion_status != 200:
             return JSONResponse(
                 {"error": {"message": f"{behaviour.name} refuses", "code": 42}},

@@ -7,6 +7,7 @@ import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,6 +39,30 @@ _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfs
 S3_PART_BYTES = 16 << 20
 
 
+NOT_REGULAR = "not a regular file (a FIFO, device or socket is never read)"
+A_LINK = "a symbolic link (values that are links are never followed)"
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file `path`. O_NONBLOCK: opening a FIFO does not
+    wait for a writer; anything but a regular file is refused (OSError), so a load never blocks
+    on a special file planted in the store. O_NOFOLLOW: a value that is a symbolic link is
+    refused (ELOOP), so no value is loaded from outside the store through one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, A_LINK, path) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    raise OSError(errno.EINVAL, NOT_REGULAR, path)
+
+
 class FsspecBackend(StorageBackend):
     """Values are files `<root>/<key>`; written to a temporary name and renamed into place
     (`os.replace` on local disks), or put in one request where a put is atomic. Local files
@@ -67,6 +92,7 @@ class FsspecBackend(StorageBackend):
         self.file_mode, self.dir_mode = options.file_mode, options.dir_mode
         if self.local:
             kvx.make_private_dirs(self.root, self.dir_mode)
+            self._real_root = os.path.realpath(self.root)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -128,7 +154,7 @@ class FsspecBackend(StorageBackend):
         path = self._path(key)
         try:
             if self.local:
-                with open(path, "rb", buffering=0) as raw:
+                with open(open_regular(path), "rb", buffering=0) as raw:
                     where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key, path)
                     if where is None:
                         return raw.read(max_bytes + 1)
@@ -167,7 +193,7 @@ class FsspecBackend(StorageBackend):
                 copy_into(parts, data)
             return None if data is None else len(data)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -306,7 +332,10 @@ class FsspecBackend(StorageBackend):
             strict=True,
         ):
             if error and error != errno.ENOENT:
-                logger.warning("kvx storage: cannot read %s: %s", path, os.strerror(error))
+                why = {errno.EINVAL: NOT_REGULAR, errno.ELOOP: A_LINK}.get(
+                    error, os.strerror(error)
+                )
+                logger.warning("kvx storage: cannot read %s: %s", path, why)
             out.append((size, digest))
         return out
 
@@ -327,6 +356,13 @@ class FsspecBackend(StorageBackend):
             return
         if self.local:
             kvx.make_private_dirs(directory, self.dir_mode)
+            real = os.path.realpath(directory)
+            if real != self._real_root and not real.startswith(self._real_root + "/"):
+                raise OSError(
+                    errno.ELOOP,
+                    f"{directory} leads out of the store (to {real}) through a symbolic link; "
+                    "the store saves into no directory outside it",
+                )
         else:
             self.fs.makedirs(directory, exist_ok=True)
         with self._dirs_lock:
