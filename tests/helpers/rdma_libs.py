@@ -5,9 +5,10 @@ and unpacked into a cache directory; only the processes a test starts see them, 
 not go through kvx (another checkout, raw NIXL) would then crash at exit.
 
 `.ci/run` hides apt-get from PATH (CI installs nothing from Debian); as root on Debian the
-download still works through apt-get's absolute path, and only reads the package index. Where
-neither is possible (no Debian, not root, no network), `rdma_env` raises `RdmaLibsUnavailable`
-and the tests skip, saying why. On a host that already has libibverbs1, the host is used as is.
+download still works through apt-get's absolute path (after `apt-get update` when the machine
+has no package index yet). Where neither is possible (no Debian, not root, no network),
+`rdma_env` raises `RdmaLibsUnavailable` and the tests skip, saying why. On a host that already
+has libibverbs1, the host is used as is.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kvx-rdma-libs-{os.getuid()}"
 
 
+def _download(apt_get: str, into: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [apt_get, "download", *PACKAGES], cwd=into, capture_output=True, text=True, timeout=300
+    )
+
+
 def _fetch(root: Path) -> None:
     apt_get, dpkg_deb = _tool("apt-get"), _tool("dpkg-deb")
     if apt_get is None or dpkg_deb is None:
@@ -48,13 +55,10 @@ def _fetch(root: Path) -> None:
     try:
         debs = staging / "debs"
         debs.mkdir()
-        got = subprocess.run(
-            [apt_get, "download", *PACKAGES],
-            cwd=debs,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        got = _download(apt_get, debs)
+        if got.returncode != 0:  # no package index yet on a fresh machine: read it once
+            subprocess.run([apt_get, "update", "-qq"], capture_output=True, timeout=300)
+            got = _download(apt_get, debs)
         if got.returncode != 0:
             raise RdmaLibsUnavailable(f"apt-get download {' '.join(PACKAGES)} failed: {got.stderr}")
         unpacked = staging / "root"
