@@ -8,6 +8,7 @@ the first test proves the host really crashes raw NIXL, so the others cannot pas
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -102,3 +103,22 @@ def test_demo_with_nixl_exits_cleanly(env: dict[str, str]) -> None:
         [str(Path(sys.executable).parent / "kvx"), "demo", "--kv-transfer-config", json.dumps(kv)],
         env,
     )
+
+
+def test_troubleshooting_check_runs_as_written(env: dict[str, str]) -> None:
+    """docs/connectors/nixl.md's check of a host prints exit 0 and no libefa here."""
+    doc = (Path(__file__).parents[2] / "docs" / "connectors" / "nixl.md").read_text()
+    (check,) = [
+        b for b in re.findall(r"```bash\n(.*?)```", doc, flags=re.S) if 'make_agent("check"' in b
+    ]
+    path = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # `python` is this venv's
+    done = subprocess.run(
+        ["bash", "-c", check],
+        env={**env, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "exit 0", done.stdout + done.stderr
+    assert "libibverbs-" in lines[-2] and "libefa" not in lines[-2], lines
