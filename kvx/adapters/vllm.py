@@ -106,7 +106,7 @@ class KvxConnector(KVConnectorBase_V1):
         cache = self._ctx.cache
         par = self._ctx.parallel
         want = {"tokens": cache.block_size, "head_size": cache.head_size}
-        if layout.tp_dim is not None:  # MLA has no heads dim: every rank holds the whole latent
+        if "heads" in layout.memory:  # MLA has none: every rank holds the whole latent
             want["heads"] = max(1, cache.num_kv_heads // par.tp_size)
         for name, tensor in kv_caches.items():
             try:
