@@ -205,8 +205,13 @@ def test_nixl_prefill_decode_moves_the_latent(
                 sent = sent.view(-1, MLA_BLOCK, LATENT)[-len(read.local_block_ids) :]
                 got = cache[read.local_block_ids].reshape(-1, LATENT)[:loaded]
                 assert torch.equal(got, sent.reshape(-1, LATENT)[:loaded]), f"prompt {i}, {name}"
-        # vLLM counts what D took from P: every prompt token but the last
-        assert [o.num_cached_tokens for o in outputs] == [len(p) - 1 for p in mla.prompts]
+        # D read every prompt's blocks: all its tokens but the last, which D recomputes
+        # (vLLM's num_cached_tokens stays 0 for KV loaded asynchronously from P)
+        read_tokens = sorted(r.remote_num_tokens - 1 for r in reads)
+        assert read_tokens == sorted(len(p) - 1 for p in mla.prompts)
+        assert [len(r.local_block_ids) for r in reads] == [
+            -(-r.remote_num_tokens // MLA_BLOCK) for r in reads
+        ]
         code = producer.proc.wait(timeout=60)
         tail = producer.log_tail()
         assert code == 0, f"the producer did not free its blocks (exit {code}):\n{tail}"
