@@ -29,6 +29,10 @@ UNCLAIMED = {
     "stored_block_size_mismatch",
     "stored_layout_conversion",
     "roles_store_reuse",
+    "mla_pd",
+    "mla_pd_hetero_tp",
+    "mla_stored_hetero_tp",
+    "mla_offload_and_reload",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

@@ -226,4 +226,8 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "stored_block_size_mismatch",
         "stored_layout_conversion",
         "roles_store_reuse",
+        "mla_pd",
+        "mla_pd_hetero_tp",
+        "mla_stored_hetero_tp",
+        "mla_offload_and_reload",
     }

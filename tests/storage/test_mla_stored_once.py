@@ -70,9 +70,7 @@ def test_mla_store_holds_one_ranks_latent_at_any_tp(tmp_path: Path, tp: int) -> 
 
 
 @pytest.mark.parametrize(("store_tp", "load_tp"), [(2, 1), (1, 2), (2, 2)])
-def test_mla_stored_at_one_tp_loads_at_another(
-    tmp_path: Path, store_tp: int, load_tp: int
-) -> None:
+def test_mla_stored_at_one_tp_loads_at_another(tmp_path: Path, store_tp: int, load_tp: int) -> None:
     first, _ = run(tmp_path, store_tp)
     second, stats = run(tmp_path, load_tp)  # run_engine checked every KV element each step
     assert second == first
