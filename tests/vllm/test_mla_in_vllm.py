@@ -9,6 +9,8 @@ loads are counted, and every loaded latent element equals the one it was taken f
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from nixl_pd import start_producer
 
 from kvx.adapters.tiny_models import build_tiny_model
 from kvx.layouts import MLA
+from kvx.plugins.storage.backends import segments
 from kvx.plugins.storage.blockformat import HEADER
 
 pytestmark = pytest.mark.timeout(240)
@@ -217,3 +220,59 @@ def test_nixl_prefill_decode_moves_the_latent(
         assert code == 0, f"the producer did not free its blocks (exit {code}):\n{tail}"
     finally:
         producer.kill()
+
+
+TP2_STORE = Path(__file__).with_name("mla_tp2_store.py")
+
+
+def stored_payload(store: Path, path: Path) -> torch.Tensor:
+    """The float32 payload of the stored value at `path`: after the header in its own file,
+    where the segment index says in a segment file."""
+    data = path.read_bytes()
+    with path.open("rb") as f:
+        where = segments.locate(f.fileno(), len(data), path.relative_to(store).as_posix())
+    start, end = HEADER.size, len(data)
+    if where is not None:
+        start = where.offset + (0 if where.head else HEADER.size)
+        end = where.offset + where.length
+    return torch.frombuffer(bytearray(data[start:end]), dtype=torch.float32)
+
+
+@pytest.mark.timeout(1200)
+def test_tp2_stores_the_latent_once_and_tp1_loads_it(mla: Any, tmp_path: Path) -> None:
+    """TP 2 -> 1 through storage: the TP 2 engine (vLLM's multiprocessing executor, gloo between
+    its two ranks, in a child process) writes one value per block, not one per rank, and a TP 1
+    engine loads every latent element of it."""
+    (tmp_path / "prompts.json").write_text(json.dumps(mla.prompts))
+    (tmp_path / "engine.json").write_text(json.dumps(MLA_OPTIONS))
+    log = tmp_path / "tp2.log"
+    with log.open("wb") as out:
+        proc = subprocess.run(
+            [sys.executable, str(TP2_STORE), str(mla.model), str(tmp_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=1000,
+            check=False,
+        )
+    tail = log.read_text(errors="replace")[-3000:]
+    assert proc.returncode == 0, f"the TP 2 engine failed (exit {proc.returncode}):\n{tail}"
+    store = tmp_path / "store"
+    values = [p for p in store.rglob("*") if p.is_file()]
+    assert len(values) == sum(len(p) // MLA_BLOCK for p in mla.prompts)  # once, not per rank
+    with mla.engine(storage_json(mla, store)) as llm:
+        rec = mla.record(llm)
+        outputs = mla.generate(llm)
+        caches = mla.kv_caches(llm)
+        layers = sorted(caches)  # a value holds the layers in model order
+        loads = [spec for meta in rec.metadata for spec in meta.loads]
+        assert len(loads) == 3
+        for spec in loads:
+            assert len(spec.keys) == len(spec.block_ids)
+            for key, block in zip(spec.keys, spec.block_ids, strict=True):
+                (path,) = store.rglob(f"{key}.*")
+                stored = stored_payload(store, path).view(len(layers), -1)
+                for i, name in enumerate(layers):  # every latent element of every loaded block
+                    assert torch.equal(caches[name][block].flatten(), stored[i]), (key, name)
+    loadable = full_blocks_before_last_token(mla.prompts)
+    assert [o.num_cached_tokens for o in outputs] == loadable
+    assert rec.stats["loaded_tokens"] == sum(loadable) > 0
