@@ -148,11 +148,16 @@ class RoleScenarios(ConformanceBase):
     """What each `kv_role` obliges and forbids."""
 
 
+class MLAScenarios(ConformanceBase):
+    """An MLA model's latent P/D, between TP sizes, stored and offloaded."""
+
+
 GROUPS: dict[str, type[ConformanceBase]] = {
     "pd": PDScenarios,
     "faults": FaultScenarios,
     "contract": ContractScenarios,
     "roles": RoleScenarios,
+    "mla": MLAScenarios,
 }
 
 for _scenario in load_scenarios().values():
@@ -163,7 +168,7 @@ for _scenario in load_scenarios().values():
     )
 
 
-class AllScenarios(PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios):
+class AllScenarios(PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios, MLAScenarios):
     """Every scenario of the suite."""
 
 
@@ -180,6 +185,7 @@ __all__ = [
     "ConformanceBase",
     "ContractScenarios",
     "FaultScenarios",
+    "MLAScenarios",
     "PDScenarios",
     "RoleScenarios",
 ]

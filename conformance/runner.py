@@ -106,6 +106,7 @@ def load_scenarios() -> dict[str, Scenario]:
         scenarios_faults,
         scenarios_contract,
         scenarios_roles,
+        scenarios_mla,
     )
 
     return dict(SCENARIOS)

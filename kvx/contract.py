@@ -50,6 +50,7 @@ class Capability(enum.StrEnum):
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"  # P and D with different block sizes
     LAYOUT_CONVERSION = "layout_conversion"  # P and D with different KV layouts
     HMA = "hma"  # several KV-cache groups
+    MLA = "mla"  # MLA caches: one latent per token, no heads, the same on every TP rank
     DETECTS_CORRUPTION = "detects_corruption"  # verifies stored bytes, reports bad blocks
     OFFLOAD = "offload"  # keeps KV in a slower tier and reloads it into the same engine
 

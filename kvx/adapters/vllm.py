@@ -101,12 +101,15 @@ class KvxConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Checks each tensor is vLLM-CPU's packed layout for this engine, then hands them on."""
+        """Checks each tensor is vLLM-CPU's layout for this engine (packed attention, or the MLA
+        latent cache as an `MLA` view), then hands them on."""
+        kv_caches = {name: self._kvx_view(tensor) for name, tensor in kv_caches.items()}
         layout = kvx.get_layout(self._ctx.cache.layout)
         cache = self._ctx.cache
         par = self._ctx.parallel
-        heads = max(1, cache.num_kv_heads // par.tp_size)
-        want = {"tokens": cache.block_size, "heads": heads, "head_size": cache.head_size}
+        want = {"tokens": cache.block_size, "head_size": cache.head_size}
+        if "heads" in layout.memory:  # MLA has none: every rank holds the whole latent
+            want["heads"] = max(1, cache.num_kv_heads // par.tp_size)
         for name, tensor in kv_caches.items():
             try:
                 sizes = layout.sizes_of(tensor)
@@ -120,6 +123,14 @@ class KvxConnector(KVConnectorBase_V1):
                 )
         self._kv_caches = dict(kv_caches)
         self._kvx.register_kv_caches(dict(kv_caches))
+
+    def _kvx_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """vLLM 0.32 hands every layer a `[blocks, heads, tokens, bytes]`-shaped tensor; for MLA
+        heads is 1 (`[blocks, 1, 16, 576]`), so kvx's `MLA` layout is that memory without the
+        unit dim (a view: writes reach vLLM's cache)."""
+        if self._ctx.cache.use_mla and tensor.dim() == 4 and tensor.shape[1] == 1:
+            return tensor.squeeze(1)
+        return tensor
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         self._kvx.set_host_xfer_buffer_ops(copy_operation)
@@ -161,7 +172,7 @@ class KvxConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self._kvx.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._kvx.save_kv_layer(layer_name, self._kvx_view(kv_layer), attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
         self._kvx.wait_for_save()
@@ -320,8 +331,8 @@ class KvxConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """vLLM-CPU allocates one layout; a kvx connector that needs another is refused (vLLM
         asks this before allocating, so the refusal comes at engine start)."""
-        if vllm_config.kv_transfer_config is None:
-            return None
+        if vllm_config.kv_transfer_config is None or vllm_config.model_config.use_mla:
+            return None  # an MLA cache has one layout, whatever attention layout is asked for
         config = kvx_transfer_config(vllm_config.kv_transfer_config, cls.kvx_connector_name)
         kvx_cls = kvx.get_registry().resolve_connector_class(config)
         required = kvx_cls.get_required_kvcache_layout(config)

@@ -26,6 +26,9 @@ SUPPORTED_RELEASE = (0, 32)
 CPU_LAYOUT = "CPU_PACKED"
 """vLLM-CPU's per-layer KV tensor: `[blocks, heads, block_size, 2*head_size]`; per (block, head)
 slab K transposed `[head_size, block_size]`, then V `[block_size, head_size]`."""
+MLA_LAYOUT = "MLA"
+"""vLLM-CPU's CPU_MLA per-layer KV tensor: `[blocks, 16, 576]`, one latent per token (kv_lora_rank
+512, then rope 64; the CPU kernel's only size), no heads dim, the same on every TP rank."""
 VERIFIED_ATTN_ISAS = ("vec", "vec16")
 """vLLM-CPU attention kernels whose cache layout `CPU_LAYOUT` was measured against (K transposed
 for float32, bfloat16 and float16 alike); AMX could not be measured on machines without it."""
@@ -175,11 +178,7 @@ def engine_context(
 ) -> EngineContext:
     """kvx's `EngineContext` for one vLLM-CPU engine (scheduler or one worker rank)."""
     model = vllm_config.model_config
-    if model.use_mla:
-        raise ValueError(
-            f"model {model.model!r} uses MLA; kvx.adapters.vllm supports vLLM-CPU's "
-            f"{CPU_LAYOUT} layout of ordinary attention only"
-        )
+    mla = bool(model.use_mla)
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("vLLM's KV cache config has no KV cache groups")
@@ -190,7 +189,8 @@ def engine_context(
             "supported by kvx.adapters.vllm"
         )
     spec = groups[0].kv_cache_spec
-    warn_unverified_kernels(spec.dtype, spec.block_size, spec.head_size)
+    if not mla:  # CPU_MLA has one cache write, checked by the tests; no kernel choice
+        warn_unverified_kernels(spec.dtype, spec.block_size, spec.head_size)
     par = vllm_config.parallel_config
     events = vllm_config.kv_events_config
     transfer = vllm_config.kv_transfer_config
@@ -203,7 +203,8 @@ def engine_context(
             head_size=spec.head_size,
             block_size=spec.block_size,
             dtype=str(spec.dtype).removeprefix("torch."),
-            layout=CPU_LAYOUT,
+            layout=MLA_LAYOUT if mla else CPU_LAYOUT,
+            use_mla=mla,
             num_blocks=kv_cache_config.num_blocks,
         ),
         parallel=ParallelInfo(

@@ -28,7 +28,7 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     P, which then frees them. Nothing is saved: D pulls P's blocks, and P holds them until D's
     notifications or the lease; loads are asynchronous."""
 
-    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
+    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
     extra_config_schema = NixlConfig
     stats_type = NixlKVConnectorStats
     _held_reported = False

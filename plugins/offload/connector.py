@@ -18,7 +18,7 @@ class OffloadingConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker]):
     (`wait_for_save`): nothing happens per layer."""
 
     capabilities: ClassVar[frozenset[Capability]] = frozenset(
-        {Capability.ASYNC_LOAD, Capability.OFFLOAD}
+        {Capability.ASYNC_LOAD, Capability.OFFLOAD, Capability.MLA}
     )
     extra_config_schema = OffloadingConfig
     stats_type = OffloadStats

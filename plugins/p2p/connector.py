@@ -32,7 +32,7 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
     """P pushes its prompt's KV to D (PUT, PUT_ASYNC) or keeps it for D to pull (GET); P never
     holds blocks after a request finishes (it sends copies)."""
 
-    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD}
+    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
     extra_config_schema = P2pConfig
     stats_type = P2pKVConnectorStats
 

@@ -31,6 +31,10 @@ UNCLAIMED = {
     "roles_store_reuse",
     "stats_and_events_shape_stored",
     "stats_and_events_shape_offloaded",
+    "mla_pd",
+    "mla_pd_hetero_tp",
+    "mla_stored_hetero_tp",
+    "mla_offload_and_reload",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

@@ -228,4 +228,8 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "roles_store_reuse",
         "stats_and_events_shape_stored",
         "stats_and_events_shape_offloaded",
+        "mla_pd",
+        "mla_pd_hetero_tp",
+        "mla_stored_hetero_tp",
+        "mla_offload_and_reload",
     }

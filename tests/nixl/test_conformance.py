@@ -18,6 +18,7 @@ CLAIMS = {
     Capability.HETERO_TP,
     Capability.BLOCK_SIZE_MISMATCH,
     Capability.LAYOUT_CONVERSION,
+    Capability.MLA,
 }
 
 

@@ -69,6 +69,7 @@ CLAIMED = {  # every scenario the connector's claims (store_reuse, hetero_tp, ..
     "store_and_reuse",
     "corrupted_bytes_detected",
     "stored_hetero_tp",
+    "mla_stored_hetero_tp",
     "stored_block_size_mismatch",
     "stored_layout_conversion",
     "roles_store_reuse",

@@ -44,7 +44,10 @@ def nixl_producer(lease_s: int) -> KVTransferConfig:
 def main(model: str, work: Path, idle: bool) -> int:
     prompts = json.loads((work / "prompts.json").read_text())
     lifetime_s, lease_s = (300, 300) if idle else (120, 60)
-    llm = vllm.LLM(model=model, kv_transfer_config=nixl_producer(lease_s), **ENGINE_OPTIONS)
+    # WORK_DIR/engine.json, if there: more `vllm.LLM` arguments (test_mla_in_vllm.py's backend)
+    extra = work / "engine.json"
+    options = {**ENGINE_OPTIONS, **(json.loads(extra.read_text()) if extra.exists() else {})}
+    llm = vllm.LLM(model=model, kv_transfer_config=nixl_producer(lease_s), **options)
     try:
         decode_elsewhere = {"kv_transfer_params": {"do_remote_decode": True}}
         params = vllm.SamplingParams(max_tokens=1, temperature=0.0, extra_args=decode_elsewhere)
