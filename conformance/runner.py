@@ -106,6 +106,7 @@ def load_scenarios() -> dict[str, Scenario]:
         scenarios_faults,
         scenarios_contract,
         scenarios_roles,
+        scenarios_window,
     )
 
     return dict(SCENARIOS)

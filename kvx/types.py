@@ -207,7 +207,9 @@ class KVCacheSpec:
 
     `num_kv_heads` is the model's total KV head count; a rank stores its TP shard of them.
     `dtype` is a torch dtype name (`"float32"`, `"bfloat16"`, ...); `layout` names a registered
-    layout (see `kvx list`).
+    layout (see `kvx list`). `sliding_window` (tokens; None: full attention) says attention
+    reads only the last `sliding_window` positions, so leading block table entries become
+    `NULL_BLOCK` as a request grows.
     """
 
     layer_names: tuple[str, ...]
@@ -218,6 +220,7 @@ class KVCacheSpec:
     layout: str = "NHD"
     use_mla: bool = False
     num_blocks: int = 0
+    sliding_window: int | None = None
 
     @property
     def num_layers(self) -> int:
