@@ -29,6 +29,8 @@ UNCLAIMED = {
     "stored_block_size_mismatch",
     "stored_layout_conversion",
     "roles_store_reuse",
+    "window_store_reuse",
+    "window_offload",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

@@ -15,7 +15,7 @@ from kvx.plugins.lmcache.connector import LMCacheConnectorV1
 pytestmark = pytest.mark.timeout(300)
 
 BASE = {"chunk_size": 16, "save_unfull_chunk": True, "max_local_cpu_size": 0.05}
-CLAIMED = {"idempotent_matching", "roles_store_reuse", "store_and_reuse"}
+CLAIMED = {"idempotent_matching", "roles_store_reuse", "store_and_reuse", "window_store_reuse"}
 
 
 def _suite(extra: dict[str, Any]) -> None:

@@ -226,4 +226,6 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "stored_block_size_mismatch",
         "stored_layout_conversion",
         "roles_store_reuse",
+        "window_store_reuse",
+        "window_offload",
     }

@@ -72,6 +72,7 @@ CLAIMED = {  # every scenario the connector's claims (store_reuse, hetero_tp, ..
     "stored_block_size_mismatch",
     "stored_layout_conversion",
     "roles_store_reuse",
+    "window_store_reuse",
 }
 
 
