@@ -107,6 +107,7 @@ def load_scenarios() -> dict[str, Scenario]:
         scenarios_contract,
         scenarios_roles,
         scenarios_mla,
+        scenarios_window,
     )
 
     return dict(SCENARIOS)

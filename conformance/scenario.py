@@ -56,17 +56,16 @@ def scenario(
     requires: tuple[Capability, ...] = (),
     timeout_s: float = 120.0,
     roles: str = PD_ROLES,
+    group: str | None = None,
 ) -> Callable[[Callable[[Harness], None]], Callable[[Harness], None]]:
-    """Register a scenario function under `name`; its group is its module's suffix
-    (`scenarios_pd` -> `pd`)."""
+    """Register a scenario function under `name`; its group is `group`, by default its
+    module's suffix (`scenarios_pd` -> `pd`)."""
 
     def register(func: Callable[[Harness], None]) -> Callable[[Harness], None]:
         if name in SCENARIOS:
             raise ValueError(f"scenario {name!r} is defined twice")
-        group = func.__module__.rpartition(".")[2].removeprefix("scenarios_")
-        SCENARIOS[name] = Scenario(
-            name, summary, func, frozenset(requires), timeout_s, group, roles
-        )
+        kit = group or func.__module__.rpartition(".")[2].removeprefix("scenarios_")
+        SCENARIOS[name] = Scenario(name, summary, func, frozenset(requires), timeout_s, kit, roles)
         return func
 
     return register

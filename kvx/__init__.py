@@ -65,6 +65,7 @@ from kvx.storage import (
     open_storage_backend,
 )
 from kvx.types import (
+    NULL_BLOCK,
     BlockIds,
     CachedRequestData,
     EngineContext,
@@ -76,6 +77,7 @@ from kvx.types import (
     Request,
     RequestStatus,
     SchedulerOutput,
+    skipped_blocks,
     yield_req_data,
 )
 from kvx.userdirs import make_private_dirs, user_cache_dir
@@ -85,6 +87,7 @@ __all__ = [
     "CONTRACT_VERSION",
     "DIRECTIONS",
     "FAILURE_KINDS",
+    "NULL_BLOCK",
     "AllBlocksCleared",
     "BlockIds",
     "BlockRemoved",
@@ -155,6 +158,7 @@ __all__ = [
     "provides",
     "provides_connector",
     "resolve_secret",
+    "skipped_blocks",
     "supports_hma",
     "url_problem",
     "user_cache_dir",

@@ -8,7 +8,7 @@ None of them imports torch at module import time, so `import kvx` stays cheap.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,29 @@ if TYPE_CHECKING:
 
 BlockIds = tuple[list[int], ...]
 """One list of block ids per KV-cache group (exactly one group when HMA is off)."""
+
+NULL_BLOCK = -1
+"""A block table entry with no block behind it: a block a sliding window no longer needs (vLLM's
+shared null block). Connectors never read or write it; only the leading entries of a table are
+null (`skipped_blocks`), and no tensor index is ever -1 on purpose."""
+
+
+def skipped_blocks(block_ids: Sequence[int]) -> int:
+    """How many leading entries of a block table are `NULL_BLOCK` (blocks outside a sliding
+    window); the tokens of a table's first `skipped_blocks * block_size` positions have no KV.
+
+    Raises `ValueError` if a null entry follows a real block (no engine makes such a table)."""
+    skipped = 0
+    for block in block_ids:
+        if block != NULL_BLOCK:
+            break
+        skipped += 1
+    if NULL_BLOCK in block_ids[skipped:]:
+        raise ValueError(
+            f"block_ids: NULL_BLOCK ({NULL_BLOCK}) after a real block in {list(block_ids)}; "
+            "only a leading run of entries (outside a sliding window) may be null"
+        )
+    return skipped
 
 
 class RequestStatus(enum.Enum):
@@ -76,8 +99,10 @@ class Request:
 class KVCacheBlocks:
     """The blocks allocated to one request, per KV-cache group.
 
-    `num_hashed_blocks[g]` counts the leading blocks of group `g` that were prefix-cache hits;
-    the rest are "unhashed" (freshly allocated, safe to load into).
+    `num_hashed_blocks[g]` counts the leading blocks of group `g` that need no KV: prefix-cache
+    hits and `NULL_BLOCK` entries (outside a sliding window); the rest are "unhashed" (freshly
+    allocated, safe to load into). With a sliding window that count is not the engine's own
+    token count: a hit block may have become null.
     """
 
     block_ids: BlockIds
@@ -182,7 +207,9 @@ class KVCacheSpec:
 
     `num_kv_heads` is the model's total KV head count; a rank stores its TP shard of them.
     `dtype` is a torch dtype name (`"float32"`, `"bfloat16"`, ...); `layout` names a registered
-    layout (see `kvx list`).
+    layout (see `kvx list`). `sliding_window` (tokens; None: full attention) says attention
+    reads only the last `sliding_window` positions, so leading block table entries become
+    `NULL_BLOCK` as a request grows.
     """
 
     layer_names: tuple[str, ...]
@@ -193,6 +220,7 @@ class KVCacheSpec:
     layout: str = "NHD"
     use_mla: bool = False
     num_blocks: int = 0
+    sliding_window: int | None = None
 
     @property
     def num_layers(self) -> int:

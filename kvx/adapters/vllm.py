@@ -271,7 +271,9 @@ class KvxConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Matches vLLM: the returned params become the request output's `kv_transfer_params`."""
         try:
-            delay, params = self._kvx.request_finished(self._mirror.get(request), list(block_ids))
+            delay, params = self._kvx.request_finished(
+                self._mirror.get(request), to_kvx.table(block_ids)
+            )
             self._mirror.write_back(request)
             self._guard.note_finished(request.request_id, delay)
         finally:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvx.types import (
+    NULL_BLOCK,
+    BlockIds,
     CachedRequestData,
     KVCacheBlocks,
     NewRequestData,
@@ -18,6 +20,10 @@ from kvx.types import (
     RequestStatus,
     SchedulerOutput,
 )
+
+VLLM_NULL_BLOCK_ID = 0
+"""vLLM's null block: its block pool's first block, never allocated, which stands in a request's
+block table for blocks a sliding window no longer needs; kvx's tables say `NULL_BLOCK` there."""
 
 # vLLM statuses kvx has no member for, by the kvx status with the same meaning to a connector.
 _STATUS_ALIASES = {
@@ -98,13 +104,33 @@ def _refresh(request: Request, vllm_request: Any) -> None:
     request.mm_hashes = [f.identifier for f in vllm_request.mm_features or ()]
 
 
+def table(block_ids: list[int]) -> list[int]:
+    """A vLLM block table as kvx's: a new list, vLLM's null block as `NULL_BLOCK`."""
+    return [NULL_BLOCK if b == VLLM_NULL_BLOCK_ID else b for b in block_ids]
+
+
+def tables(block_ids: Any) -> BlockIds:
+    """vLLM's per-group block tables as kvx's `BlockIds` (see `table`)."""
+    return tuple(table(group) for group in block_ids)
+
+
 def kv_cache_blocks(blocks: Any) -> KVCacheBlocks:
-    """vLLM's `KVCacheBlocks` (per group, `KVCacheBlock`s) as block ids plus the count of
-    leading prefix-cache hits (blocks with a hash) per group."""
+    """vLLM's `KVCacheBlocks` (per group, `KVCacheBlock`s) as block ids (vLLM's null block as
+    `NULL_BLOCK`) plus the count of leading blocks needing no KV (`_leading_hits`) per group."""
     groups = tuple(blocks.blocks)
-    ids = tuple([b.block_id for b in group] for group in groups)
-    hashed = tuple(sum(1 for b in group if b.block_hash is not None) for group in groups)
-    return KVCacheBlocks(ids, hashed)
+    ids = tuple([NULL_BLOCK if b.is_null else b.block_id for b in group] for group in groups)
+    return KVCacheBlocks(ids, tuple(_leading_hits(group) for group in groups))
+
+
+def _leading_hits(group: Any) -> int:
+    """Leading blocks a request need not be given KV for: prefix-cache hits (with a hash) and
+    null blocks outside its sliding window (always before the hits)."""
+    count = 0
+    for block in group:
+        if not (block.is_null or block.block_hash is not None):
+            break
+        count += 1
+    return count
 
 
 def scheduler_output(out: Any, mirror: RequestMirror) -> SchedulerOutput:
@@ -113,7 +139,7 @@ def scheduler_output(out: Any, mirror: RequestMirror) -> SchedulerOutput:
         NewRequestData(
             req_id=r.req_id,
             prompt_token_ids=r.prompt_token_ids if r.prompt_token_ids is not None else [],
-            block_ids=tuple(r.block_ids),
+            block_ids=tables(r.block_ids),
             num_computed_tokens=r.num_computed_tokens,
             kv_transfer_params=mirror.params_of(r.req_id),
         )
@@ -125,7 +151,7 @@ def scheduler_output(out: Any, mirror: RequestMirror) -> SchedulerOutput:
         resumed_req_ids=set(c.resumed_req_ids),
         new_token_ids=c.new_token_ids,
         all_token_ids=c.all_token_ids,
-        new_block_ids=[None if b is None else tuple(b) for b in c.new_block_ids],
+        new_block_ids=[None if b is None else tables(b) for b in c.new_block_ids],
         num_computed_tokens=c.num_computed_tokens,
     )
     return SchedulerOutput(

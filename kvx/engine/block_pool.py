@@ -12,6 +12,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvx.types import NULL_BLOCK
+
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:
     """Chained hashes of every *full* block of `token_ids`."""
@@ -87,11 +89,14 @@ class BlockPool:
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference per block; blocks reaching 0 join the free queue's tail.
+        """Drop one reference per block (`NULL_BLOCK` entries are skipped); blocks reaching 0
+        join the free queue's tail.
 
         Blocks are queued tail-first so a request's later blocks are evicted before its prefix.
         """
         for b in reversed(blocks):
+            if b == NULL_BLOCK:  # a table entry outside a sliding window: no block
+                continue
             if self.ref_cnt[b] <= 0:
                 raise RuntimeError(f"block {b} freed more often than referenced")
             self.ref_cnt[b] -= 1
@@ -100,7 +105,7 @@ class BlockPool:
 
     def cache(self, block: int, block_hash: bytes) -> None:
         """Record that `block` holds the full block with `block_hash`."""
-        if not self.enable_prefix_caching or block in self._hash_of:
+        if not self.enable_prefix_caching or block == NULL_BLOCK or block in self._hash_of:
             return
         if block_hash in self._block_of:  # another block already holds it: keep the first
             return
@@ -110,6 +115,8 @@ class BlockPool:
     def evict(self, blocks: Sequence[int]) -> None:
         """Forget the cached hash of `blocks` (their content is wrong or about to be)."""
         for b in blocks:
+            if b == NULL_BLOCK:
+                continue
             self._uncache(b)
 
     def is_cached(self, block: int) -> bool:

@@ -30,6 +30,7 @@ from kvx.types import (
     Request,
     RequestStatus,
     SchedulerOutput,
+    skipped_blocks,
 )
 
 
@@ -54,6 +55,7 @@ class EngineConfig:
     model_name: str = "kvx-toy"
     seed: int = 0
     free_list_seed: int | None = None  # start with a shuffled (fragmented) block free list
+    sliding_window: int | None = None  # tokens attention reads (the last ones); None: all
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
     kv_transfer_config: KVTransferConfig | None = None
 
@@ -72,6 +74,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+            raise ValueError(f"EngineConfig.sliding_window must be an int or None, got {window!r}")
+        if window is not None and (window < 1 or self.num_blocks < 2):
+            raise ValueError(
+                f"EngineConfig.sliding_window {window} needs a window >= 1 token and "
+                f"num_blocks >= 2 (the last block is the null block), got {self.num_blocks}"
+            )
         if self.pp_size > self.num_layers:
             raise ValueError(
                 f"EngineConfig.pp_size {self.pp_size} exceeds num_layers "
@@ -99,6 +109,7 @@ class EngineConfig:
             layout=self.layout,
             use_mla=self.use_mla,
             num_blocks=self.num_blocks,
+            sliding_window=self.sliding_window,
         )
 
     def context(self, parallel: ParallelInfo) -> EngineContext:
@@ -152,6 +163,7 @@ class Engine:
                 kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
                 kv_role=ktc.kv_role if ktc else None,
                 free_list_seed=config.free_list_seed,
+                sliding_window=config.sliding_window,
             ),
             self.scheduler_connector,
         )
@@ -262,14 +274,17 @@ class Engine:
             "steps": self.steps,
             **self.scheduler.stats,
             "held_blocks": held,
-            "free_blocks": self.scheduler.pool.num_free_blocks,
+            # the null block (sliding window) is no request's: it counts as free
+            "free_blocks": self.scheduler.pool.num_free_blocks
+            + (self.config.sliding_window is not None),
             "kv_save_errors": save_errors,
         }
 
     def check_kv(self) -> list[str]:
         """Compare every computed KV element of every live or held request, on every worker
-        and layer, with what the model wrote; return one line per mismatching (worker, layer,
-        request), naming the first bad position."""
+        and layer, with what the model wrote (with a sliding window: from the first block not
+        `NULL_BLOCK`); return one line per mismatching (worker, layer, request), naming the
+        first bad position, and one per layer whose null block was written."""
         targets = []
         for state in self.scheduler.states.values():
             req = state.request
@@ -282,21 +297,30 @@ class Engine:
             computed = min(req.num_computed_tokens, len(blocks) * self.config.block_size)
             if computed and req.status is not RequestStatus.FINISHED_ABORTED:
                 targets.append((req, blocks, computed))
-        problems = []
+        problems = [
+            f"{self.config.engine_id} worker pp{worker.parallel.pp_rank}/"
+            f"tp{worker.parallel.tp_rank} {name}: the null block (no request's; a write "
+            f"through a NULL_BLOCK table entry lands there) was written"
+            for worker in self.workers
+            for name in worker.null_block_written()
+        ]
         expected = {}
         for req, blocks, n in targets:
             entry = self._expected_kv(req.request_id, req.all_token_ids, n)
             expected[req.request_id] = entry
+            start = skipped_blocks(blocks) * self.config.block_size
+            if start >= n:
+                continue
             for w, worker in enumerate(self.workers):
                 for name in worker.layers:
-                    want = entry.kv[(w, name)][:n]
-                    got = worker.cache.read(name, blocks, n)
+                    want = entry.kv[(w, name)][start:n]
+                    got = worker.cache.read(name, blocks, n, start)
                     same = (
-                        got.contiguous().view(torch.uint8).view(n, -1)
-                        == want.view(torch.uint8).view(n, -1)
+                        got.contiguous().view(torch.uint8).view(n - start, -1)
+                        == want.contiguous().view(torch.uint8).view(n - start, -1)
                     ).all(dim=1)
                     if not bool(same.all()):
-                        first = int((~same).nonzero()[0])
+                        first = start + int((~same).nonzero()[0])
                         problems.append(
                             f"{self.config.engine_id} worker pp{worker.parallel.pp_rank}/"
                             f"tp{worker.parallel.tp_rank} {name}: request {req.request_id} "

@@ -136,9 +136,9 @@ class PagedKVCache:
         blocks, offsets = self.slots(block_ids, start, start + kv.shape[0])
         self._views[layer][blocks, offsets] = kv
 
-    def read(self, layer: str, block_ids: Sequence[int], end: int) -> torch.Tensor:
-        """KV of positions 0..end-1 as `[end, kv_parts, heads, head_size]`."""
-        blocks, offsets = self.slots(block_ids, 0, end)
+    def read(self, layer: str, block_ids: Sequence[int], end: int, start: int = 0) -> torch.Tensor:
+        """KV of positions start..end-1 as `[end - start, kv_parts, heads, head_size]`."""
+        blocks, offsets = self.slots(block_ids, start, end)
         return self._views[layer][blocks, offsets]
 
     def token_view(self, layer: str) -> torch.Tensor | KVHalvesView:

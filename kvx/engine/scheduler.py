@@ -26,12 +26,14 @@ from kvx.engine.block_pool import BlockPool, block_hashes
 from kvx.engine.finished_ids import unheld_finished_ids
 from kvx.engine.load_errors import failed_loads
 from kvx.types import (
+    NULL_BLOCK,
     CachedRequestData,
     KVCacheBlocks,
     NewRequestData,
     Request,
     RequestStatus,
     SchedulerOutput,
+    skipped_blocks,
 )
 
 
@@ -47,6 +49,7 @@ class SchedulerConfig:
     kv_load_failure_policy: str = "fail"
     kv_role: str | None = None  # the connector's role; None: no role checks
     free_list_seed: int | None = None  # start with a shuffled (fragmented) free list
+    sliding_window: int | None = None  # tokens attention reads; None: every token
 
 
 @dataclass
@@ -86,9 +89,11 @@ class Scheduler:
             )
         self.config = config
         self.connector = connector
-        self.pool = BlockPool(
-            config.num_blocks, config.enable_prefix_caching, config.free_list_seed
-        )
+        # With a sliding window the cache's last block is the null block no request owns (a
+        # write through a NULL_BLOCK table entry, tensor index -1, lands there: the engine
+        # checks it stays untouched).
+        pool_blocks = config.num_blocks - (config.sliding_window is not None)
+        self.pool = BlockPool(pool_blocks, config.enable_prefix_caching, config.free_list_seed)
         self.steps = 0
         self.violations: list[str] = []  # contract violations not yet taken
         self.states: dict[str, RequestState] = {}
@@ -170,6 +175,7 @@ class Scheduler:
             state = self.states[self.running[index]]
             req = state.request
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            self._skip_outside_window(state, req.num_computed_tokens)
             added = self._grow(state, req.num_computed_tokens + num_new)
             while added is None:
                 victim = self.states[self.running[-1]]
@@ -250,6 +256,7 @@ class Scheduler:
             if load_async and n_ext > 0:
                 if not self._allocate(state, hits, n_local + n_ext):
                     return
+                self._skip_outside_window(state, n_local + n_ext)
                 self._after_alloc(state, len(hits), n_ext)
                 req.num_computed_tokens = n_local + n_ext
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -266,6 +273,7 @@ class Scheduler:
                     return
             elif not self._allocate(state, hits, num_computed + num_new):
                 return
+            self._skip_outside_window(state, num_computed)
             self._after_alloc(state, len(hits), n_ext)
             req.num_computed_tokens = num_computed
             state.sync_loaded_tokens = n_ext
@@ -304,8 +312,20 @@ class Scheduler:
                 math.ceil((n_local + n_ext) / self.block_size) - n_local // self.block_size
             )
 
+    def _skip_outside_window(self, state: RequestState, num_computed: int) -> None:
+        """Free the leading blocks no position from `num_computed` on attends to, leaving
+        `NULL_BLOCK` in their place (vLLM's `remove_skipped_blocks`: skipped tokens are
+        `num_computed - window + 1`). The connector is not told of a running request's."""
+        window = self.config.sliding_window
+        if window is None:
+            return
+        skipped = min(max(0, num_computed - window + 1) // self.block_size, len(state.blocks))
+        self.pool.free(state.blocks[:skipped])
+        state.blocks[:skipped] = [NULL_BLOCK] * skipped
+
     def _after_alloc(self, state: RequestState, num_hits: int, n_ext: int) -> None:
         if self.connector is not None:
+            num_hits = max(num_hits, skipped_blocks(state.blocks))  # nulls need no KV either
             blocks = KVCacheBlocks((list(state.blocks),), (num_hits,))
             self.connector.update_state_after_alloc(state.request, blocks, n_ext)
 

@@ -51,13 +51,31 @@ class Worker:
         layers = pp_layer_range(len(spec.layer_names), parallel.pp_rank, parallel.pp_size)
         self.layers = {spec.layer_names[i]: i for i in layers}
         self.cache = PagedKVCache(spec, parallel, list(self.layers))
+        self.window = spec.sliding_window
         self.requests: dict[str, _ReqState] = {}
+        self._null_block: dict[str, torch.Tensor] = {}
+        if self.window is not None:  # the last block: no request's, a pattern nobody may write
+            for i, name in enumerate(self.layers):
+                view = self.cache.token_view(name)
+                shape = view[-1].shape
+                pattern = torch.arange(shape.numel(), dtype=torch.float64) % 997 + 1000 * i
+                view[-1] = pattern.view(shape).to(view.dtype)
+                self._null_block[name] = view[-1].clone()
         if connector is not None:
             connector.register_kv_caches(dict(self.cache.tensors))
 
     @property
     def heads(self) -> range:
         return self.cache.heads
+
+    def null_block_written(self) -> list[str]:
+        """Layers whose null block (the last, owned by no request: where a write through a
+        `NULL_BLOCK` entry lands) changed; always empty without a sliding window."""
+        return [
+            name
+            for name, kept in self._null_block.items()
+            if not torch.equal(self.cache.token_view(name)[-1], kept)
+        ]
 
     def execute(self, out: SchedulerOutput) -> WorkerResult:
         self._update_states(out)
@@ -113,8 +131,10 @@ class Worker:
                 self.cache.write(name, state.block_ids, start, kv)
             for req_id, state, _, end, sample in work:
                 if sample and self.cache.primary:
-                    read = self.cache.read(name, state.block_ids, end)
-                    score = self.model.score(read, torch.arange(end), layer, self.heads)
+                    first = 0 if self.window is None else max(0, end - self.window)
+                    read = self.cache.read(name, state.block_ids, end, first)
+                    positions = torch.arange(first, end)
+                    score = self.model.score(read, positions, layer, self.heads)
                     result.scores[req_id] = (result.scores.get(req_id, 0) + score) % SCORE_PRIME
             if hooks is not None:
                 hooks.after_kv_write(name, self.cache.tensors[name])

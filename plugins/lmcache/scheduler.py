@@ -121,21 +121,24 @@ class LMCacheScheduler(PlanningScheduler[_Request, LMCacheMetadata]):
 
     def plan(self, meta: LMCacheMetadata, step: ScheduledRequest[_Request]) -> None:
         """Add the request's load (the tokens just counted as computed) and the chunks its
-        scheduled prompt tokens complete this step."""
+        scheduled prompt tokens complete this step; tokens in null blocks (outside a sliding
+        window) are neither loaded nor stored."""
         state, computed = step.state, step.num_computed_tokens
         prompt = state.prompt
         hit = self._hits.get(step.req_id, 0)
         if hit:  # LMCache holds the prompt's chunks up to `hit`: never store them again
             held = hit if hit == len(prompt) else hit // self.chunk * self.chunk
             state.stored = max(state.stored, held)
+        # Tokens before `live` sit in null blocks (outside a sliding window): no KV there.
+        live = kvx.skipped_blocks(step.block_ids) * self.block_size
         n_ext = step.num_external_tokens
-        if n_ext:
+        if n_ext and live < computed:
             fetch = max(hit, computed)
+            start = max(computed - n_ext, live)
             meta.loads.append(
-                LoadSpec(
-                    step.req_id, prompt[:fetch], list(step.block_ids), computed - n_ext, computed
-                )
+                LoadSpec(step.req_id, prompt[:fetch], list(step.block_ids), start, computed)
             )
+        state.stored = max(state.stored, -(-live // self.chunk) * self.chunk)
         if not self.store or not step.num_scheduled_tokens:
             return
         done = min(computed + step.num_scheduled_tokens, len(prompt))

@@ -36,11 +36,14 @@ logger = logging.getLogger(__name__)
 
 
 def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """Paged slot of each of `num_tokens` tokens (-1 past the blocks given). Built in numpy:
-    a handful of torch calls on small tensors cost more than the copy of a short request."""
+    """Paged slot of each of `num_tokens` tokens (-1 past the blocks given and in a
+    `kvx.NULL_BLOCK`, outside a sliding window). Built in numpy: a handful of torch calls on
+    small tensors cost more than the copy of a short request."""
     starts = np.array(block_ids, dtype=np.int64)
     starts *= block_size
-    slots = np.add.outer(starts, np.arange(block_size, dtype=np.int64)).ravel()
+    slots = np.add.outer(starts, np.arange(block_size, dtype=np.int64))
+    slots[starts < 0] = -1
+    slots = slots.ravel()
     if len(slots) >= num_tokens:
         return torch.from_numpy(slots[:num_tokens])
     return torch.from_numpy(np.concatenate([slots, np.full(num_tokens - len(slots), -1)]))

@@ -246,7 +246,8 @@ class RemoteEngine:
         )
 
     def check_block_ids(self, block_ids: list[int]) -> None:
-        """P's block ids come through the proxy: refuse ids outside P's registered blocks."""
+        """P's block ids come through the proxy: refuse ids outside P's registered blocks (a
+        `kvx.NULL_BLOCK` too: P no longer holds that block)."""
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.block_limit):
             bad = [b for b in block_ids if not 0 <= b < self.block_limit]
             raise ValueError(

@@ -299,7 +299,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             return
         try:
             assert self._poster is not None, "register_kv_caches must run before loads"
-            remote.check_block_ids(spec.remote_block_ids)
+            first = job.start_token // bd  # P's blocks outside D's window are not read
+            remote.check_block_ids(spec.remote_block_ids[first : first + len(local)])
             if remote.direct:
                 self._poster.prepare_direct(job)
             else:

@@ -106,6 +106,7 @@ class OffloadScheduler(ConnectorScheduler):
         self.offered_chunks: dict[str, int] = {}
         self.inflight: dict[str, set[str]] = {}  # request -> chunk keys being stored
         self.loading: dict[str, list[str]] = {}
+        self.local_tokens: dict[str, int] = {}  # request -> engine's own tokens, when it loads
         self.acks: dict[str, int] = {}
         self.failed_acks: set[str] = set()  # chunks some worker failed to store
         self._loads: list[LoadSpec] = []
@@ -127,6 +128,8 @@ class OffloadScheduler(ConnectorScheduler):
         first = num_computed_tokens // self.tokens_per_chunk
         hits = self.manager.lookup(keys[first:])
         count = max(0, (first + hits) * self.tokens_per_chunk - num_computed_tokens)
+        if count:  # the tokens the engine has itself (with a sliding window its table cannot say)
+            self.local_tokens[request.request_id] = num_computed_tokens
         return count, count > 0
 
     def update_state_after_alloc(
@@ -137,8 +140,12 @@ class OffloadScheduler(ConnectorScheduler):
         if num_external_tokens == 0:
             return
         hashed = (blocks.num_hashed_blocks or (0,))[0]
-        first_block = hashed
-        last_block = math.ceil((hashed * self.block_size + num_external_tokens) / self.block_size)
+        local = self.local_tokens.pop(req_id, hashed * self.block_size)
+        # Past the prefix hits and the null blocks outside a sliding window: never loaded into.
+        first_block = max(local // self.block_size, kvx.skipped_blocks(table))
+        last_block = math.ceil((local + num_external_tokens) / self.block_size)
+        if first_block >= last_block:
+            return
         keys = self.chunk_keys(request)
         chunks = sorted({b // self.per_chunk for b in range(first_block, last_block)})
         where = dict(zip(chunks, self.manager.prepare_load([keys[c] for c in chunks]), strict=True))
@@ -176,7 +183,9 @@ class OffloadScheduler(ConnectorScheduler):
         req_id = request.request_id
         keys = self.chunk_keys(request)
         complete = min(computed // self.tokens_per_chunk, len(keys), len(table) // self.per_chunk)
-        start = self.offered_chunks.get(req_id, 0)
+        # Chunks with a null block (outside a sliding window) hold no KV: never stored.
+        live = -(-kvx.skipped_blocks(table) // self.per_chunk)
+        start = max(self.offered_chunks.get(req_id, 0), live)
         if complete <= start:
             return None
         self.offered_chunks[req_id] = complete
@@ -218,6 +227,7 @@ class OffloadScheduler(ConnectorScheduler):
         req_id = request.request_id
         self.requests.forget(req_id)
         self.offered_chunks.pop(req_id, None)
+        self.local_tokens.pop(req_id, None)
         if self.inflight.pop(req_id, set()):
             self._held.append(req_id)
             return True, None

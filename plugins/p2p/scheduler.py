@@ -281,15 +281,19 @@ class P2pScheduler(kvx.ConnectorScheduler):
         # The load starts after the local hit vLLM offered (block-aligned). Not from the count
         # of hashed blocks: a synchronous load's blocks are hashed as soon as they are
         # allocated, which would put the load's start after its own blocks.
-        first = start // self.block_size
-        end = -(-(start + num_external_tokens) // self.block_size)
+        # Blocks before `skipped` are null (outside a sliding window): nothing is loaded there.
+        table = blocks.get_block_ids()[0]
+        end_token = start + num_external_tokens
+        first = max(start // self.block_size, kvx.skipped_blocks(table))
+        start = min(max(start, first * self.block_size), end_token)
+        end = -(-end_token // self.block_size)
         self._loads.append(
             LoadSpec(
                 request.request_id,
                 source.remote_request_id,
-                list(blocks.get_block_ids()[0][first:end]),
+                list(table[first:end]),
                 start,
-                num_external_tokens,
+                end_token - start,
                 source.mode,
                 source.host,
                 source.port,

@@ -126,12 +126,18 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
 
     def plan(self, meta: StorageMetadata, step: ScheduledRequest[_Request]) -> None:
         """Add the request's load (tokens just counted as computed) and the stored blocks its
-        scheduled tokens complete this step (prompt tokens only)."""
+        scheduled tokens complete this step (prompt tokens only); tokens in null blocks
+        (outside a sliding window) are neither loaded nor stored."""
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         req_id, state, computed = step.req_id, step.state, step.num_computed_tokens
         n_ext = step.num_external_tokens
+        # Positions before `live` sit in null blocks (outside a sliding window): no KV there.
+        live = kvx.skipped_blocks(step.block_ids) * ebs
+        if live >= computed:
+            n_ext = 0  # the whole load is outside the window: nothing to read
         if n_ext:
-            start = computed - n_ext
+            start = max(computed - n_ext, live)
+            n_ext = computed - start
             first, last = start // bs, -(-computed // bs)
             found = self._found.get(req_id, {})
             if any(b not in found for b in range(first, last)):
@@ -152,7 +158,7 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
         scheduled = step.num_scheduled_tokens
         if not self.store or not scheduled:
             return
-        first = computed // bs
+        first = max(computed, live + bs - 1) // bs  # whole stored blocks of real ones only
         last = min(min(computed + scheduled, state.prompt_len) // bs, len(state.keys))
         if last > first:
             eb0 = first * bs // ebs

@@ -35,6 +35,8 @@ UNCLAIMED = {
     "mla_pd_hetero_tp",
     "mla_stored_hetero_tp",
     "mla_offload_and_reload",
+    "window_store_reuse",
+    "window_offload",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

@@ -55,6 +55,7 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AssumesContiguous", "pd_long_prompts", "differ"),
         ("SavesLate", "pd_prefill_block_pressure", "differ"),
         ("SendsALock", "pd_short_prompt", "cannot be sent to a worker process"),
+        ("WritesNullBlock", "window_pd", "the null block (no request's; a write through"),
     ],
 )
 def test_broken_connector_fails_the_suite(
@@ -136,6 +137,7 @@ def test_the_good_connectors_pass_the_same_scenarios(broken_importable: None) ->
         "pd_block_multiple",
         "pd_long_prompts",
         "pd_prefill_block_pressure",
+        "window_pd",
         "clean_shutdown",
     ]
     results = run_suite(example, only=scenarios, options=OPTIONS)

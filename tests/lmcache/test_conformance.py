@@ -20,6 +20,7 @@ CLAIMED = {
     "roles_store_reuse",
     "store_and_reuse",
     "stats_and_events_shape_stored",
+    "window_store_reuse",
 }
 
 

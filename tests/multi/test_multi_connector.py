@@ -232,4 +232,6 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "mla_pd_hetero_tp",
         "mla_stored_hetero_tp",
         "mla_offload_and_reload",
+        "window_store_reuse",
+        "window_offload",
     }

@@ -202,6 +202,7 @@ def test_conformance(extra: dict[str, object]) -> None:
     outcomes = {r.name: r.outcome for r in results}
     assert not {r.name: r.message for r in results if r.outcome == FAILED}
     assert outcomes["offload_and_reload"] == PASSED
+    assert outcomes["window_offload"] == PASSED
     assert outcomes["idempotent_matching"] == PASSED
 
 

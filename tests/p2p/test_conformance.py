@@ -18,7 +18,7 @@ from kvx.conformance.runner import FAILED, PASSED
 from ._ports import free_port_range, p2p_config
 
 SUBSET = {  # in-process scenarios (test_separate_processes.py runs P and D in processes)
-    "PUT": ["pd_short_prompt", "pd_prefix_hit_on_decode"],
+    "PUT": ["pd_short_prompt", "pd_prefix_hit_on_decode", "window_pd"],
     "PUT_ASYNC": ["pd_chunked_prefill", "clean_shutdown", "pd_prefill_block_pressure"],
     "GET": ["abort_on_decode_while_loading", "pd_prefix_hit_on_decode"],
 }

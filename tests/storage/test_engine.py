@@ -74,6 +74,7 @@ CLAIMED = {  # every scenario the connector's claims (store_reuse, hetero_tp, ..
     "stored_layout_conversion",
     "roles_store_reuse",
     "stats_and_events_shape_stored",
+    "window_store_reuse",
 }
 
 

@@ -206,6 +206,26 @@ def test_kv_cache_blocks_count_leading_prefix_hits() -> None:
     assert mine.get_unhashed_block_ids() == blocks.get_unhashed_block_ids() == [7, 9]
 
 
+def test_vllms_null_block_becomes_kvx_null_block_everywhere_the_connector_sees_tables() -> None:
+    """A sliding-window request's table starts with vLLM's null block (block 0, shared by every
+    request): kvx connectors see NULL_BLOCK there, and a null entry needs no KV."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    null = pool.null_block
+    assert null.block_id == vllm_types.VLLM_NULL_BLOCK_ID and null.is_null
+    hit = KVCacheBlock(4)
+    hit._block_hash = b"h"
+    blocks = VllmKVCacheBlocks(([null, hit, KVCacheBlock(7)],))
+    mine = vllm_types.kv_cache_blocks(blocks)
+    assert mine.get_block_ids() == ([kvx.NULL_BLOCK, 4, 7],)
+    assert mine.get_unhashed_block_ids() == [7]
+    vllm_table = [0, 3, 4]
+    assert vllm_types.tables(([0, 1, 2], vllm_table)) == ([-1, 1, 2], [-1, 3, 4])
+    assert vllm_table == [0, 3, 4]  # vLLM's own lists are never changed
+    assert kvx.skipped_blocks(vllm_types.table(vllm_table)) == 1
+
+
 def test_kv_events_become_vllm_events_vllm_can_encode() -> None:
     events = vllm_payloads.cache_events(
         [

@@ -59,7 +59,9 @@ class ExamplePDScheduler(ConnectorScheduler):
         if not params.get("do_remote_decode") or request.status not in FINISHED_NORMALLY:
             return False, None
         prompt_blocks = block_ids[: -(-request.num_prompt_tokens // self.block_size)]
-        self._meta.stores.append(StoreSpec(request.request_id, prompt_blocks))
+        # Entries outside a sliding window (kvx.NULL_BLOCK) have no block: not saved.
+        saved = prompt_blocks[kvx.skipped_blocks(prompt_blocks) :]
+        self._meta.stores.append(StoreSpec(request.request_id, saved))
         return True, {
             "do_remote_prefill": True,
             "remote_engine_id": self.engine_id,

@@ -74,10 +74,12 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
             time.sleep(0.01)
         blocks = _read(path, self._caches, dim)
         index = torch.tensor(load.local_block_ids, dtype=torch.long)
+        saved = len(load.remote_block_ids) - kvx.skipped_blocks(load.remote_block_ids)
         for name, data in blocks.items():
-            if data.shape[dim] != len(load.remote_block_ids):
+            if data.shape[dim] != saved or len(load.local_block_ids) > saved:
                 raise ValueError(
-                    f"{path}: {data.shape[dim]} blocks, expected {len(load.remote_block_ids)}"
+                    f"{path}: {data.shape[dim]} blocks, expected {saved} (P's non-null "
+                    f"blocks), at least the {len(load.local_block_ids)} to load"
                 )
             picked = data.narrow(
                 dim, data.shape[dim] - len(load.local_block_ids), len(load.local_block_ids)

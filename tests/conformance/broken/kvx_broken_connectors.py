@@ -8,6 +8,7 @@ faults are real misbehaviour of a real connector, not mocks of the suite.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from kvx import (
 from kvx.plugins.storage.connector import SharedStorageConnector
 from kvx_example_connector.connector import ExamplePDConnector
 from kvx_example_connector.metadata import ExamplePDMetadata, LoadSpec, StoreSpec
-from kvx_example_connector.worker import ExamplePDWorker, _write_atomic
+from kvx_example_connector.worker import ExamplePDWorker, _read, _write_atomic
 
 LEAKED_THREAD_STOPS: list[threading.Event] = []  # the test stops the leaked threads after it
 
@@ -181,6 +182,35 @@ class SavesLateWorker(ExamplePDWorker):
             path = self._path(self.engine_id, save.req_id)
             self._pool.submit(_write_atomic, path, snapshot)
         self._flush = []
+
+
+class WritesNullBlockWorker(ExamplePDWorker):
+    """Copies with advanced indexing, which takes a `kvx.NULL_BLOCK` entry (-1) for the cache's
+    last block."""
+
+    def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
+        deadline = time.monotonic() + self.load_timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear within {self.load_timeout_s}s")
+            time.sleep(0.01)
+        local = load.local_block_ids
+        for name, data in _read(path, self._caches, dim).items():
+            picked = data.narrow(dim, data.shape[dim] - len(local), len(local))
+            self._caches[name].movedim(dim, 0)[torch.tensor(local)] = picked.movedim(dim, 0)
+
+
+class WritesNullBlock(ExamplePDConnector):
+    """Loads into the request's whole block table, the entries outside a sliding window
+    (`kvx.NULL_BLOCK`) included: a connector unaware of sliding windows."""
+
+    worker_type = WritesNullBlockWorker
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        every = kvx.KVCacheBlocks(blocks.block_ids, tuple(0 for _ in blocks.block_ids))
+        super().update_state_after_alloc(request, every, num_external_tokens)
 
 
 def _done() -> Future[None]:

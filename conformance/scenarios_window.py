@@ -1,0 +1,79 @@
+"""Sliding-window scenarios: attention reads only the last `WINDOW` tokens, so the engine frees
+a request's leading blocks and its table says `kvx.NULL_BLOCK` there (vLLM's null block).
+
+A connector must never read or write through a null entry: the reference engine keeps its last
+block as the null block, filled with a pattern no request owns, and `check_kv` fails a scenario
+whose null block changed (a write through index -1 lands there). Loads and stores cover only
+the window's blocks, and the tokens equal a single engine's with the same window.
+"""
+
+from __future__ import annotations
+
+from kvx import Capability
+from kvx.conformance.harness import Harness, run_engine
+from kvx.conformance.scenario import check, scenario
+
+WINDOW = 32  # tokens: two 16-token blocks of the suite's engines
+BOTH = "kv_both on every engine"
+
+
+@scenario(
+    "window_pd",
+    "sliding window: D loads only the window's blocks, never through a NULL_BLOCK entry",
+    (Capability.REMOTE_PREFILL,),
+    group="pd",
+)
+def window_pd(h: Harness) -> None:
+    with h.pair(sliding_window=WINDOW) as pair:
+        report = h.run_pair(pair, h.prompts([100, 75, 130, 48], seed=61))
+        check(
+            report.decode_stats["external_tokens"] > 0,
+            f"D loaded nothing ({report.decode_stats}); the scenario needs a load",
+        )
+
+
+@scenario(
+    "window_store_reuse",
+    "sliding window: a fresh engine reuses stored KV of prompts longer than the window",
+    (Capability.STORE_REUSE,),
+    roles=BOTH,
+    group="contract",
+)
+def window_store_reuse(h: Harness) -> None:
+    prompts = h.prompts([100, 75, 130, 48], seed=62)
+    expected = h.baseline(prompts, 4, sliding_window=WINDOW)
+    with h.engine("kv_both", sliding_window=WINDOW) as engine:
+        first = run_engine(engine, prompts, 4)
+    with h.engine("kv_both", sliding_window=WINDOW) as engine:
+        again = run_engine(engine, prompts, 4)
+        check(
+            engine.stats()["external_tokens"] > 0,
+            "a fresh engine loaded nothing of prompts another engine had run",
+        )
+    check(first == expected, f"outputs of the storing engine differ: {first} != {expected}")
+    check(again == expected, f"outputs of the loading engine differ: {again} != {expected}")
+
+
+@scenario(
+    "window_offload",
+    "sliding window: KV offloaded from an engine and loaded back skips NULL_BLOCK entries",
+    (Capability.OFFLOAD,),
+    roles=BOTH,
+    group="contract",
+)
+def window_offload(h: Harness) -> None:
+    target = h.prompts([120, 70], seed=63)
+    fillers = h.prompts([100, 90, 110, 95], seed=64, name="filler")
+    expected = h.baseline(target, 4, sliding_window=WINDOW)
+    expected |= h.baseline(fillers, 8, sliding_window=WINDOW)
+    with h.engine("kv_both", sliding_window=WINDOW, num_blocks=40) as engine:
+        got = run_engine(engine, target, 4)
+        got |= run_engine(engine, fillers, 8)  # pushes the targets' blocks out of the engine
+        before = engine.stats()["external_tokens"]
+        again = run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        check(
+            engine.stats()["external_tokens"] > before,
+            "nothing was loaded back from the offload tier for prompts it stored",
+        )
+    got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
+    check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
