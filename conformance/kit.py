@@ -148,14 +148,25 @@ class RoleScenarios(ConformanceBase):
     """What each `kv_role` obliges and forbids."""
 
 
+class MatrixScenarios(ConformanceBase):
+    """Every KV dtype, block sizes and prompt lengths up to beyond 64 blocks."""
+
+
 GROUPS: dict[str, type[ConformanceBase]] = {
     "pd": PDScenarios,
     "faults": FaultScenarios,
     "contract": ContractScenarios,
     "roles": RoleScenarios,
+    "matrix": MatrixScenarios,
 }
 
 for _scenario in load_scenarios().values():
+    if _scenario.group not in GROUPS:  # a scenario module added since: its own class
+        GROUPS[_scenario.group] = type(
+            f"{_scenario.group.title().replace('_', '')}Scenarios",
+            (ConformanceBase,),
+            {"__module__": __name__, "__doc__": f"Scenarios of scenarios_{_scenario.group}."},
+        )
     setattr(
         GROUPS[_scenario.group],
         f"test_{_scenario.name}",
@@ -163,7 +174,7 @@ for _scenario in load_scenarios().values():
     )
 
 
-class AllScenarios(PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios):
+class AllScenarios(PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios, MatrixScenarios):
     """Every scenario of the suite."""
 
 
@@ -180,6 +191,7 @@ __all__ = [
     "ConformanceBase",
     "ContractScenarios",
     "FaultScenarios",
+    "MatrixScenarios",
     "PDScenarios",
     "RoleScenarios",
 ]

@@ -19,8 +19,8 @@ from kvx import (
     Request,
     create_connector,
 )
-from kvx.conformance.harness import PD_ROLES, Harness, run_engine
-from kvx.conformance.scenario import check, scenario
+from kvx.conformance.harness import PD_ROLES, Harness
+from kvx.conformance.scenario import PD_EITHER, check, scenario
 from kvx.engine.server import LocalEngine
 
 PD = (Capability.REMOTE_PREFILL,)
@@ -74,12 +74,23 @@ def _fds() -> set[str]:
         return set()
 
 
-@scenario("clean_shutdown", "shutdown leaves no threads, sockets or files open", PD)
+@scenario(
+    "clean_shutdown",
+    "shutdown leaves no threads, sockets or files open",
+    roles="P kv_producer, D kv_consumer (kv_both on both without a P/D claim)",
+)
 def clean_shutdown(h: Harness) -> None:
     threads_before = {t.ident for t in threading.enumerate()}
     fds_before = _fds()
-    with h.pair() as pair:
-        h.run_pair(pair, h.prompts([20, 45]))
+    pd = h.claims & PD_EITHER
+    with h.pair(roles=PD_ROLES if pd else ("kv_both", "kv_both")) as pair:
+        if pd:
+            h.run_pair(pair, h.prompts([20, 45, 310]))
+        else:  # every engine runs the prompts itself (and saves or loads what it claims)
+            for rid, prompt in h.prompts([20, 45, 310]).items():
+                pair.submit_local(rid, prompt, 4, h.baseline({rid: prompt}, 4)[rid])
+            h.run_until_finished(pair)
+            h.expect_identical(pair.report())
     deadline = time.monotonic() + 5
     while True:
         leaked = [
@@ -96,7 +107,7 @@ def clean_shutdown(h: Harness) -> None:
 @scenario(
     "stats_and_events_shape",
     "stats reduce to numbers and rebuild from dicts; events are KV cache events",
-    PD,
+    any_of=PD_EITHER,
 )
 def stats_and_events_shape(h: Harness) -> None:
     with h.pair() as pair:
@@ -136,29 +147,37 @@ def stats_and_events_shape(h: Harness) -> None:
     roles=BOTH,
 )
 def store_and_reuse(h: Harness) -> None:
-    _store_then_load(h, h.prompts([80, 150, 40], seed=21))
+    store_then_load(h, h.prompts([300, 150, 40], seed=21))
 
 
 def _store(h: Harness, prompts: dict[str, list[int]], **engine: Any) -> None:
     """A fresh engine (with `engine` overrides) runs `prompts`, storing their KV, and stops."""
     with h.engine("kv_both", **engine) as first:
-        run_engine(first, prompts, 4)
+        h.run_engine(first, prompts, 4)
 
 
-def _store_then_load(
+def store_then_load(
     h: Harness,
     prompts: dict[str, list[int]],
     store: dict[str, Any] | None = None,
     load: dict[str, Any] | None = None,
 ) -> None:
     """One engine stores `prompts`' KV, a fresh engine (of another shape when `store` / `load`
-    override engine fields) loads it; outputs exact, every KV byte checked, the hit counted."""
+    override engine fields) loads it; outputs exact, every KV byte checked, the hit counted.
+    The loading engine first computes the first two blocks of the first prompt itself, so
+    that prompt mixes a local prefix-cache hit with the external load after it."""
     store, load = store or {}, load or {}
     where = f"stored by {store}, loaded by {load}: " if store or load else ""
-    expected = h.baseline(prompts, 4, num_kv_heads=load.get("num_kv_heads", h.base.num_kv_heads))
-    _store(h, prompts, **store)
+    model = {k: v for k, v in load.items() if k in ("num_kv_heads", "dtype")}
+    expected = h.baseline(prompts, 4, **model)
+    first = next(iter(prompts.values()))
+    local = 2 * load.get("block_size", h.base.block_size)
     with h.engine("kv_both", **load) as second:
-        got = run_engine(second, prompts, 4)  # checks every KV byte after every step
+        if len(first) > 2 * local:  # computed before anything is stored: a local hit later
+            h.run_engine(second, {"local-prefix": [*first[:local], 1, 2, 3]}, 1)
+        _store(h, prompts, **store)
+        hits_before = second.stats()["prefix_hit_tokens"]
+        got = h.run_engine(second, prompts, 4)  # checks every KV byte after every step
         check(
             got == expected,
             f"{where}outputs after loading stored KV differ: {got} != {expected}",
@@ -167,6 +186,11 @@ def _store_then_load(
             second.stats()["external_tokens"] > 0,
             f"{where}the second engine loaded nothing: stored KV was not found",
         )
+        if len(first) > 2 * local:
+            check(
+                second.stats()["prefix_hit_tokens"] - hits_before >= local,
+                f"{where}no local prefix-cache hit ({second.stats()}); the scenario needs one",
+            )
 
 
 @scenario(
@@ -182,11 +206,11 @@ def offload_and_reload(h: Harness) -> None:
     fillers = h.prompts([100, 90, 110, 95], seed=32, name="filler")
     expected = h.baseline(target, 4) | h.baseline(fillers, 40)
     with h.engine("kv_both", num_blocks=24, max_num_batched_tokens=128) as engine:
-        got = run_engine(engine, target, 4)
+        got = h.run_engine(engine, target, 4)
         # Long decodes push the targets' blocks out of the engine and force preemptions.
-        got |= run_engine(engine, fillers, 40)
+        got |= h.run_engine(engine, fillers, 40)
         before = engine.stats()["external_tokens"]
-        again = run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        again = h.run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
         check(
             engine.stats()["external_tokens"] > before,
             "nothing was loaded back from the offload tier for prompts it stored",
@@ -257,7 +281,7 @@ def corrupted_bytes_detected(h: Harness) -> None:
         path.write_bytes(bytes(data))
     h.kv = h.kv_with(kv_load_failure_policy="recompute")
     with h.engine("kv_both") as second:
-        got = run_engine(second, prompts, 4)  # checks every KV byte after every step
+        got = h.run_engine(second, prompts, 4)  # checks every KV byte after every step
         check(got == expected, f"outputs after corrupted loads differ: {got} != {expected}")
         check(
             second.stats()["load_errors"] > 0,
@@ -310,7 +334,7 @@ def layout_conversion(h: Harness) -> None:
 def stored_hetero_tp(h: Harness) -> None:
     cases = (((1, 2), 4), ((2, 1), 4), ((2, 4), 4), ((4, 2), 4), ((4, 4), 2))
     for i, ((p, d), heads) in enumerate(cases):  # fresh prompts: each case loads its own store
-        _store_then_load(
+        store_then_load(
             h,
             h.prompts([37, 64], seed=410 + i),
             {"tp_size": p, "num_kv_heads": heads},
@@ -327,7 +351,7 @@ def stored_hetero_tp(h: Harness) -> None:
 def stored_block_size_mismatch(h: Harness) -> None:
     for i, (p, d) in enumerate(((16, 32), (32, 16))):
         prompts = h.prompts([37, 64, 70], seed=430 + i)
-        _store_then_load(h, prompts, {"block_size": p}, {"block_size": d})
+        store_then_load(h, prompts, {"block_size": p}, {"block_size": d})
 
 
 @scenario(
@@ -338,4 +362,4 @@ def stored_block_size_mismatch(h: Harness) -> None:
 )
 def stored_layout_conversion(h: Harness) -> None:
     for i, (p, d) in enumerate((("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED"))):
-        _store_then_load(h, h.prompts([37, 64], seed=470 + i), {"layout": p}, {"layout": d})
+        store_then_load(h, h.prompts([37, 64], seed=470 + i), {"layout": p}, {"layout": d})

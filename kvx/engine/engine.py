@@ -17,6 +17,7 @@ from kvx.contract import KVConnectorBase_V1, KVConnectorRole
 from kvx.engine.aggregator import KVOutputAggregator
 from kvx.engine.diagnosis import diagnose
 from kvx.engine.metadata_wire import decode_metadata, encode_metadata
+from kvx.engine.mismatch import likely_cause
 from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from kvx.engine.worker import Worker
@@ -290,17 +291,23 @@ class Engine:
             for w, worker in enumerate(self.workers):
                 for name in worker.layers:
                     want = entry.kv[(w, name)][:n]
-                    got = worker.cache.read(name, blocks, n)
-                    same = (
-                        got.contiguous().view(torch.uint8).view(n, -1)
-                        == want.view(torch.uint8).view(n, -1)
-                    ).all(dim=1)
+                    got = worker.cache.read(name, blocks, n).contiguous().view(torch.uint8)
+                    got, want = got.view(n, -1), want.view(torch.uint8).view(n, -1)
+                    same = (got == want).all(dim=1)
                     if not bool(same.all()):
                         first = int((~same).nonzero()[0])
+                        cause = likely_cause(
+                            got,
+                            want,
+                            first,
+                            self.config.block_size,
+                            self.scheduler.recv_steps.get(req.request_id),
+                        )
                         problems.append(
                             f"{self.config.engine_id} worker pp{worker.parallel.pp_rank}/"
                             f"tp{worker.parallel.tp_rank} {name}: request {req.request_id} "
                             f"position {first} (of {n}) differs from what the model wrote"
+                            f"{cause}"
                         )
         self._expected = expected  # forget requests no longer checked
         return problems

@@ -22,7 +22,11 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     stored prefix of a new prompt, synchronously (vLLM's ExampleConnector, made per block,
     checksummed, engine-neutral and asynchronous on the save side)."""
 
-    capabilities = ANY_GEOMETRY | {Capability.STORE_REUSE, Capability.DETECTS_CORRUPTION}
+    capabilities = ANY_GEOMETRY | {
+        Capability.STORE_REUSE,
+        Capability.STORE_PD,
+        Capability.DETECTS_CORRUPTION,
+    }
     extra_config_schema = SharedStorageConfig
     stats_type = StorageStats
 

@@ -29,6 +29,7 @@ UNCLAIMED = {
     "stored_block_size_mismatch",
     "stored_layout_conversion",
     "roles_store_reuse",
+    "store_pd_prefill_killed",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

@@ -129,3 +129,17 @@ def test_nixl_info_lines_stay_out_of_the_summary() -> None:
     assert result.returncode == 0, output
     assert int(summary_row(result.stdout, "KV blocks moved")) > 0
     assert NIXL_INFO_LINE.findall(output) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_store_saving_after_finish_is_named_as_the_cause(tmp_path: Path) -> None:
+    """Decode looked while prefill's saves were still to come: the hint says prefill saved
+    nothing before its requests finished (not "check both engines reach the same storage")."""
+    broken = Path(__file__).resolve().parents[1] / "conformance" / "broken"
+    kv = {
+        "kv_connector": "SavesAfterFinishStore",
+        "kv_connector_module_path": "kvx_broken_stores",
+        "kv_connector_extra_config": {"storage_url": f"file://{tmp_path}/store"},
+    }
+    result = demo(kv, PYTHONPATH=str(broken))
+    assert_nothing_moved_is_a_failure(result, "prefill saved nothing before its requests finished")
