@@ -77,10 +77,16 @@ def pd_prefix_hit_on_decode(h: Harness) -> None:
         first = {"local": [*shared, 4]}
         pair.submit_local("local", first["local"], 2, h.baseline(first, 2)["local"])
         h.run_until_finished(pair)
-        report = h.run_pair(pair, {"remote": [*shared, 5, 6, 7, 8, 9, 10]})
+        # Two blocks and more past the shared prefix: a store loads them after D's local hit.
+        report = h.run_pair(pair, {"remote": [*shared, *h.prompts([40], seed=12)["req-0"]]})
         check(
             report.decode_stats["prefix_hit_tokens"] >= 48,
             f"D did not hit its prefix cache ({report.decode_stats})",
+        )
+        check(
+            not h.via_store or report.decode_stats["external_tokens"] > 0,
+            "P/D through the store: D loaded nothing past its local prefix hit of 48 tokens "
+            f"({report.decode_stats})",
         )
 
 

@@ -42,8 +42,12 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     ("connector", "caught_by", "rule"),
     [
         ("DropsBlock", "pd_long_prompts", "differ"),
-        ("SwapsBlocks", "pd_long_prompts", "differ"),
-        ("FinishesEarly", "pd_long_prompts", "differ"),
+        ("SwapsBlocks", "pd_long_prompts", "the connector wrote a wrong target block"),
+        (
+            "FinishesEarly",
+            "pd_long_prompts",
+            "reported the request received (finished_recving) at step",
+        ),
         ("NeverFrees", "pd_block_multiple", "waits for get_finished() to report it in "),
         ("WritesOtherHeads", "pd_block_multiple", "differ"),
         ("LeaksThread", "clean_shutdown", "threads still running after shutdown"),

@@ -60,7 +60,8 @@ class FixedStagingScheduler(_PlanBreaker):
     """Stages at most 64 blocks per load; the rest keep whatever they held."""
 
     def bend(self, load: Any, step: ScheduledRequest[Any]) -> list[int]:
-        return load.block_ids[:64] + [load.block_ids[63]] * max(0, len(load.block_ids) - 64)
+        ids = list(load.block_ids)
+        return ids if len(ids) <= 64 else ids[:64] + [ids[63]] * (len(ids) - 64)
 
 
 class SavesAfterFinishScheduler(StorageScheduler):
