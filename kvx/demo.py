@@ -173,10 +173,12 @@ def why_nothing_moved(
         )
     if stored_after == 0 and Capability.REMOTE_PREFILL not in claims:
         return (
-            "prefill saved nothing decode can find, not even after the run: check that both "
-            "engines reach the same storage (URL, directory), that prefill's role saves "
-            "(kv_producer or kv_both), and that prompts are longer than --block-size (stores "
-            "keep full blocks or chunks only)"
+            "prefill saved nothing decode can find, not even after the run. A connector must "
+            "save a prompt's KV in the forward that computes it (save_kv_layer / "
+            "wait_for_save): saves planned after request_finished never run once prefill "
+            "stops stepping. Else check that both engines reach the same storage (URL, "
+            "directory), that prefill's role saves (kv_producer or kv_both), and that prompts "
+            "are longer than --block-size (stores keep full blocks or chunks only)"
         )
     return (
         "decode found none of prefill's KV: check that both engines reach the same storage or "
