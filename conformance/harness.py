@@ -174,14 +174,16 @@ class Harness:
     ) -> None:
         """Step `pair` until `done()` (default: every request ended) while the connector deals
         with a fault (an abort, a dead peer, a lease running out). It must keep making
-        progress: `stall_timeout_s` without any fails with what is held and which report is
-        missing, so leases and load timeouts must be shorter than the stall limit;
-        `fault_timeout_s` bounds the whole wait."""
+        progress: `stall_timeout_s` plus the longest wait the connector class declares
+        (`fault_wait_s`, e.g. NIXL's lease) without any fails with what is held and which
+        report is missing; `fault_timeout_s` (at least twice the declared wait) bounds the
+        whole wait."""
         pair.run_until(
             done or pair.finished,
             what,
             timeout_s=self.fault_timeout_s,
-            stall_s=self.options.stall_timeout_s,
+            stall_s=self.fault_stall_s,
+            progress=self.progress,
         )
 
     def describe(self) -> str:

@@ -274,7 +274,9 @@ class Engine:
         targets = []
         for state in self.scheduler.states.values():
             req = state.request
-            if req.is_finished() or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+            # A load reported received (finished_recving) must have landed already.
+            if req.is_finished() or (loading and req.request_id not in self.scheduler.received):
                 continue
             if req.num_computed_tokens:
                 targets.append((req, state.blocks, req.num_computed_tokens))

@@ -492,6 +492,11 @@ class Scheduler:
             self._recved.discard(req.request_id)
             self.pool.free(blocks)
 
+    @property
+    def received(self) -> set[str]:
+        """Requests reported in `finished_recving`, not yet promoted."""
+        return self._recved
+
     def held_blocks(self) -> dict[str, list[int]]:
         """Blocks kept after finish for a connector (sending) or an in-flight read."""
         return {**self._held_for_send, **self._held_for_recv}
