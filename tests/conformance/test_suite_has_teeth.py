@@ -19,7 +19,7 @@ BROKEN_DIR = Path(__file__).resolve().parent / "broken"
 EXAMPLE_EXTRA = {"directory": "{tmp}", "load_timeout_s": 5}
 STORAGE_EXTRA = {"storage_url": "file://{tmp}/store"}
 STORAGE_BASED = {"StoresAsConsumer", "LoadsAsProducer"}
-OPTIONS = SuiteOptions(fault_timeout_s=5, stall_timeout_s=5)
+OPTIONS = SuiteOptions(fault_timeout_s=20, stall_timeout_s=5)  # a P/D run may take 60 s
 
 
 def broken(name: str) -> dict[str, object]:
