@@ -11,7 +11,14 @@ from rich.console import Console
 from rich.markup import escape
 
 import kvx
-from kvx.conformance.options import SuiteOptions, positive_seconds
+from kvx.conformance.options import (
+    BLOCK_SIZES,
+    DTYPES,
+    SuiteOptions,
+    block_size,
+    dtype_name,
+    positive_seconds,
+)
 from kvx.conformance.runner import (
     FAILED,
     PASSED,
@@ -56,6 +63,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         parser.add_argument(
             flag, type=positive_seconds, default=default, metavar="SECONDS", help=meaning
         )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        type=dtype_name,
+        metavar="DTYPE",
+        help=f"narrow the matrix to this KV dtype (repeatable; default: all of {DTYPES})",
+    )
+    parser.add_argument(
+        "--block-size",
+        action="append",
+        type=block_size,
+        metavar="N",
+        help=f"narrow the matrix to this block size (repeatable; default: {BLOCK_SIZES})",
+    )
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
     parser.add_argument(
         "--allow-no-transfer",
@@ -75,7 +96,13 @@ def run(prog: str, argv: list[str]) -> int:
     if not isinstance(kv, dict):
         problem = f"expected a JSON object, got {type(kv).__name__}"
         raise kvx.ConfigError([kvx.ConfigProblem("--kv-transfer-config", problem)])
-    options = SuiteOptions(args.fault_timeout, args.stall_timeout, args.scenario_timeout)
+    options = SuiteOptions(
+        args.fault_timeout,
+        args.stall_timeout,
+        args.scenario_timeout,
+        tuple(args.dtype or DTYPES),
+        tuple(args.block_size or BLOCK_SIZES),
+    )
     registry = kvx.get_registry()
     claims = connector_claims(kv, registry)
     out.print(

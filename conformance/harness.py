@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-import time
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -15,10 +15,15 @@ from kvx.conformance.options import SuiteOptions
 from kvx.conformance.scenario import ScenarioFailure, check
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, baseline_tokens, pd_configs
 from kvx.engine.engine import Engine, EngineConfig
+from kvx.engine.waiting import wait_until
 
 PD_ROLES = ("kv_producer", "kv_consumer")
-# Free lists start shuffled (as in a long-running engine) so a request's blocks are scattered.
-PREFILL_FREE_LIST_SEED, DECODE_FREE_LIST_SEED = 101, 202
+# P/D through a store must show D loading from it: a prompt this long spans a whole chunk of
+# every store connector's documented default (LMCache: 256 tokens) plus a partial one.
+STORE_PD_PROOF_TOKENS = 300
+# Free lists start shuffled (as in a long-running engine) so a request's blocks are scattered:
+# in every engine of every scenario.
+PREFILL_FREE_LIST_SEED, DECODE_FREE_LIST_SEED, ENGINE_FREE_LIST_SEED = 101, 202, 303
 
 TMP_PLACEHOLDER = "{tmp}"
 
@@ -50,13 +55,24 @@ class Harness:
         workdir: Path,
         registry: Registry,
         options: SuiteOptions | None = None,
+        name: str = "",
     ) -> None:
         self.kv = substitute({k: v for k, v in kv.items() if k != "kv_role"}, str(workdir))
         self.claims = claims
         self.workdir = workdir
         self.registry = registry
+        self.name = name
         self.options = options or SuiteOptions()
-        self.fault_timeout_s = self.options.fault_timeout_s
+        # P/D scenarios go through the store when the connector has no hand-off to offer.
+        self.via_store = Capability.STORE_PD in claims and Capability.REMOTE_PREFILL not in claims
+        # While a fault is handled the connector may legitimately wait (a lease, a timeout):
+        # the stall limit then stretches by what the connector class declares.
+        ktc = KVTransferConfig.from_dict({**self.kv, "kv_role": "kv_both"}, registry=registry)
+        declared = registry.resolve_connector_class(ktc).fault_wait_s(ktc)
+        self.fault_stall_s = self.options.stall_timeout_s + declared
+        self.fault_timeout_s = max(
+            self.options.fault_timeout_s, 2 * declared + self.options.stall_timeout_s
+        )
         self._open_pairs: list[DisaggregatedPair] = []
         self._open_engines: list[Engine] = []
         self.base = EngineConfig(
@@ -72,9 +88,11 @@ class Harness:
         return {**self.kv, **fields}
 
     def engine_config(self, role: str, **overrides: Any) -> EngineConfig:
-        """A config for one engine with the connector in `role` (e.g. `kv_both`)."""
+        """A config for one engine with the connector in `role` (e.g. `kv_both`); its free
+        list starts fragmented."""
         ktc = KVTransferConfig.from_dict({**self.kv, "kv_role": role}, registry=self.registry)
-        return replace(self.base, kv_transfer_config=ktc, **overrides)
+        fields = {"free_list_seed": ENGINE_FREE_LIST_SEED, **overrides}
+        return replace(self.base, kv_transfer_config=ktc, **fields)
 
     @contextmanager
     def engine(self, role: str, **overrides: Any) -> Iterator[Engine]:
@@ -126,10 +144,29 @@ class Harness:
             self._open_pairs.remove(pair)
             pair.close()
 
+    def progress(self, line: str) -> None:
+        """Say on stderr what a long wait waits for (the run is not hung)."""
+        print(f"kvx conformance {self.name}: {line}", file=sys.stderr, flush=True)
+
     def run_until_finished(self, pair: DisaggregatedPair) -> None:
         """Step `pair` until every request ended; a stall fails with what is stuck."""
         pair.run_until_finished(
-            timeout_s=self.fault_timeout_s * 3, stall_s=self.options.stall_timeout_s
+            timeout_s=self.fault_timeout_s * 3,
+            stall_s=self.options.stall_timeout_s,
+            progress=self.progress,
+        )
+
+    def run_engine(
+        self, engine: Engine, prompts: dict[str, list[int]], max_tokens: int
+    ) -> dict[str, list[int]]:
+        """`run_engine` bounded by this run's stall limit, saying what it waits for."""
+        return run_engine(
+            engine,
+            prompts,
+            max_tokens,
+            timeout_s=self.fault_timeout_s * 3,
+            stall_s=self.options.stall_timeout_s,
+            progress=self.progress,
         )
 
     def wait_for_fault_handling(
@@ -137,14 +174,16 @@ class Harness:
     ) -> None:
         """Step `pair` until `done()` (default: every request ended) while the connector deals
         with a fault (an abort, a dead peer, a lease running out). It must keep making
-        progress: `stall_timeout_s` without any fails with what is held and which report is
-        missing, so leases and load timeouts must be shorter than the stall limit;
-        `fault_timeout_s` bounds the whole wait."""
+        progress: `stall_timeout_s` plus the longest wait the connector class declares
+        (`fault_wait_s`, e.g. NIXL's lease) without any fails with what is held and which
+        report is missing; `fault_timeout_s` (at least twice the declared wait) bounds the
+        whole wait."""
         pair.run_until(
             done or pair.finished,
             what,
             timeout_s=self.fault_timeout_s,
-            stall_s=self.options.stall_timeout_s,
+            stall_s=self.fault_stall_s,
+            progress=self.progress,
         )
 
     def describe(self) -> str:
@@ -173,15 +212,27 @@ class Harness:
     def run_pair(
         self, pair: DisaggregatedPair, prompts: dict[str, list[int]], max_tokens: int = 6
     ) -> DisaggReport:
+        loaded_before = pair.decode.last_stats.get("external_tokens", 0)
         report = pair.run(
             prompts,
             max_tokens,
             timeout_s=self.fault_timeout_s * 3,
             stall_s=self.options.stall_timeout_s,
+            progress=self.progress,
         )
         self.expect_no_violations(pair)
         self.expect_identical(report)
         self.expect_drained(pair)
+        longest = max(map(len, prompts.values()), default=0)
+        if self.via_store and longest >= STORE_PD_PROOF_TOKENS:
+            loaded = report.decode_stats.get("external_tokens", 0) - loaded_before
+            check(
+                loaded > 0,
+                f"P/D through the store: D loaded nothing for prompts of up to {longest} tokens "
+                "P had just run (P kv_producer must have saved a prompt's KV by the time "
+                "request_finished returns: a save after it, or one that never lands, is "
+                "not found by D)",
+            )
         return report
 
     @staticmethod
@@ -237,15 +288,22 @@ class Harness:
 
 
 def run_engine(
-    engine: Engine, prompts: dict[str, list[int]], max_tokens: int, timeout_s: float = 60.0
+    engine: Engine,
+    prompts: dict[str, list[int]],
+    max_tokens: int,
+    timeout_s: float = 60.0,
+    stall_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, list[int]]:
-    """Step `engine` until `prompts` finish; bounded in time, not steps, because a step that
-    only waits for a connector's asynchronous copies does nothing (a busy machine makes many)."""
+    """Step `engine` until `prompts` finish, checking every KV byte and the contract after
+    every step. Bounded in time, not steps (a step that only waits for a connector's
+    asynchronous copies does nothing); `stall_s` without output or any change in the engine's
+    counters fails with what each request holds and waits for."""
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, max_tokens)
     done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def step() -> bool:
         outputs = engine.step()
         for out in outputs:
             if out.finished:
@@ -254,14 +312,23 @@ def run_engine(
         check(not mismatches, f"KV bytes differ after loading: {mismatches[:3]}")
         violations = engine.take_violations()
         check(not violations, _violated(violations))
-        if not engine.has_pending_work():
-            return done
-        if not outputs:
-            time.sleep(0.001)  # waiting on the connector: leave it the CPU
-    check(
-        False,
-        f"engine did not finish within {timeout_s:.0f} s: {'; '.join(engine.diagnose())} "
-        f"({engine.stats()})",
+        return bool(outputs)
+
+    def state() -> tuple[tuple[str, int], ...]:
+        return tuple(sorted((k, v) for k, v in engine.stats().items() if k != "steps"))
+
+    def describe() -> str:
+        return f"{'; '.join(engine.diagnose()) or 'idle'} ({engine.stats()})"
+
+    wait_until(
+        lambda: not engine.has_pending_work(),
+        step,
+        state,
+        f"{engine.config.engine_id} finished {len(prompts)} request(s)",
+        describe,
+        timeout_s=timeout_s,
+        stall_s=stall_s,
+        progress=progress,
     )
     return done
 

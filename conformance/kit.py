@@ -152,15 +152,26 @@ class MLAScenarios(ConformanceBase):
     """An MLA model's latent P/D, between TP sizes, stored and offloaded."""
 
 
+class MatrixScenarios(ConformanceBase):
+    """Every KV dtype, block sizes and prompt lengths up to beyond 64 blocks."""
+
+
 GROUPS: dict[str, type[ConformanceBase]] = {
     "pd": PDScenarios,
     "faults": FaultScenarios,
     "contract": ContractScenarios,
     "roles": RoleScenarios,
     "mla": MLAScenarios,
+    "matrix": MatrixScenarios,
 }
 
 for _scenario in load_scenarios().values():
+    if _scenario.group not in GROUPS:  # a scenario module added since: its own class
+        GROUPS[_scenario.group] = type(
+            f"{_scenario.group.title().replace('_', '')}Scenarios",
+            (ConformanceBase,),
+            {"__module__": __name__, "__doc__": f"Scenarios of scenarios_{_scenario.group}."},
+        )
     setattr(
         GROUPS[_scenario.group],
         f"test_{_scenario.name}",
@@ -168,7 +179,9 @@ for _scenario in load_scenarios().values():
     )
 
 
-class AllScenarios(PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios, MLAScenarios):
+class AllScenarios(
+    PDScenarios, FaultScenarios, ContractScenarios, RoleScenarios, MLAScenarios, MatrixScenarios
+):
     """Every scenario of the suite."""
 
 
@@ -186,6 +199,7 @@ __all__ = [
     "ContractScenarios",
     "FaultScenarios",
     "MLAScenarios",
+    "MatrixScenarios",
     "PDScenarios",
     "RoleScenarios",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvx.conformance.options import positive_seconds
+from kvx.conformance.options import block_size, dtype_name, positive_seconds
 
 CLI_SUITE = Path(__file__).with_name("cli_suite.py")
 SUITE_ID = "kvx_conformance.py"  # the node id of CLI_SUITE, re-runnable as an argument
@@ -55,6 +55,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="SECONDS",
         help="overall limit of every scenario (default: each scenario's own)",
+    )
+    group.addoption(
+        "--kvx-dtype",
+        action="append",
+        type=dtype_name,
+        default=None,
+        help="narrow the matrix scenario to this KV dtype (repeatable; default: all)",
+    )
+    group.addoption(
+        "--kvx-block-size",
+        action="append",
+        type=block_size,
+        default=None,
+        help="narrow the matrix scenario to this block size (repeatable; default: 16 and 32)",
     )
     group.addoption(
         "--kvx-fail-fast",
@@ -127,11 +141,15 @@ def kvx_config(request: pytest.FixtureRequest) -> dict[str, Any]:
 @pytest.fixture
 def kvx_options(request: pytest.FixtureRequest) -> Any:
     """Timeouts of every scenario (`SuiteOptions`), from the `--kvx-*-timeout` options."""
-    from kvx.conformance.options import SuiteOptions
+    from kvx.conformance.options import BLOCK_SIZES, DTYPES, SuiteOptions
 
     get = request.config.getoption
     return SuiteOptions(
-        get("kvx_fault_timeout"), get("kvx_stall_timeout"), get("kvx_scenario_timeout")
+        get("kvx_fault_timeout"),
+        get("kvx_stall_timeout"),
+        get("kvx_scenario_timeout"),
+        tuple(get("kvx_dtype") or DTYPES),
+        tuple(get("kvx_block_size") or BLOCK_SIZES),
     )
 
 

@@ -20,6 +20,7 @@ from kvx.conformance.harness import Harness
 from kvx.conformance.options import SuiteOptions
 from kvx.conformance.scenario import SCENARIOS, Scenario, ScenarioFailure
 from kvx.engine.server import EngineError
+from kvx.errors import did_you_mean
 
 PASSED, FAILED, NOT_CLAIMED, NOT_RUN = "passed", "FAILED", "not claimed", "not run"
 OUTCOMES = (PASSED, FAILED, NOT_CLAIMED, NOT_RUN)
@@ -108,6 +109,7 @@ def load_scenarios() -> dict[str, Scenario]:
         scenarios_roles,
         scenarios_mla,
         scenarios_window,
+        scenarios_matrix,
     )
 
     return dict(SCENARIOS)
@@ -169,7 +171,7 @@ def run_scenario(
         )
 
     with tempfile.TemporaryDirectory(prefix=f"kvx-conf-{scenario.name}-") as workdir:
-        harness = Harness(kv, claims, Path(workdir), registry, options)
+        harness = Harness(kv, claims, Path(workdir), registry, options, scenario.name)
         try:
             with time_limit(options.scenario_timeout_s or scenario.timeout_s, harness.describe):
                 scenario.run(harness)
@@ -210,7 +212,8 @@ def run_suite(
     scenarios = load_scenarios()
     unknown = sorted(set(only or ()) - set(scenarios))
     if unknown:
-        raise ValueError(f"unknown scenario(s) {unknown}; known: {sorted(scenarios)}")
+        hints = "".join(did_you_mean(name, scenarios) for name in unknown)
+        raise ValueError(f"unknown scenario(s) {unknown}{hints}; known: {sorted(scenarios)}")
     suite = SuiteResult(str(kv.get("kv_connector")), claims)
     for name, scenario in scenarios.items():
         if only and name not in only:

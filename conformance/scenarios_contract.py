@@ -20,8 +20,8 @@ from kvx import (
     TransferFigures,
     create_connector,
 )
-from kvx.conformance.harness import PD_ROLES, Harness, run_engine
-from kvx.conformance.scenario import check, scenario
+from kvx.conformance.harness import PD_ROLES, Harness
+from kvx.conformance.scenario import PD_EITHER, check, scenario
 from kvx.engine.server import LocalEngine
 
 PD = (Capability.REMOTE_PREFILL,)
@@ -75,12 +75,22 @@ def _fds() -> set[str]:
         return set()
 
 
-@scenario("clean_shutdown", "shutdown leaves no threads, sockets or files open", PD)
+@scenario(
+    "clean_shutdown",
+    "shutdown leaves no threads, sockets or files open",
+    roles="P kv_producer, D kv_consumer (one kv_both engine without a P/D claim)",
+)
 def clean_shutdown(h: Harness) -> None:
     threads_before = {t.ident for t in threading.enumerate()}
     fds_before = _fds()
-    with h.pair() as pair:
-        h.run_pair(pair, h.prompts([20, 45]))
+    prompts = h.prompts([20, 45, 310])
+    if h.claims & PD_EITHER:
+        with h.pair() as pair:
+            h.run_pair(pair, prompts)
+    else:  # one engine runs the prompts (saving or loading what the connector claims)
+        with h.engine("kv_both") as engine:
+            got = h.run_engine(engine, prompts, 4)
+        check(got == h.baseline(prompts, 4), "outputs differ from a single engine's")
     deadline = time.monotonic() + 5
     while True:
         leaked = [
@@ -98,7 +108,7 @@ def clean_shutdown(h: Harness) -> None:
     "stats_and_events_shape",
     "stats are reported, reduce to numbers, rebuild from dicts and give the shared "
     "TransferFigures; events are KV cache events",
-    PD,
+    any_of=PD_EITHER,
 )
 def stats_and_events_shape(h: Harness) -> None:
     with h.pair() as pair:
@@ -119,9 +129,9 @@ def stats_and_events_shape(h: Harness) -> None:
 def stats_and_events_shape_stored(h: Harness) -> None:
     prompts = h.prompts([33, 70], seed=5)
     with h.engine("kv_both") as first:
-        run_engine(first, prompts, 4)
+        h.run_engine(first, prompts, 4)
         with h.engine("kv_both") as second:
-            run_engine(second, prompts, 4)
+            h.run_engine(second, prompts, 4)
             _check_stats_and_events([first, second])
 
 
@@ -133,7 +143,7 @@ def stats_and_events_shape_stored(h: Harness) -> None:
 )
 def stats_and_events_shape_offloaded(h: Harness) -> None:
     with h.engine("kv_both") as engine:
-        run_engine(engine, h.prompts([33, 70], seed=6), 4)
+        h.run_engine(engine, h.prompts([33, 70], seed=6), 4)
         _check_stats_and_events([engine])
 
 
@@ -185,37 +195,52 @@ def _check_stats_and_events(engines: list[Any]) -> None:
     roles=BOTH,
 )
 def store_and_reuse(h: Harness) -> None:
-    _store_then_load(h, h.prompts([80, 150, 40], seed=21))
+    store_then_load(h, h.prompts([300, 150, 40], seed=21))
 
 
 def _store(h: Harness, prompts: dict[str, list[int]], **engine: Any) -> None:
     """A fresh engine (with `engine` overrides) runs `prompts`, storing their KV, and stops."""
     with h.engine("kv_both", **engine) as first:
-        run_engine(first, prompts, 4)
+        h.run_engine(first, prompts, 4)
 
 
-def _store_then_load(
+def store_then_load(
     h: Harness,
     prompts: dict[str, list[int]],
     store: dict[str, Any] | None = None,
     load: dict[str, Any] | None = None,
 ) -> None:
     """One engine stores `prompts`' KV, a fresh engine (of another shape when `store` / `load`
-    override engine fields) loads it; outputs exact, every KV byte checked, the hit counted."""
+    override engine fields) loads it; outputs exact, every KV byte checked, the hit counted.
+    The loading engine first runs the first two blocks of the first prompt (loading or
+    computing them), so that prompt then mixes a local prefix-cache hit with the external
+    load after it. One engine at a time: some stores allow one per process."""
     store, load = store or {}, load or {}
     where = f"stored by {store}, loaded by {load}: " if store or load else ""
-    expected = h.baseline(prompts, 4, num_kv_heads=load.get("num_kv_heads", h.base.num_kv_heads))
+    model = {k: v for k, v in load.items() if k in ("num_kv_heads", "dtype")}
+    expected = h.baseline(prompts, 4, **model)
+    first = next(iter(prompts.values()))
+    local = 2 * load.get("block_size", h.base.block_size)
     _store(h, prompts, **store)
     with h.engine("kv_both", **load) as second:
-        got = run_engine(second, prompts, 4)  # checks every KV byte after every step
+        if len(first) > 2 * local:  # its two blocks are in the prefix cache from now on
+            h.run_engine(second, {"local-prefix": [*first[:local], 1, 2, 3]}, 1)
+        hits_before = second.stats()["prefix_hit_tokens"]
+        loaded_before = second.stats()["external_tokens"]
+        got = h.run_engine(second, prompts, 4)  # checks every KV byte after every step
         check(
             got == expected,
             f"{where}outputs after loading stored KV differ: {got} != {expected}",
         )
         check(
-            second.stats()["external_tokens"] > 0,
+            second.stats()["external_tokens"] > loaded_before,
             f"{where}the second engine loaded nothing: stored KV was not found",
         )
+        if len(first) > 2 * local:
+            check(
+                second.stats()["prefix_hit_tokens"] - hits_before >= local,
+                f"{where}no local prefix-cache hit ({second.stats()}); the scenario needs one",
+            )
 
 
 @scenario(
@@ -231,11 +256,11 @@ def offload_and_reload(h: Harness) -> None:
     fillers = h.prompts([100, 90, 110, 95], seed=32, name="filler")
     expected = h.baseline(target, 4) | h.baseline(fillers, 40)
     with h.engine("kv_both", num_blocks=24, max_num_batched_tokens=128) as engine:
-        got = run_engine(engine, target, 4)
+        got = h.run_engine(engine, target, 4)
         # Long decodes push the targets' blocks out of the engine and force preemptions.
-        got |= run_engine(engine, fillers, 40)
+        got |= h.run_engine(engine, fillers, 40)
         before = engine.stats()["external_tokens"]
-        again = run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        again = h.run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
         check(
             engine.stats()["external_tokens"] > before,
             "nothing was loaded back from the offload tier for prompts it stored",
@@ -306,7 +331,7 @@ def corrupted_bytes_detected(h: Harness) -> None:
         path.write_bytes(bytes(data))
     h.kv = h.kv_with(kv_load_failure_policy="recompute")
     with h.engine("kv_both") as second:
-        got = run_engine(second, prompts, 4)  # checks every KV byte after every step
+        got = h.run_engine(second, prompts, 4)  # checks every KV byte after every step
         check(got == expected, f"outputs after corrupted loads differ: {got} != {expected}")
         check(
             second.stats()["load_errors"] > 0,
@@ -359,7 +384,7 @@ def layout_conversion(h: Harness) -> None:
 def stored_hetero_tp(h: Harness) -> None:
     cases = (((1, 2), 4), ((2, 1), 4), ((2, 4), 4), ((4, 2), 4), ((4, 4), 2))
     for i, ((p, d), heads) in enumerate(cases):  # fresh prompts: each case loads its own store
-        _store_then_load(
+        store_then_load(
             h,
             h.prompts([37, 64], seed=410 + i),
             {"tp_size": p, "num_kv_heads": heads},
@@ -376,7 +401,7 @@ def stored_hetero_tp(h: Harness) -> None:
 def stored_block_size_mismatch(h: Harness) -> None:
     for i, (p, d) in enumerate(((16, 32), (32, 16))):
         prompts = h.prompts([37, 64, 70], seed=430 + i)
-        _store_then_load(h, prompts, {"block_size": p}, {"block_size": d})
+        store_then_load(h, prompts, {"block_size": p}, {"block_size": d})
 
 
 @scenario(
@@ -387,4 +412,4 @@ def stored_block_size_mismatch(h: Harness) -> None:
 )
 def stored_layout_conversion(h: Harness) -> None:
     for i, (p, d) in enumerate((("NHD", "HND"), ("HND", "NHD"), ("NHD", "CPU_PACKED"))):
-        _store_then_load(h, h.prompts([37, 64], seed=470 + i), {"layout": p}, {"layout": d})
+        store_then_load(h, h.prompts([37, 64], seed=470 + i), {"layout": p}, {"layout": d})

@@ -5,22 +5,26 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvx import Capability
-from kvx.conformance.harness import Harness
-from kvx.conformance.scenario import check, scenario
+from kvx.conformance.harness import STORE_PD_PROOF_TOKENS, Harness
+from kvx.conformance.scenario import PD_EITHER, check, scenario
 from kvx.engine.disagg import DisaggregatedPair
 
-PD = (Capability.REMOTE_PREFILL,)
-PD_ASYNC = (Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD)
+ASYNC = (Capability.ASYNC_LOAD,)
+HANDOFF_ASYNC = (Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD)
 
 
 def _step_until(
     h: Harness, pair: DisaggregatedPair, condition: str, predicate: Callable[[], bool]
 ) -> None:
     """Step until the scenario's fault can be injected (30 s at most, and no stall)."""
-    pair.run_until(predicate, condition, timeout_s=30.0, stall_s=h.options.stall_timeout_s)
+    pair.run_until(
+        predicate, condition, timeout_s=30.0, stall_s=h.options.stall_timeout_s, progress=h.progress
+    )
 
 
-@scenario("abort_on_prefill", "P aborts a request mid-prefill: no params, nothing held", PD)
+@scenario(
+    "abort_on_prefill", "P aborts a request mid-prefill: no params, nothing held", any_of=PD_EITHER
+)
 def abort_on_prefill(h: Harness) -> None:
     with h.pair(max_num_batched_tokens=16) as pair:
         pair.submit("victim", h.prompts([120])["req-0"], 4)
@@ -42,7 +46,8 @@ def abort_on_prefill(h: Harness) -> None:
 @scenario(
     "abort_on_decode_while_loading",
     "D aborts while the KV is loading: blocks held until the load ends, then freed",
-    PD_ASYNC,
+    ASYNC,
+    any_of=PD_EITHER,
 )
 def abort_on_decode_while_loading(h: Harness) -> None:
     with h.pair() as pair:
@@ -59,7 +64,9 @@ def abort_on_decode_while_loading(h: Harness) -> None:
         h.expect_drained(pair)
 
 
-@scenario("abort_on_decode_while_decoding", "D aborts during decode: everything freed", PD)
+@scenario(
+    "abort_on_decode_while_decoding", "D aborts during decode: everything freed", any_of=PD_EITHER
+)
 def abort_on_decode_while_decoding(h: Harness) -> None:
     with h.pair() as pair:
         pair.submit("victim", h.prompts([30])["req-0"], 50)
@@ -87,7 +94,7 @@ def abort_on_decode_while_decoding(h: Harness) -> None:
 @scenario(
     "abort_between_prefill_and_decode",
     "the proxy never forwards P's params to D: P still frees its blocks in bounded time",
-    PD,
+    any_of=PD_EITHER,
     timeout_s=180,
 )
 def abort_between_prefill_and_decode(h: Harness) -> None:
@@ -120,7 +127,7 @@ def _prefill_killed(h: Harness, policy: str) -> tuple[str, list[int], list[int]]
 @scenario(
     "prefill_killed_recompute",
     "P dies after request_finished: D reports load errors and recomputes (exact output)",
-    PD_ASYNC,
+    HANDOFF_ASYNC,
     timeout_s=240,
 )
 def prefill_killed_recompute(h: Harness) -> None:
@@ -132,7 +139,7 @@ def prefill_killed_recompute(h: Harness) -> None:
 @scenario(
     "prefill_killed_fail",
     "P dies after request_finished: with policy fail D ends the request with an error",
-    PD_ASYNC,
+    HANDOFF_ASYNC,
     timeout_s=240,
 )
 def prefill_killed_fail(h: Harness) -> None:
@@ -141,7 +148,10 @@ def prefill_killed_fail(h: Harness) -> None:
 
 
 @scenario(
-    "decode_killed", "D dies before reading: P frees its blocks in bounded time", PD, timeout_s=240
+    "decode_killed",
+    "D dies before reading: P frees its blocks in bounded time",
+    any_of=PD_EITHER,
+    timeout_s=240,
 )
 def decode_killed(h: Harness) -> None:
     with h.pair(processes=True) as pair:
@@ -149,3 +159,36 @@ def decode_killed(h: Harness) -> None:
         _step_until(h, pair, "P returned params", lambda: pair.results["r"].status == "decoding")
         pair.kill("decode")
         h.wait_for_fault_handling(pair, "P freed its blocks after D died (a lease must)")
+
+
+@scenario(
+    "store_pd_prefill_killed",
+    "P/D through a store: P dies right after its request finished; with either load-failure "
+    "policy D loads what P stored (the store outlives P) and its output is exact",
+    (Capability.STORE_PD,),
+    timeout_s=240,
+)
+def store_pd_prefill_killed(h: Harness) -> None:
+    for i, policy in enumerate(("recompute", "fail")):
+        prompt = h.prompts([STORE_PD_PROOF_TOKENS + 20], seed=90 + i)["req-0"]
+        baseline = h.baseline({"r": prompt}, 5)["r"]
+        with h.pair(processes=True, policy=policy) as pair:
+            pair.submit("r", prompt, 5, baseline)
+            _step_until(h, pair, "P finished", lambda: pair.results["r"].status == "decoding")
+            pair.kill("prefill")
+            h.wait_for_fault_handling(
+                pair,
+                "D ended the request after P died",
+                lambda: pair.results["r"].status != "decoding",
+            )
+            result = pair.results["r"]
+            check(
+                (result.status, result.tokens) == ("finished_length_capped", baseline),
+                f"policy {policy}: after P died D ended the request as {result.status!r} with "
+                f"tokens {result.tokens} (a single engine's: {baseline})",
+            )
+            check(
+                pair.decode.last_stats.get("external_tokens", 0) > 0,
+                f"policy {policy}: D loaded nothing of a {len(prompt)}-token prompt P had "
+                "stored before it died: what P stored must outlive P's process",
+            )

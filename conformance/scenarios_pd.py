@@ -2,38 +2,49 @@
 
 from __future__ import annotations
 
-from kvx import Capability
 from kvx.conformance.harness import Harness
-from kvx.conformance.scenario import check, scenario
-
-PD = (Capability.REMOTE_PREFILL,)
+from kvx.conformance.scenario import PD_EITHER, check, scenario
 
 
-@scenario("pd_short_prompt", "a prompt shorter than one block still moves its partial block", PD)
+@scenario(
+    "pd_short_prompt",
+    "a prompt shorter than one block still moves its partial block",
+    any_of=PD_EITHER,
+)
 def pd_short_prompt(h: Harness) -> None:
     with h.pair() as pair:
         h.run_pair(pair, h.prompts([1, 5, 15]))
 
 
-@scenario("pd_block_multiple", "prompts of exactly 1, 2 and 4 blocks: last token recomputed", PD)
+@scenario(
+    "pd_block_multiple",
+    "prompts of exactly 1, 2 and 4 blocks: last token recomputed",
+    any_of=PD_EITHER,
+)
 def pd_block_multiple(h: Harness) -> None:
     with h.pair() as pair:
         h.run_pair(pair, h.prompts([16, 32, 64]))
 
 
-@scenario("pd_long_prompts", "prompts of many blocks with a partial last block", PD)
+@scenario("pd_long_prompts", "prompts of many blocks with a partial last block", any_of=PD_EITHER)
 def pd_long_prompts(h: Harness) -> None:
     with h.pair(num_blocks=256) as pair:
         h.run_pair(pair, h.prompts([300, 417, 130]))
 
 
-@scenario("pd_chunked_prefill", "prefill in chunks under a small token budget on both sides", PD)
+@scenario(
+    "pd_chunked_prefill",
+    "prefill in chunks under a small token budget on both sides",
+    any_of=PD_EITHER,
+)
 def pd_chunked_prefill(h: Harness) -> None:
     with h.pair(max_num_batched_tokens=24) as pair:
         h.run_pair(pair, h.prompts([100, 61, 7, 48]))
 
 
-@scenario("pd_separate_processes", "P and D in separate OS processes, driven by a proxy", PD)
+@scenario(
+    "pd_separate_processes", "P and D in separate OS processes, driven by a proxy", any_of=PD_EITHER
+)
 def pd_separate_processes(h: Harness) -> None:
     with h.pair(processes=True) as pair:
         h.run_pair(pair, h.prompts([9, 33, 80]))
@@ -42,7 +53,7 @@ def pd_separate_processes(h: Harness) -> None:
 @scenario(
     "pd_prefix_hit_on_prefill",
     "a prefix-cache hit on P still sends every block, partial last block included",
-    PD,
+    any_of=PD_EITHER,
 )
 def pd_prefix_hit_on_prefill(h: Harness) -> None:
     shared = h.prompts([64], seed=7)["req-0"]
@@ -58,7 +69,7 @@ def pd_prefix_hit_on_prefill(h: Harness) -> None:
 @scenario(
     "pd_prefix_hit_on_decode",
     "D already holds a prefix: it loads only the rest, output still exact",
-    PD,
+    any_of=PD_EITHER,
 )
 def pd_prefix_hit_on_decode(h: Harness) -> None:
     shared = h.prompts([48], seed=11)["req-0"]
@@ -66,14 +77,24 @@ def pd_prefix_hit_on_decode(h: Harness) -> None:
         first = {"local": [*shared, 4]}
         pair.submit_local("local", first["local"], 2, h.baseline(first, 2)["local"])
         h.run_until_finished(pair)
-        report = h.run_pair(pair, {"remote": [*shared, 5, 6, 7, 8, 9, 10]})
+        # Two blocks and more past the shared prefix: a store loads them after D's local hit.
+        report = h.run_pair(pair, {"remote": [*shared, *h.prompts([40], seed=12)["req-0"]]})
         check(
             report.decode_stats["prefix_hit_tokens"] >= 48,
             f"D did not hit its prefix cache ({report.decode_stats})",
         )
+        check(
+            not h.via_store or report.decode_stats["external_tokens"] > 0,
+            "P/D through the store: D loaded nothing past its local prefix hit of 48 tokens "
+            f"({report.decode_stats})",
+        )
 
 
-@scenario("pd_interleaved_local", "remote-prefill requests mixed with D's local requests", PD)
+@scenario(
+    "pd_interleaved_local",
+    "remote-prefill requests mixed with D's local requests",
+    any_of=PD_EITHER,
+)
 def pd_interleaved_local(h: Harness) -> None:
     local = h.prompts([20, 70], seed=3, name="local")
     remote = h.prompts([40, 12, 90], seed=4)
@@ -89,14 +110,20 @@ def pd_interleaved_local(h: Harness) -> None:
 
 
 @scenario(
-    "aggregation_tp_pp", "TP 2 x PP 2 on both sides: finished only when all 4 workers reported", PD
+    "aggregation_tp_pp",
+    "TP 2 x PP 2 on both sides: finished only when all 4 workers reported",
+    any_of=PD_EITHER,
 )
 def aggregation_tp_pp(h: Harness) -> None:
     with h.pair(tp=(2, 2), pp_size=2) as pair:
         h.run_pair(pair, h.prompts([17, 50, 3]))
 
 
-@scenario("preemption_on_decode", "D runs out of blocks and preempts; outputs stay exact", PD)
+@scenario(
+    "preemption_on_decode",
+    "D runs out of blocks and preempts; outputs stay exact",
+    any_of=PD_EITHER,
+)
 def preemption_on_decode(h: Harness) -> None:
     with h.pair(decode={"num_blocks": 14}) as pair:
         report = h.run_pair(pair, h.prompts([40, 41, 42, 43], seed=5), max_tokens=24)
@@ -107,7 +134,10 @@ def preemption_on_decode(h: Harness) -> None:
 
 
 @scenario(
-    "concurrency_soak", "64 concurrent requests, 3 rounds, every byte checked", PD, timeout_s=300
+    "concurrency_soak",
+    "64 concurrent requests, 3 rounds, every byte checked",
+    any_of=PD_EITHER,
+    timeout_s=300,
 )
 def concurrency_soak(h: Harness) -> None:
     with h.pair(num_blocks=640, max_num_batched_tokens=1024) as pair:
@@ -122,7 +152,7 @@ def concurrency_soak(h: Harness) -> None:
     "pd_prefill_block_pressure",
     "P has few blocks and new prompts keep arriving: P reuses freed blocks at once, so a send "
     "reported finished before its blocks were read delivers someone else's KV",
-    PD,
+    any_of=PD_EITHER,
 )
 def pd_prefill_block_pressure(h: Harness) -> None:
     prompts = h.prompts([20 + (i * 13) % 40 for i in range(12)], seed=61, name="pressed")

@@ -9,7 +9,7 @@ shows only in what ends up stored or loaded.
 from __future__ import annotations
 
 from kvx import Capability
-from kvx.conformance.harness import Harness, run_engine
+from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import check, scenario
 
 ROLES = "kv_producer, then kv_consumer, then kv_both probes the store"
@@ -22,13 +22,13 @@ ROLES = "kv_producer, then kv_consumer, then kv_both probes the store"
     roles=ROLES,
 )
 def roles_store_reuse(h: Harness) -> None:
-    shared = h.prompts([80, 150, 40], seed=51, name="shared")
+    shared = h.prompts([300, 150, 40], seed=51, name="shared")  # 300: past a 256-token chunk
     own = h.prompts([70, 120], seed=52, name="own")
     expected = h.baseline(shared, 4)
     with h.engine("kv_producer") as producer:
-        run_engine(producer, shared, 4)
+        h.run_engine(producer, shared, 4)
     with h.engine("kv_consumer") as consumer:
-        got = run_engine(consumer, shared, 4)
+        got = h.run_engine(consumer, shared, 4)
         check(
             consumer.stats()["external_tokens"] > 0,
             "role kv_consumer: a consumer loaded nothing of prompts a kv_producer had run "
@@ -36,16 +36,16 @@ def roles_store_reuse(h: Harness) -> None:
         )
         check(got == expected, f"outputs of the consumer differ: {got} != {expected}")
     with h.engine("kv_consumer") as consumer:
-        run_engine(consumer, own, 4)
+        h.run_engine(consumer, own, 4)
     with h.engine("kv_both") as probe:
-        run_engine(probe, own, 4)
+        h.run_engine(probe, own, 4)
         check(
             probe.stats()["external_tokens"] == 0,
             f"role kv_consumer: {probe.stats()['external_tokens']} tokens of prompts only a "
             "kv_consumer had run were found stored; a pure consumer never saves",
         )
     with h.engine("kv_producer") as producer:
-        run_engine(producer, shared, 4)  # records a producer offering tokens to load
+        h.run_engine(producer, shared, 4)  # records a producer offering tokens to load
         check(
             producer.stats()["external_tokens"] == 0,
             "role kv_producer: a producer loaded stored KV; a pure producer never loads",

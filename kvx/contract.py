@@ -44,6 +44,7 @@ class Capability(enum.StrEnum):
 
     REMOTE_PREFILL = "remote_prefill"  # P/D hand-off through request_finished params
     STORE_REUSE = "store_reuse"  # saves KV that later requests (any engine) load
+    STORE_PD = "store_pd"  # P/D through the store: P (kv_producer) saves, D (kv_consumer) loads
     ASYNC_LOAD = "async_load"  # loads across steps (WAITING_FOR_REMOTE_KVS)
     LAYERWISE = "layerwise"  # real work in wait_for_layer_load / save_kv_layer
     HETERO_TP = "hetero_tp"  # P and D with different TP sizes
@@ -466,6 +467,14 @@ class KVConnectorBase_V1(ABC):
         """Class: the capabilities this connector claims under `config` (default: the class's
         `capabilities`; composite connectors derive them from their children)."""
         return frozenset(cls.capabilities)
+
+    @classmethod
+    def fault_wait_s(cls, config: KVTransferConfig) -> float:
+        """Class: the longest (seconds) this connector may leave an engine without progress
+        while it deals with a fault under `config`: a lease running out, a handshake or
+        transfer timeout. The conformance suite's stall limit stretches to cover it while a
+        fault is handled. 0 (default): it never waits that way."""
+        return 0.0
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

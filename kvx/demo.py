@@ -23,13 +23,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvx.config import KVTransferConfig, load_cli_arg
-from kvx.contract import Capability
+from kvx.contract import Capability, KVConnectorRole
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean
-from kvx.registry import Registry
+from kvx.registry import Registry, create_connector
 from kvx.topology import TopologyError
 from kvx.topology.heads import check_tp_heads
+from kvx.types import ParallelInfo, Request
 
 PROMPT_LENGTHS = (5, 16, 37, 64, 100, 150, 257)
 TMP_PLACEHOLDER = "{tmp}"  # as in `kvx conformance`: the demo's own temporary directory
@@ -120,9 +121,43 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
-def why_nothing_moved(kv: dict[str, Any], claims: Collection[Capability]) -> str:
-    """The likeliest reason decode loaded no KV from prefill with connector config `kv`."""
+def stored_after_run(
+    decode: EngineConfig, prompts: dict[str, list[int]], registry: Registry
+) -> int:
+    """Tokens of `prompts` a fresh decode-side connector finds stored now, after the run (0
+    when the connector finds nothing or cannot be asked)."""
+    ktc = decode.kv_transfer_config
+    if ktc is None:
+        return 0
+    connector = create_connector(
+        ktc,
+        KVConnectorRole.SCHEDULER,
+        decode.context(ParallelInfo(tp_size=decode.tp_size)),
+        registry=registry,
+    )
+    try:
+        found = 0
+        for rid, prompt in prompts.items():
+            count, _ = connector.get_num_new_matched_tokens(Request(f"probe-{rid}", prompt), 0)
+            found += count or 0
+        return found
+    finally:
+        connector.shutdown()
+
+
+def why_nothing_moved(
+    kv: dict[str, Any], claims: Collection[Capability], stored_after: int | None = None
+) -> str:
+    """The likeliest reason decode loaded no KV from prefill with connector config `kv`;
+    `stored_after`: tokens of the prompts decode's connector finds stored after the run."""
     name = kv.get("kv_connector", "the connector")
+    if stored_after:
+        return (
+            f"prefill saved nothing before its requests finished: decode looked the prompts "
+            f"up as each finished and found none, yet {stored_after} of their tokens are "
+            f"stored now. {name} must save a prompt's KV during the forward (save_kv_layer / "
+            "wait_for_save), or hold its blocks (request_finished returning True) until saved"
+        )
     if not {Capability.REMOTE_PREFILL, Capability.STORE_REUSE} & set(claims):
         return (
             f"{name} claims neither 'remote_prefill' nor 'store_reuse' "
@@ -135,6 +170,15 @@ def why_nothing_moved(kv: dict[str, Any], claims: Collection[Capability]) -> str
             "memory:// storage lives in each process's own memory, so what prefill saved is "
             "invisible to decode in its own process; use a shared store such as "
             "file://{tmp}/kv or redis://127.0.0.1:6379/0"
+        )
+    if stored_after == 0 and Capability.REMOTE_PREFILL not in claims:
+        return (
+            "prefill saved nothing decode can find, not even after the run. A connector must "
+            "save a prompt's KV in the forward that computes it (save_kv_layer / "
+            "wait_for_save): saves planned after request_finished never run once prefill "
+            "stops stepping. Else check that both engines reach the same storage (URL, "
+            "directory), that prefill's role saves (kv_producer or kv_both), and that prompts "
+            "are longer than --block-size (stores keep full blocks or chunks only)"
         )
     return (
         "decode found none of prefill's KV: check that both engines reach the same storage or "
@@ -238,6 +282,9 @@ def _run_demo(options: DemoOptions, registry: Registry, console: Console) -> int
         finally:
             pair.close()
     moved = int(report.decode_stats.get("external_blocks", 0)) > 0
+    stored_after = None
+    if not moved and Capability.REMOTE_PREFILL not in claims:
+        stored_after = stored_after_run(decode, prompts, registry)
     console.print(summary_table(report, base, kv["kv_connector"], moved))
     for line in report.kv_mismatches[:5]:
         console.print(f"[red]KV mismatch:[/] {line}", highlight=False)
@@ -245,7 +292,7 @@ def _run_demo(options: DemoOptions, registry: Registry, console: Console) -> int
         console.print(
             "[yellow]warning:[/] no KV moved from prefill to decode: decode recomputed every "
             "prompt, so this run shows nothing about the connector. Why: "
-            + why_nothing_moved(kv, claims),
+            + why_nothing_moved(kv, claims, stored_after),
             highlight=False,
         )
         return EXIT_NOTHING_MOVED

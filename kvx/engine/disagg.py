@@ -18,7 +18,17 @@ from kvx.config import KVTransferConfig
 from kvx.engine.engine import Engine, EngineConfig
 from kvx.engine.scheduler import RequestOutput
 from kvx.engine.server import EngineError, EngineHandle, EngineProcess, LocalEngine
+from kvx.engine.waiting import EngineStall, wait_until
 from kvx.types import RequestStatus
+
+__all__ = [
+    "DisaggReport",
+    "DisaggregatedPair",
+    "EngineStall",
+    "RequestResult",
+    "baseline_tokens",
+    "pd_configs",
+]
 
 
 def baseline_tokens(
@@ -93,10 +103,6 @@ def pd_configs(
             )
         )
     return sides[0], sides[1]
-
-
-class EngineStall(EngineError):
-    """Neither engine made progress for the stall limit; the message says what is stuck."""
 
 
 class DisaggregatedPair:
@@ -220,6 +226,7 @@ class DisaggregatedPair:
         timeout_s: float = 300.0,
         stall_s: float | None = None,
         on_finished: Callable[[RequestResult], None] | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> DisaggReport:
         """Send every prompt through P then D; return tokens, stats and KV mismatches."""
         start = time.perf_counter()
@@ -229,7 +236,9 @@ class DisaggregatedPair:
         self.on_finished = on_finished
         for rid, prompt in prompts.items():
             self.submit(rid, prompt, max_tokens, baseline[rid])
-        self.run_until_finished(timeout_s=timeout_s, check_kv=check_kv, stall_s=stall_s)
+        self.run_until_finished(
+            timeout_s=timeout_s, check_kv=check_kv, stall_s=stall_s, progress=progress
+        )
         return self.report(time.perf_counter() - start)
 
     @property
@@ -238,14 +247,20 @@ class DisaggregatedPair:
         return self.prefill.violations + self.decode.violations
 
     def run_until_finished(
-        self, *, timeout_s: float = 300.0, check_kv: bool = True, stall_s: float | None = None
+        self,
+        *,
+        timeout_s: float = 300.0,
+        check_kv: bool = True,
+        stall_s: float | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         """Step until `finished()`; raise `EngineError` after `timeout_s` seconds, or
         `EngineStall` once `stall_s` seconds pass in which no engine produced output and
         neither engine's counters (held and free blocks, loads, ...) changed.
 
-        Rounds that produce no output sleep a millisecond, so connectors' background threads
-        (loads, writes, network) get the CPU while the engines wait for them.
+        Rounds that produce no output sleep (1 ms, doubling up to 20 ms while nothing
+        happens), so connectors' background threads get the CPU and idle engines do not spin;
+        `progress` gets a line every few seconds of a long wait.
         """
         self.run_until(
             self.finished,
@@ -253,6 +268,7 @@ class DisaggregatedPair:
             timeout_s=timeout_s,
             check_kv=check_kv,
             stall_s=stall_s,
+            progress=progress,
         )
 
     def run_until(
@@ -263,28 +279,20 @@ class DisaggregatedPair:
         timeout_s: float = 300.0,
         check_kv: bool = True,
         stall_s: float | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         """Step until `done()` (described by `what` in errors), bounded as `run_until_finished`
         says."""
-        now = time.monotonic()
-        deadline, last_progress, last_state = now + timeout_s, now, self._progress_state()
-        while not done():
-            now = time.monotonic()
-            if now > deadline:
-                raise EngineError(
-                    f"not reached within {timeout_s:.0f}s: {what}; {self.describe_unfinished()}"
-                )
-            progressed = self.step(check_kv)
-            state = self._progress_state()
-            if progressed or state != last_state:
-                last_progress, last_state = now, state
-            elif stall_s is not None and now - last_progress > stall_s:
-                raise EngineStall(
-                    f"no progress for {stall_s:.0f}s (waiting until {what}): "
-                    f"{self.describe_unfinished()}"
-                )
-            if not progressed:
-                time.sleep(0.001)
+        wait_until(
+            done,
+            lambda: self.step(check_kv),
+            self._progress_state,
+            what,
+            self.describe_unfinished,
+            timeout_s=timeout_s,
+            stall_s=stall_s,
+            progress=progress,
+        )
 
     def _progress_state(self) -> tuple[object, ...]:
         return tuple(

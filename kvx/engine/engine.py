@@ -17,6 +17,7 @@ from kvx.contract import KVConnectorBase_V1, KVConnectorRole
 from kvx.engine.aggregator import KVOutputAggregator
 from kvx.engine.diagnosis import diagnose
 from kvx.engine.metadata_wire import decode_metadata, encode_metadata
+from kvx.engine.mismatch import likely_cause
 from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from kvx.engine.worker import Worker
@@ -288,7 +289,9 @@ class Engine:
         targets = []
         for state in self.scheduler.states.values():
             req = state.request
-            if req.is_finished() or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+            # A load reported received (finished_recving) must have landed already.
+            if req.is_finished() or (loading and req.request_id not in self.scheduler.received):
                 continue
             if req.num_computed_tokens:
                 targets.append((req, state.blocks, req.num_computed_tokens))
@@ -313,18 +316,25 @@ class Engine:
                 continue
             for w, worker in enumerate(self.workers):
                 for name in worker.layers:
-                    want = entry.kv[(w, name)][start:n]
-                    got = worker.cache.read(name, blocks, n, start)
-                    same = (
-                        got.contiguous().view(torch.uint8).view(n - start, -1)
-                        == want.contiguous().view(torch.uint8).view(n - start, -1)
-                    ).all(dim=1)
+                    want = entry.kv[(w, name)][start:n].contiguous().view(torch.uint8)
+                    got = worker.cache.read(name, blocks, n, start).contiguous().view(torch.uint8)
+                    got, want = got.view(n - start, -1), want.view(n - start, -1)
+                    same = (got == want).all(dim=1)
                     if not bool(same.all()):
                         first = start + int((~same).nonzero()[0])
+                        cause = likely_cause(
+                            got,
+                            want,
+                            first - start,
+                            self.config.block_size,
+                            self.scheduler.recv_steps.get(req.request_id),
+                            offset=start,
+                        )
                         problems.append(
                             f"{self.config.engine_id} worker pp{worker.parallel.pp_rank}/"
                             f"tp{worker.parallel.tp_rank} {name}: request {req.request_id} "
                             f"position {first} (of {n}) differs from what the model wrote"
+                            f"{cause}"
                         )
         self._expected = expected  # forget requests no longer checked
         return problems

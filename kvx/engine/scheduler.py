@@ -8,10 +8,12 @@ caching by block hash, chunked prefill under a token budget, preemption when blo
 `WAITING_FOR_REMOTE_KVS` with promotion after the load (recomputing the last prompt token),
 delay-free blocks held until `finished_sending`, and `kv_load_failure_policy`.
 
-It also records contract violations instead of hiding them (`take_violations`): a request
-named in `finished_sending` / `finished_recving` that the engine does not hold for that transfer
-(unknown, or reported twice), and a connector acting against its `kv_role` (a pure producer
-offering tokens to load, a pure consumer holding blocks to send or offering KV to others).
+It also records contract violations instead of hiding them (`take_violations`, the rules of
+docs/contract.md): a request named in `finished_sending` / `finished_recving` that the engine
+does not hold for that transfer (unknown, or reported twice), a connector acting against its
+`kv_role` (a pure producer offering tokens to load, a pure consumer holding blocks to send or
+offering KV to others), and a synchronous load offering every token of a request (vLLM asserts
+that one is left to compute; the engine records it, then carries on loading one token less).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class Scheduler:
         self.running: list[str] = []
         self._finished_since_last_step: set[str] = set()
         self._recved: set[str] = set()  # finished_recving reported, not yet promoted
+        self.recv_steps: dict[str, int] = {}  # request -> step its finished_recving came
         self._failed_recv: set[str] = set()
         self._held_for_send: dict[str, list[int]] = {}
         self._held_for_recv: dict[str, list[int]] = {}
@@ -264,6 +267,12 @@ class Scheduler:
                 self._count_external(n_local, n_ext)
                 continue
             if n_local + n_ext >= req.num_tokens:  # at least one token must be computed
+                self._violate(
+                    f"rule one-token-computed: get_num_new_matched_tokens offered {n_ext} "
+                    f"tokens to load for request {req_id} with {n_local} of its "
+                    f"{req.num_tokens} tokens computed locally: offered all {req.num_tokens} "
+                    "prompt tokens; at least one must be computed (vLLM asserts on this)"
+                )
                 n_ext = max(0, req.num_tokens - 1 - n_local)
             num_computed = n_local + n_ext
             num_new = min(req.num_tokens - num_computed, budget)
@@ -403,6 +412,7 @@ class Scheduler:
             for problem in unheld_finished_ids(self, kv_output, sendable):
                 self._violate(problem)
             self._recved |= kv_output.finished_recving or set()
+            self.recv_steps.update(dict.fromkeys(kv_output.finished_recving or (), self.steps))
             if kv_output.invalid_block_ids or kv_output.failed_recving:
                 discard = self._handle_load_errors(kv_output, scheduler_output, outputs)
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -501,6 +511,11 @@ class Scheduler:
         else:
             self._recved.discard(req.request_id)
             self.pool.free(blocks)
+
+    @property
+    def received(self) -> set[str]:
+        """Requests reported in `finished_recving`, not yet promoted."""
+        return self._recved
 
     def held_blocks(self) -> dict[str, list[int]]:
         """Blocks kept after finish for a connector (sending) or an in-flight read."""

@@ -21,6 +21,12 @@ class LMCacheConnectorV1(RoleSplitConnector[LMCacheScheduler, LMCacheWorker]):
     stats_type = LMCacheStats
 
     @classmethod
+    def fault_wait_s(cls, config: KVTransferConfig) -> float:
+        """A remote get and the workers' hit counts are waited for up to their timeouts."""
+        options = config.extra_config_as(LMCacheConfig)
+        return float(max(options.blocking_timeout_secs, options.lookup_timeout_s))
+
+    @classmethod
     def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
         options = config.extra_config_as(LMCacheConfig)
         layerwise = {Capability.LAYERWISE} if options.use_layerwise else set()

@@ -91,6 +91,13 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         return union | shared
 
     @classmethod
+    def fault_wait_s(cls, config: KVTransferConfig) -> float:
+        """The longest wait of any child."""
+        registry = get_registry()
+        waits = [registry.resolve_connector_class(c).fault_wait_s(c) for c in child_configs(config)]
+        return max(waits, default=0.0)
+
+    @classmethod
     def get_required_kvcache_layout(
         cls, config: KVTransferConfig, ctx: kvx.EngineContext | None = None
     ) -> str | None:

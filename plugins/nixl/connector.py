@@ -57,6 +57,13 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
         return None if stats.is_empty() else stats.clone_and_reset()
 
     @classmethod
+    def fault_wait_s(cls, config: KVTransferConfig) -> float:
+        """P frees an unread prompt's blocks when its lease runs out; D gives up on a dead P
+        after the handshake or transfer timeout."""
+        c = config.extra_config_as(NixlConfig)
+        return max(c.kv_lease_duration, c.handshake_timeout_s, c.transfer_timeout_s)
+
+    @classmethod
     def get_required_kvcache_layout(
         cls, config: KVTransferConfig, ctx: kvx.EngineContext | None = None
     ) -> str | None:

@@ -52,6 +52,11 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
         }
 
     @classmethod
+    def fault_wait_s(cls, config: KVTransferConfig) -> float:
+        """Any exchange with a dead or silent peer ends after `transfer_timeout_s`."""
+        return config.extra_config_as(P2pConfig).transfer_timeout_s
+
+    @classmethod
     def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
         """Loads are asynchronous only with GET: in PUT modes the KV is pushed before D sees
         the request and D loads it within the step (vLLM's behaviour)."""

@@ -26,6 +26,7 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
         Capability.STORE_REUSE,
         Capability.DETECTS_CORRUPTION,
         Capability.MLA,
+        Capability.STORE_PD,
     }
     extra_config_schema = SharedStorageConfig
     stats_type = StorageStats

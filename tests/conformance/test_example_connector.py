@@ -37,6 +37,7 @@ UNCLAIMED = {
     "mla_offload_and_reload",
     "window_store_reuse",
     "window_offload",
+    "store_pd_prefill_killed",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 

@@ -129,3 +129,31 @@ def test_nixl_info_lines_stay_out_of_the_summary() -> None:
     assert result.returncode == 0, output
     assert int(summary_row(result.stdout, "KV blocks moved")) > 0
     assert NIXL_INFO_LINE.findall(output) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_store_saving_after_finish_is_named_as_the_cause(tmp_path: Path) -> None:
+    """Prefill plans its saves after request_finished, and stops stepping once its requests
+    finished: the hint names saving in the forward first, not only "check both engines reach
+    the same storage". (When such saves do land later, the hint says decode looked before
+    they did: `why_nothing_moved` with `stored_after`.)"""
+    broken = Path(__file__).resolve().parents[1] / "conformance" / "broken"
+    kv = {
+        "kv_connector": "SavesAfterFinishStore",
+        "kv_connector_module_path": "kvx_broken_stores",
+        "kv_connector_extra_config": {"storage_url": f"file://{tmp_path}/store"},
+    }
+    result = demo(kv, PYTHONPATH=str(broken))
+    assert_nothing_moved_is_a_failure(
+        result, "saves planned after request_finished never run once prefill stops stepping"
+    )
+
+
+def test_the_hint_for_saves_that_land_after_decode_looked() -> None:
+    from kvx import Capability
+    from kvx.demo import why_nothing_moved
+
+    kv = {"kv_connector": "SlowStore"}
+    hint = why_nothing_moved(kv, {Capability.STORE_REUSE}, stored_after=48)
+    assert hint.startswith("prefill saved nothing before its requests finished"), hint
+    assert "48 of their tokens are stored now" in hint, hint
