@@ -23,7 +23,14 @@ from rich.text import Text
 
 from kvx._version import __version__
 from kvx.adapters.tiny_models import SHAPES as TINY_SHAPES
-from kvx.checks import check_config, config_notes, connector_configs, import_notes, redacted
+from kvx.checks import (
+    check_config,
+    check_report,
+    config_notes,
+    connector_configs,
+    import_notes,
+    redacted,
+)
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.dotted import merge_dotted_args
@@ -139,7 +146,9 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         "list connectors, layouts, transforms, storage backends",
         "List every connector, KV layout, block transform and storage backend kvx and its "
         "plugins registered, with aliases, the plugin providing each, and a status: 'ok' when "
-        "it imports, else what is missing and the command that installs it.",
+        "its module, class, imports and config schema check out (read from its source, not "
+        "imported: validate --check imports), else what is wrong or missing and the command "
+        "that installs it.",
         LIST_EXAMPLES,
     )
     p_list.add_argument(
@@ -359,7 +368,7 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"error: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
     connectors = list(connector_configs(config, registry))
-    notes = import_notes(connectors, registry) + config_notes(connectors)
+    notes = import_notes(connectors, registry, imports=args.check) + config_notes(connectors)
     if config.kv_connector is None:
         notes.append("no kv_connector is set: KV transfer is disabled")
     for note in notes:
@@ -369,11 +378,8 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
         if problems:
             err.print(f"error: {ConfigError(problems)}", markup=False, highlight=False)
             return EXIT_USAGE
-        err.print(
-            "check: the connectors import, the secrets read, the storage opens, the ports bind",
-            markup=False,
-            highlight=False,
-        )
+        for line in check_report(connectors):
+            err.print(line, markup=False, highlight=False)
     text = json.dumps(redacted(config, connectors), indent=2)
     if out.is_terminal:
         out.print_json(text)
