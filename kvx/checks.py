@@ -89,9 +89,12 @@ def config_notes(items: list[ConnectorConfig]) -> list[str]:
     return notes
 
 
-def import_notes(items: list[ConnectorConfig], registry: Registry) -> list[str]:
+def import_notes(
+    items: list[ConnectorConfig], registry: Registry, *, imports: bool = True
+) -> list[str]:
     """Whether each connector can be used here: a note when an optional dependency is missing
-    (the config may run elsewhere), `RegistryError` when its class cannot be used at all."""
+    (the config may run elsewhere), `RegistryError` when its class cannot be used at all.
+    `imports=False`: judge each class from its source, without importing it (and torch)."""
     notes = []
     for item in items:
         where = f"{item.path}: " if item.path else ""
@@ -110,7 +113,10 @@ def import_notes(items: list[ConnectorConfig], registry: Registry) -> list[str]:
             notes.append(f"{where}connector {entry.name!r} needs {missing} to run: {hint}")
             continue
         try:
-            registry.load_connector_class(entry.name)
+            if imports:
+                registry.load_connector_class(entry.name)
+            else:
+                registry.check_connector_class(entry.name)
         except MissingDependencyError as exc:
             notes.append(f"{where}{exc} to run")
         except RegistryError as exc:
@@ -179,3 +185,40 @@ def check_config(items: list[ConnectorConfig], registry: Registry) -> list[Confi
                 ConfigProblem(_extra_path(item.path), f"check failed: {type(exc).__name__}: {exc}")
             )
     return list(dict.fromkeys(problems))  # a schema's own check may repeat the secret's
+
+
+def check_report(items: list[ConnectorConfig]) -> list[str]:
+    """What a passing `check_config` tried, one line per connector, and what it could not: a
+    connector whose schema has no `config_checks` says so (nothing its config names was
+    opened or bound). A hook's docstring, after a leading "`kvx validate --check`:", says what
+    it tries."""
+    if not items:
+        return ["check: no connector is set: nothing to try"]
+    lines = []
+    for item in items:
+        where = f"{item.path}: " if item.path else ""
+        done = [f"{item.data['kv_connector']} imports"]
+        extra = item.data.get("kv_connector_extra_config") or {}
+        secrets = [key for key in secret_fields(item.schema) if extra.get(key) is not None]
+        if secrets:
+            done.append(f"{'secrets' if len(secrets) > 1 else 'secret'} {', '.join(secrets)} read")
+        hook = getattr(item.typed, "config_checks", None)
+        if callable(hook):
+            what = _hook_summary(hook)
+            done.append(f"its config_checks passed{': ' + what if what else ''}")
+            lines.append(f"check: {where}" + "; ".join(done))
+        elif any(o.path.startswith(_extra_path(item.path) + ".") for o in items):
+            lines.append(f"check: {where}" + "; ".join(done) + "; its connectors:")
+        else:
+            lines.append(
+                f"check: {where}" + "; ".join(done) + "; NOT checked: it defines no config_checks, "
+                "so nothing its config names (paths, stores, addresses, ports) was tried"
+            )
+    return lines
+
+
+def _hook_summary(hook: Callable[[], object]) -> str:
+    """The first paragraph of a `config_checks` docstring, without its "`kvx validate
+    --check`:" prefix, as one line."""
+    doc = " ".join((hook.__doc__ or "").split("\n\n", 1)[0].split())
+    return doc.removeprefix("`kvx validate --check`:").strip().rstrip(".")

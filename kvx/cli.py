@@ -17,19 +17,24 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
-from rich.padding import Padding
-from rich.table import Table
-from rich.text import Text
 
 from kvx._version import __version__
 from kvx.adapters.tiny_models import SHAPES as TINY_SHAPES
-from kvx.checks import check_config, config_notes, connector_configs, import_notes, redacted
+from kvx.checks import (
+    check_config,
+    check_report,
+    config_notes,
+    connector_configs,
+    import_notes,
+    redacted,
+)
+from kvx.cli_list import cmd_list
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.dotted import merge_dotted_args
 from kvx.errors import ConfigError, RegistryError
 from kvx.loading import install_hint, load_target
-from kvx.registry import Registered, Registry, get_registry
+from kvx.registry import Registry, get_registry
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
 
@@ -139,13 +144,15 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         "list connectors, layouts, transforms, storage backends",
         "List every connector, KV layout, block transform and storage backend kvx and its "
         "plugins registered, with aliases, the plugin providing each, and a status: 'ok' when "
-        "it imports, else what is missing and the command that installs it.",
+        "its module, class, imports and config schema check out (read from its source, not "
+        "imported: validate --check imports), else what is wrong or missing and the command "
+        "that installs it.",
         LIST_EXAMPLES,
     )
     p_list.add_argument(
         "--json", action="store_true", help="print machine-readable JSON (default: tables)"
     )
-    p_list.set_defaults(func=_cmd_list)
+    p_list.set_defaults(func=cmd_list)
 
     p_val = add_command(
         "validate",
@@ -264,93 +271,6 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     return parser
 
 
-def _status(registry: Registry, kind: str, entry: Registered[Any]) -> str:
-    """ "ok" only when the entry's target imports; else what stops it."""
-    hint = entry.install_hint()
-    if hint is not None:
-        return f"missing {', '.join(entry.missing())}: {hint}"
-    return registry.import_problem(kind, entry.name) or "ok"
-
-
-LIST_COLUMNS = ("name", "aliases", "provided by", "status", "summary")
-
-
-def _table_fits(rows: Sequence[tuple[str, ...]], width: int) -> bool:
-    """Whether a `kvx list` table fits `width` without breaking a word (a name above all)."""
-    columns = list(zip(LIST_COLUMNS, *rows, strict=True))
-    widest_words = [max(len(word) for cell in col for word in cell.split()) for col in columns]
-    return sum(widest_words) + 3 * len(columns) + 1 <= width
-
-
-def _list_table(title: str, rows: Sequence[tuple[str, ...]]) -> Table:
-    table = Table(title=title, title_justify="left", expand=False)
-    for column in LIST_COLUMNS:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
-    return table
-
-
-def _cmd_list(args: argparse.Namespace, out: Console, err: Console) -> int:
-    registry = get_registry()
-    kinds = {
-        "connectors": "connector",
-        "layouts": "layout",
-        "transforms": "transform",
-        "storage backends": "storage backend",
-    }
-    sections = {title: registry.catalogs[kind].entries for title, kind in kinds.items()}
-    status = {
-        (title, name): _status(registry, kinds[title], entry)
-        for title, entries in sections.items()
-        for name, entry in entries.items()
-    }
-    if args.json:
-        doc: dict[str, Any] = {
-            title: [
-                {
-                    "name": e.name,
-                    "aliases": list(e.spec.aliases),
-                    "source": e.source,
-                    "plugin": e.plugin,
-                    "importable": status[title, e.name] == "ok",
-                    "status": status[title, e.name],
-                    "install_hint": e.install_hint(),
-                    "summary": e.spec.summary,
-                }
-                for e in entries.values()
-            ]
-            for title, entries in sections.items()
-        }
-        doc["plugin_problems"] = [
-            {"plugin": p.plugin, "message": p.message} for p in registry.problems
-        ]
-        out.print_json(json.dumps(doc))
-        return EXIT_OK
-    for title, entries in sections.items():
-        rows = [
-            (e.name, ", ".join(e.spec.aliases), e.source, status[title, e.name], e.spec.summary)
-            for e in sorted(entries.values(), key=lambda e: e.name)
-        ]
-        if _table_fits(rows, out.width):
-            out.print(_list_table(f"{title} ({len(entries)})", rows))
-        else:  # too narrow for whole words in five columns: one entry per paragraph
-            out.print(Text(f"{title} ({len(entries)})", style="italic"))
-            for name, aliases, source, state, summary in rows:
-                head = Text(f"  {name}", style="bold")
-                head.append(
-                    f"  {state}  ({source}" + (f"; aliases: {aliases})" if aliases else ")")
-                )
-                out.print(head, soft_wrap=False)
-                out.print(Padding(Text(summary), (0, 0, 0, 6), expand=False), soft_wrap=False)
-    for problem in registry.problems:
-        err.print(
-            f"[yellow]warning:[/] plugin {problem.plugin!r} not loaded: {problem.message}",
-            highlight=False,
-        )
-    return EXIT_OK
-
-
 def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
     registry = get_registry()
     try:
@@ -359,7 +279,7 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"error: {exc}", markup=False, highlight=False)
         return EXIT_USAGE
     connectors = list(connector_configs(config, registry))
-    notes = import_notes(connectors, registry) + config_notes(connectors)
+    notes = import_notes(connectors, registry, imports=args.check) + config_notes(connectors)
     if config.kv_connector is None:
         notes.append("no kv_connector is set: KV transfer is disabled")
     for note in notes:
@@ -369,11 +289,8 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
         if problems:
             err.print(f"error: {ConfigError(problems)}", markup=False, highlight=False)
             return EXIT_USAGE
-        err.print(
-            "check: the connectors import, the secrets read, the storage opens, the ports bind",
-            markup=False,
-            highlight=False,
-        )
+        for line in check_report(connectors):
+            err.print(line, markup=False, highlight=False)
     text = json.dumps(redacted(config, connectors), indent=2)
     if out.is_terminal:
         out.print_json(text)

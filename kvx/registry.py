@@ -43,6 +43,7 @@ from kvx.specs import (
     StorageBackendSpec,
     TransformSpec,
 )
+from kvx.target_check import check_target, schema_problem, target_problem
 from kvx.types import EngineContext
 
 logger = logging.getLogger(__name__)
@@ -125,22 +126,22 @@ class Registry(PluginCatalogs):
         return dict(self.catalogs["command"].entries)
 
     def import_problem(self, kind: str, name: str) -> str | None:
-        """None if the target of `kind` `name` imports (a connector's: and is a class of this
-        contract major), else what stops it. Imports the target: for `kvx list` / `validate`."""
+        """None if the target of `kind` `name` looks usable, else what stops it; checked
+        without running its module (kvx.target_check): for `kvx list` and `kvx validate`. A
+        connector's config schema, a light module, is imported and must be a schema type."""
         entry = self.catalogs[kind].get(name)
-        try:
-            if kind == "connector":
-                self.load_connector_class(name)
-            else:
-                load_target(
-                    entry.spec.target,
-                    what=f"{kind} {entry.name!r}",
-                    requires=getattr(entry.spec, "requires", ()),
-                    extra=getattr(entry.spec, "extra", None),
-                )
-        except RegistryError as exc:  # MissingDependencyError included
-            return str(exc)
-        return None
+        what = f"{kind} {entry.name!r}"
+        problem = target_problem(
+            entry.spec.target,
+            what=what,
+            requires=getattr(entry.spec, "requires", ()),
+            extra=getattr(entry.spec, "extra", None),
+            connector_origin=f"{what} ({entry.spec.target})" if kind == "connector" else None,
+        )
+        config_schema = getattr(entry.spec, "config_schema", None)
+        if problem is None and config_schema:
+            problem = schema_problem(config_schema, what=f"config schema of {what}")
+        return problem
 
     def load_layout(self, name: str) -> Any:
         entry = self.layout(name)
@@ -160,6 +161,19 @@ class Registry(PluginCatalogs):
         )
 
     # -- connectors ---------------------------------------------------------------------------
+
+    def check_connector_class(self, name: str) -> None:
+        """Raise what `load_connector_class` would, as far as the class's source shows, without
+        importing it (kvx.target_check): for `kvx validate` without `--check`."""
+        entry = self.connector(name)
+        what = f"connector {entry.name!r}"
+        check_target(
+            entry.spec.target,
+            what=what,
+            requires=entry.spec.requires,
+            extra=entry.spec.extra,
+            connector_origin=f"{what} ({entry.spec.target})",
+        )
 
     def load_connector_class(self, name: str) -> type[KVConnectorBase_V1]:
         """Import a registered connector's class (lazily) and check its contract version."""
@@ -278,13 +292,20 @@ def check_connector_class(cls: Any, origin: str) -> type[KVConnectorBase_V1]:
     """Refuse anything that is not a `KVConnectorBase_V1` of this contract major."""
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
         raise RegistryError(f"{origin} is not a subclass of kvx.KVConnectorBase_V1")
-    declared = getattr(cls, "contract_version", None)
+    problem = contract_problem(getattr(cls, "contract_version", None), origin)
+    if problem is not None:
+        raise RegistryError(problem)
+    return cls
+
+
+def contract_problem(declared: object, origin: str) -> str | None:
+    """None when `declared` (a class's `contract_version`) is this contract major, else why not."""
     if (
         not isinstance(declared, tuple)
         or len(declared) != 2
         or not all(isinstance(v, int) for v in declared)
     ):
-        raise RegistryError(
+        return (
             f"{origin}: contract_version must be a (major, minor) tuple of ints, got {declared!r}"
         )
     if declared[0] != CONTRACT_VERSION[0]:
@@ -293,12 +314,12 @@ def check_connector_class(cls: Any, origin: str) -> type[KVConnectorBase_V1]:
             f"a kvx release implementing contract {declared[0]}.x (none is known "
             f"to kvx {__version__})",
         )
-        raise RegistryError(
+        return (
             f"{origin} implements kvx connector contract {declared[0]}.{declared[1]}, but kvx "
             f"{__version__} implements contract {CONTRACT_VERSION[0]}.{CONTRACT_VERSION[1]}; "
             f"use {fits} for this connector, or port it to contract {CONTRACT_VERSION[0]}.x"
         )
-    return cls
+    return None
 
 
 def create_connector(

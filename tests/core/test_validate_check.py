@@ -41,7 +41,7 @@ def test_a_working_config_passes_and_its_store_is_opened(
 ) -> None:
     code, out, err = validate(capsys, storage(f"file://{tmp_path}/kv"))
     assert code == 0, err
-    assert "check: the connectors import, the secrets read, the storage opens" in err
+    assert "check: SharedStorageConnector imports; its config_checks passed: open the store" in err
     assert (tmp_path / "kv").is_dir() and json.loads(out)["kv_connector"]
     code, _, err = validate(capsys, nixl(side_channel_host="127.0.0.1", side_channel_port=0))
     assert code == 0, err

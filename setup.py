@@ -1,0 +1,38 @@
+"""kvx's two optional native extensions; everything else is in pyproject.toml. Declared here
+because setuptools calls `[tool.setuptools.ext-modules]` experimental and warns on every build.
+
+Both are optional: without a C compiler kvx still installs, kvx.layouts warns and uses its
+PyTorch path (tests/layouts fail, so CI cannot miss a broken build), and the storage
+connector's file IO and checksum take two passes instead of one.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        # the layout transforms' native CPU kernel
+        Extension(
+            "kvx.layouts._native",
+            sources=["layouts/_native.c", "layouts/_native_walk.c", "layouts/_native_pool.c"],
+            depends=["layouts/_native.h"],
+            optional=True,
+            extra_compile_args=["-O3", "-pthread"],
+            extra_link_args=["-pthread"],
+        ),
+        # the storage connector's one-pass file IO + checksum, built against the vendored
+        # xxhash.h (plugins/storage/vendor/xxhash/)
+        Extension(
+            "kvx.plugins.storage._fileio",
+            sources=[
+                "plugins/storage/_fileio.c",
+                "plugins/storage/_fileread.c",
+                "plugins/storage/_filewrite.c",
+                "plugins/storage/_fileio_avx2.c",
+                "plugins/storage/_segment.c",
+            ],
+            depends=["plugins/storage/_fileio.h", "plugins/storage/vendor/xxhash/xxhash.h"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        ),
+    ]
+)
