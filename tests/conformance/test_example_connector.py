@@ -124,7 +124,7 @@ def test_pytest_plugin(tmp_path: Path) -> None:
             "--kvx-config",
             json.dumps(CONFIG),
             "-k",
-            "pd_short_prompt or (hetero_tp and not stored) or abort_on_prefill",
+            "pd_short_prompt or (hetero_tp and not stored and not mla) or abort_on_prefill",
             "-rs",
             "-p",
             "no:cacheprovider",
