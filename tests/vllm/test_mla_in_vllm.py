@@ -117,9 +117,9 @@ def test_storage_stores_each_full_mla_block_once(
     assert stored.tokens == mla_baseline
     full = sum(len(p) // MLA_BLOCK for p in mla.prompts)
     assert stored.stats["saved_blocks"] == full
-    # a value per block: its header, then one float32 latent per token and layer (no K/V pair,
-    # no heads)
-    assert stored.stats["saved_bytes"] == full * (HEADER.size + MLA_BLOCK * LATENT * 4 * 2)
+    # KV bytes (stats leave the values' headers out): one float32 latent per token and layer
+    # (no K/V pair, no heads)
+    assert stored.stats["saved_bytes"] == full * MLA_BLOCK * LATENT * 4 * 2
 
 
 def test_fresh_engine_loads_the_stored_latent_bytes_and_matches(
