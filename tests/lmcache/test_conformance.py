@@ -24,8 +24,10 @@ CLAIMED = {
     "matrix",
 }
 # clean_shutdown runs for every connector: LMCache's own process-wide threads outlive the
-# connector's shutdown (a known gap, recorded here so that a change either way is noticed).
+# connector's shutdown, and with its Redis backend its connections stay open too (known gaps
+# of LMCache's, recorded here so that a change either way is noticed).
 LEAKS = ("stats-logger-thread", "PinMonitor-thread", "storage-manager-event-loop")
+OPEN_FDS = "file descriptors still open after shutdown"
 
 
 def _suite(extra: dict[str, Any]) -> None:
@@ -36,8 +38,11 @@ def _suite(extra: dict[str, Any]) -> None:
     failed = {r.name: r.message for r in results if r.outcome == FAILED}
     assert set(failed) <= {"clean_shutdown"}, failed
     leaked = failed.get("clean_shutdown", "threads still running after shutdown")
-    assert leaked.startswith("threads still running after shutdown"), leaked
-    assert any(name in leaked for name in LEAKS) or not failed, leaked
+    if leaked.endswith(OPEN_FDS):
+        assert "remote_url" in extra, leaked  # only with LMCache's Redis
+    else:
+        assert leaked.startswith("threads still running after shutdown"), leaked
+        assert any(name in leaked for name in LEAKS) or not failed, leaked
     assert {r.name for r in results if r.outcome == PASSED} | set(failed) >= CLAIMED
 
 

@@ -234,4 +234,5 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "mla_offload_and_reload",
         "window_store_reuse",
         "window_offload",
+        "store_pd_prefill_killed",
     }

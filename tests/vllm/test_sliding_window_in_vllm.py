@@ -30,14 +30,16 @@ PROMPT_LENGTHS = (300, 280, 330, 400)  # every load has more tokens than the win
 
 
 @pytest.fixture(scope="module", params=("mistral-sw", "qwen2-sw"))
-def sliding(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A Harness of this shape's tiny model, with prompts longer than the window."""
-    from conftest import Harness
-
+def sliding(
+    request: pytest.FixtureRequest, harness: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    """A Harness (the session harness's class: tests/vllm/conftest.py, which a bare `import
+    conftest` may not name in a whole run) of this shape's tiny model, prompts longer than the
+    window."""
     model = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), seed=0)
     rng = random.Random(99)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
-    return Harness(model, prompts)
+    return type(harness)(model, prompts)
 
 
 @pytest.fixture(scope="module")
