@@ -32,14 +32,17 @@ def blocks_after(heading: str, language: str) -> tuple[str, str]:
 
 
 def with_free_ports(*texts: str, free_port) -> list[str]:
-    """The texts with each port of the page moved to a free one; a `kvx proxy` command that
-    relies on the default port 8000 is told the port 8000 was moved to."""
+    """The texts with each port of the page (`:PORT` or `--port PORT`) moved to a free one; a
+    `kvx proxy` command that relies on the default port 8000 is told the port 8000 was moved
+    to."""
     ports = {doc: str(free_port()) for doc in DOC_PORTS}
     moved = []
     for text in texts:
         for doc, free in ports.items():
-            text = re.sub(rf"(?<=:){doc}\b", free, text)
-        moved.append(text.replace("kvx proxy --", f"kvx proxy --port {ports['8000']} --"))
+            text = re.sub(rf"(?<=:){doc}\b|(?<=--port ){doc}\b", free, text)
+        if f"--port {ports['8000']}" not in text:
+            text = text.replace("kvx proxy --", f"kvx proxy --port {ports['8000']} --")
+        moved.append(text)
     return moved
 
 
