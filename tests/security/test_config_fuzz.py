@@ -50,7 +50,7 @@ def catalogue(tmp: Path) -> dict[str, dict[str, tuple[list[Any], list[Any]]]]:
                     f"file://{tmp}/{long_name}",
                     "redis://127.0.0.1:99999/0",
                     "redis://127.0.0.1:1/0",  # nobody listens: refused at construction
-                    "s3://bucket/kv",  # s3fs is not installed: refused at construction
+                    "gcs://bucket/kv",  # gcsfs is not installed: refused at construction
                     f"file:///proc/kvx-{tmp.name}",  # cannot be created
                     "no-scheme",
                 ],
