@@ -257,7 +257,9 @@ def test_killing_a_master_mid_run_costs_misses_never_wrong_bytes(flavour: str) -
             with lock:
                 counts["recomputed"] += 1
             # recompute = the values are known; save them again (may fail too)
-            with contextlib.suppress(ConnectionError, TimeoutError, redis.RedisError):
+            with contextlib.suppress(
+                ConnectionError, TimeoutError, redis.RedisError, RespReplyError
+            ):
                 b.put_vectored(items)
             return "recomputed"
 
