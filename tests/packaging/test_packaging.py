@@ -7,6 +7,7 @@ index) and runs the connector's own tests there."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -90,4 +91,8 @@ def test_a_fresh_venv_installs_the_wheel_and_the_example_connector(
         repo,
         timeout=1500,
     )
-    assert " passed" in tests and " failed" not in tests, tests[-3000:]
+    # pytest's closing line (the suite's own report above it counts an expected failure, the
+    # Redis store's corrupted_bytes_detected, as "1 failed"; pytest counts it "1 xfailed")
+    summary = tests.strip().splitlines()[-1]
+    assert " passed" in summary, tests[-3000:]
+    assert not re.search(r"\b\d+ (failed|errors?)\b", summary), tests[-3000:]
