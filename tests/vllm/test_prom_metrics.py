@@ -6,10 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-pytest.importorskip("vllm")
-
 import prometheus_client
 import vllm.plugins
 from vllm.config import KVTransferConfig, VllmConfig
