@@ -60,6 +60,12 @@ def peak_mib() -> float:
     raise AssertionError("no VmHWM")
 
 
+def reset_peak() -> None:
+    """Start VmHWM afresh: an earlier test in this process may have peaked higher."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
 def rss_mib() -> float:
     with open("/proc/self/status") as status:
         for line in status:
