@@ -47,7 +47,7 @@ from kvx.planning import (
 from kvx.registry import Registry, create_connector, get_layout, get_registry
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.schema import path_problem, url_problem
-from kvx.secrets import Secret, SecretSource, resolve_secret
+from kvx.secrets import Secret, SecretSource, redact_url, resolve_secret
 from kvx.specs import (
     CommandSpec,
     ConnectorSpec,
@@ -157,6 +157,7 @@ __all__ = [
     "path_problem",
     "provides",
     "provides_connector",
+    "redact_url",
     "resolve_secret",
     "skipped_blocks",
     "supports_hma",

@@ -15,6 +15,7 @@ import re
 import stat
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import msgspec.inspect as mi
@@ -166,3 +167,20 @@ def redact_secrets(extra: Mapping[str, Any], schema_type: Any) -> dict[str, Any]
 def inline_secrets(extra: Mapping[str, Any], schema_type: Any) -> list[str]:
     """The secret fields of an extra config given inline (the secret in the JSON itself)."""
     return [name for name in secret_fields(schema_type) if isinstance(extra.get(name), str)]
+
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@")
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (the userinfo's part after `:`) shown as `"***"`, for messages
+    and listings; the user name, host and the rest are kept. A URL that does not parse loses
+    its whole userinfo."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. a malformed IPv6 host: hide everything before the host's `@`
+        return _USERINFO.sub(rf"\1{REDACTED}@", url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}"))

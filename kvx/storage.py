@@ -17,10 +17,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvx.errors import ConfigError, ConfigProblem
 from kvx.registry import get_registry
+from kvx.secrets import redact_url
 
 
 @dataclass(frozen=True)
@@ -174,10 +174,7 @@ def open_storage_backend(url: str, options: StorageBackendOptions) -> StorageBac
     try:
         backend: StorageBackend = cls(url, options)
     except Exception as exc:  # unreachable, unwritable, missing extra, a URL fsspec chokes on
-        shown = (
-            url if (password := urlsplit(url).password) is None else url.replace(password, "***")
-        )
-        problem = ConfigProblem(STORAGE_URL_KEY, f"cannot open {shown!r}: {exc}")
+        problem = ConfigProblem(STORAGE_URL_KEY, f"cannot open {redact_url(url)!r}: {exc}")
         raise ConfigError([problem]) from None
     return backend
 

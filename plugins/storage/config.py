@@ -106,7 +106,7 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
         if scheme in REDIS_SCHEMES:
             redis_problem = _redis_url_problem(url)
             if redis_problem is not None:
-                raise ValueError(f"storage_url: {_redacted(url)!r}: {redis_problem}")
+                raise ValueError(f"storage_url: {kvx.redact_url(url)!r}: {redis_problem}")
         try:
             kvx.get_registry().storage_backend_for_url(url)
         except kvx.RegistryError as exc:
@@ -230,10 +230,3 @@ def _redis_url_problem(url: str) -> str | None:
     if db and not (db.isdigit() and int(db) < 1 << 16):
         return f"database {db[:20]!r} is not a number 0-65535"
     return None
-
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    return url.replace(parts.password, "***")

@@ -172,3 +172,28 @@ def test_nixl_reads_its_secret_from_the_environment_when_built(
             assert isinstance(built, half) and built.secret == SECRET
         finally:
             connector.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
+        # a password that is also the port's text: only the password goes (str.replace would
+        # have hidden the port too)
+        ("redis://u:6379@h:6379/0", "redis://u:***@h:6379/0"),
+        ("rediss://a:b@[::1]:5/0", "rediss://a:***@[::1]:5/0"),
+        ("redis://a:b@[::1/0", "redis://***@[::1/0"),  # does not parse: whole userinfo hidden
+        ("redis://user@h/0", "redis://user@h/0"),
+        ("s3://bucket/kv", "s3://bucket/kv"),
+    ],
+)
+def test_redact_url_hides_only_the_password(url: str, shown: str) -> None:
+    assert kvx.redact_url(url) == shown
+
+
+def test_storage_open_error_hides_the_password() -> None:
+    """`open_storage_backend`'s message names the URL through the one redaction helper (a
+    password of "1" must not turn the host into `***27.0.0.***`)."""
+    with pytest.raises(kvx.ConfigError) as info:
+        kvx.open_storage_backend("redis://u:1@127.0.0.1:1/0", kvx.StorageBackendOptions())
+    assert "cannot open 'redis://u:***@127.0.0.1:1/0'" in str(info.value)

@@ -30,13 +30,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+import kvx
 from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
 from kvx.plugins.storage.backends.redis_cluster import (
     Address,
@@ -53,19 +53,9 @@ POOL_IDLE_MAX = 8  # idle RESP connections kept for reuse, per server
 VALKEY_SCHEMES = {"valkey": "redis", "valkeys": "rediss"}  # redis-py's names for them
 
 
-def _redacted(url: str) -> str:
-    """`url` without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
-
-
 def _cluster_db_message(url: str, db: int) -> str:
     return (
-        f"storage_url {_redacted(url)!r} names database {db}, but it is a node of a Redis "
+        f"storage_url {kvx.redact_url(url)!r} names database {db}, but it is a node of a Redis "
         "Cluster, which has only database 0: use /0 or no database"
     )
 
@@ -97,7 +87,7 @@ class RedisBackend(StorageBackend):
             )
         except ValueError as exc:
             raise ValueError(
-                f"storage_url {_redacted(url)!r} is not a Redis URL ({exc}); "
+                f"storage_url {kvx.redact_url(url)!r} is not a Redis URL ({exc}); "
                 "use redis://host:port/db"
             ) from None
         try:
@@ -105,13 +95,13 @@ class RedisBackend(StorageBackend):
         except redis.AuthenticationError as exc:
             self.client.close()
             raise ConnectionError(
-                f"the Redis server at {_redacted(url)!r} refused the credentials: {exc}. "
+                f"the Redis server at {kvx.redact_url(url)!r} refused the credentials: {exc}. "
                 "Fix the user name or password (storage_url or redis_password)"
             ) from None
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.client.close()
             raise ConnectionError(
-                f"cannot reach the Redis server at {_redacted(url)!r}: {exc}. Start one (for "
+                f"cannot reach the Redis server at {kvx.redact_url(url)!r}: {exc}. Start one (for "
                 "example `redis-server --port 6379 --bind 127.0.0.1`) or fix storage_url"
             ) from None
         except redis.ResponseError as exc:  # SELECT db on a cluster node
@@ -139,7 +129,7 @@ class RedisBackend(StorageBackend):
             cluster = open_cluster(url, options.password, options.timeout_s)
         except redis.RedisError as exc:
             raise ConnectionError(
-                f"{_redacted(self.url)!r} is a Redis Cluster node, but the cluster could not "
+                f"{kvx.redact_url(self.url)!r} is a Redis Cluster node, but the cluster could not "
                 f"be discovered from it: {exc}"
             ) from None
         self.client = cluster
@@ -287,7 +277,9 @@ class RedisBackend(StorageBackend):
         """An idle RESP connection to `address`, or a new one."""
         with self._lock:
             if self._closed:
-                raise ConnectionError(f"the Redis backend for {_redacted(self.url)!r} is closed")
+                raise ConnectionError(
+                    f"the Redis backend for {kvx.redact_url(self.url)!r} is closed"
+                )
             wanted = f"{address[0]}:{address[1]}"
             for i in range(len(self._idle) - 1, -1, -1):
                 if self._idle[i].address == wanted:
