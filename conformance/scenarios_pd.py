@@ -1,4 +1,5 @@
-"""Prefill/decode lifecycle scenarios (reference section 8: remote decode / remote prefill)."""
+"""Prefill/decode lifecycle scenarios: remote decode / remote prefill, as vLLM's
+`tests/v1/kv_connector/unit/` exercises them (see docs/conformance.md)."""
 
 from __future__ import annotations
 

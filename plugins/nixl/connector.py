@@ -2,7 +2,7 @@
 
 The facade builds the role's half: `scheduler.py` runs the request lifecycle and P's side
 channel, `worker.py` registers memory and moves bytes. Matches vLLM's `NixlConnector`
-(reference 5.5).
+(`vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`).
 """
 
 from __future__ import annotations

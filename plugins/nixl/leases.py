@@ -1,6 +1,7 @@
 """P's side of a hand-off: each finished prompt's blocks are held under a lease until D's
 `done` notifications arrive (as many as D ranks read this rank) or the lease expires; D's
-heartbeats extend it (matches vLLM's NIXL producer worker, reference 4.2 and 5.5.4).
+heartbeats extend it (matches the producer side of vLLM's `NixlConnectorWorker`, in
+`kv_connector/v1/nixl_connector.py`).
 
 D's notifications are untrusted: each reader (NIXL agent) counts once per request, the number
 of readers expected only ever grows (a later `count` of 1 cannot shorten a wait for 2), and

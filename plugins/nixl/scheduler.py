@@ -3,7 +3,7 @@
 P: `request_finished` keeps a finished prompt's blocks and returns the params D needs to read
 them; workers free them after D's notifications or at lease expiry. D: a request with
 `do_remote_prefill` loads its prompt asynchronously; `update_state_after_alloc` queues the read
-once. Matches vLLM's `NixlConnectorScheduler` (sections 4.2-4.4, 5.5.1 of the reference).
+once. Matches vLLM's `NixlConnectorScheduler` (`kv_connector/v1/nixl_connector.py`).
 """
 
 from __future__ import annotations

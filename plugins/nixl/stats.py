@@ -1,4 +1,5 @@
-"""NixlKVConnectorStats: per-transfer figures, merged across workers (vLLM section 5.5.5)."""
+"""NixlKVConnectorStats: per-transfer figures, merged across workers (as vLLM's class
+of that name in `kv_connector/v1/nixl_connector.py`)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 the background, READs P's blocks and notifies P; on P, counts D's notifications and expires
 leases. Nothing blocks a step: transfers and notifications are polled (no progress thread).
 
-Matches vLLM's `NixlConnectorWorker` (reference 5.5.2-5.5.4): region-major descriptor ids,
-lists prepared once with `prep_xfer_dlist` and transfers made with `make_prepped_xfer`, one
-READ per (remote rank, head slice), `finished_recving` with load errors on any failure.
+Matches vLLM's `NixlConnectorWorker` (`kv_connector/v1/nixl_connector.py`): region-major
+descriptor ids, lists prepared once with `prep_xfer_dlist` and transfers made with
+`make_prepped_xfer`, one READ per (remote rank, head slice), `finished_recving` with load errors
+on any failure.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The facade builds the role's half: `scheduler.py` decides what P saves and D loads each step,
 `worker.py` moves the bytes through a per-worker `P2pEngine` (ZMQ control plane; NCCL data plane
-on CUDA, ZMQ frames on CPU). Matches vLLM's `P2pNcclConnector` (reference 5.6) and goes beyond
-it: any TP pair, block size or layout on either side, asynchronous GET loads, sealed messages.
+on CUDA, ZMQ frames on CPU). Matches vLLM's `P2pNcclConnector` (`kv_connector/v1/p2p/` in vLLM
+up to 0.32) and goes beyond it: any TP pair, block size or layout on either side, asynchronous
+GET loads, sealed messages.
 """
 
 from __future__ import annotations
