@@ -19,7 +19,10 @@ kvx_storage_backends = kvx.provides(
         name="redis",
         target="kvx.plugins.storage.backends.redis_backend:RedisBackend",
         schemes=("redis", "rediss", "valkey", "valkeys"),
-        summary="Redis or Valkey, one server or a cluster; pipelined; optional TTL",
+        summary=(
+            "Redis or Valkey, one server or a cluster: one value per block, PP stage and "
+            "head shard under kvx/<key>; pipelined; optional TTL"
+        ),
         requires=("redis",),
         extra="redis",
     ),

@@ -257,6 +257,9 @@ def test_redis_does_one_round_trip_per_block_group(
     assert sorted(calls[1:]) == sorted(groups * 2)
     client = redis.Redis.from_url(redis_url)
     assert len(client.keys("kvx/*")) == 12 * 2  # one value per block and head shard
+    # ... which is what `kvx list` says of the backend (PP 1 here: one stage)
+    summary = kvx.get_registry().storage_backend("redis").spec.summary
+    assert "one value per block, PP stage and head shard under kvx/<key>" in summary
     assert {len(client.get(k) or b"") for k in client.keys("kvx/*")} == {value_bytes}
     client.close()
     calls.clear()
