@@ -27,7 +27,7 @@ class Load:
 
 
 @dataclass
-class Segment:
+class BlockRun:
     """Consecutive stored blocks `first ...` of a load, held by `rows` of a unit."""
 
     load: Load
@@ -37,14 +37,14 @@ class Segment:
 
 @dataclass
 class Unit:
-    """Values of one writer stage and head shard read and scattered together: segments of
+    """Values of one writer stage and head shard read and scattered together: runs of
     one or more loads (one convert_blocks call per layer for all of them)."""
 
     stage: Stage
     heads: range
     shape: BlockShape
     capacity: int  # rows at most
-    segments: list[Segment] = field(default_factory=list)
+    runs: list[BlockRun] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # per row, the stored block's key
 
 
@@ -67,7 +67,7 @@ def plan_units(
 ) -> list[Unit]:
     """Every value the loads need on the rank of stage `own` and head range `heads`, grouped
     per writer stage and head shard into units of up to `unit_bytes(unit, units so far)` (a
-    segment starts on an engine block when engine blocks hold several stored blocks). A load
+    run starts on an engine block when engine blocks hold several stored blocks). A load
     whose values of another writer begin inside an engine block is cut there (`bad`)."""
     bs, ebs = geo.block_size, geo.engine_block_size
     align = ebs // bs if ebs > bs else 1
@@ -115,7 +115,7 @@ def plan_units(
                         continue
                     assert unit is not None
                     rows = range(len(unit.keys), len(unit.keys) + take)
-                    unit.segments.append(Segment(load, at, rows))
+                    unit.runs.append(BlockRun(load, at, rows))
                     unit.keys.extend(keys[at : at + take])
                     at += take
             j = end
@@ -129,17 +129,17 @@ def targets(unit: Unit, geo: Geometry) -> list[int | None]:
     bs, ebs = geo.block_size, geo.engine_block_size
     pieces = max(1, ebs // bs)
     out: list[int | None] = [None] * len(unit.keys)
-    for seg in unit.segments:
-        spec = seg.load.spec
-        t0 = (spec.first_block + seg.first) * bs
-        first, n = t0 - spec.start, len(seg.rows)
+    for span in unit.runs:
+        spec = span.load.spec
+        t0 = (spec.first_block + span.first) * bs
+        first, n = t0 - spec.start, len(span.rows)
         if bs == ebs and first >= 0 and first + (n - 1) * bs < spec.num_tokens:
             # every row is an engine block of the load, in order (nearly always)
             blocks = spec.block_ids[first // ebs : first // ebs + n]
             if len(blocks) == n:
-                out[seg.rows.start : seg.rows.stop] = blocks
+                out[span.rows.start : span.rows.stop] = blocks
                 continue
-        for k, row in enumerate(seg.rows):
+        for k, row in enumerate(span.rows):
             t = t0 + k * bs
             if spec.start <= t < spec.start + spec.num_tokens:
                 block = spec.block_ids[(t - spec.start) // ebs]
@@ -169,17 +169,17 @@ Move = tuple[slice, list[int], list[int], int | None]
 their engine blocks, the tokens per row or None for whole blocks)."""
 
 
-def scatter_moves(good: list[tuple[Segment, int]], geo: Geometry) -> list[Move]:
-    """Where the first `n` rows of each segment land: one move per engine-block-sized piece
+def scatter_moves(good: list[tuple[BlockRun, int]], geo: Geometry) -> list[Move]:
+    """Where the first `n` rows of each run land: one move per engine-block-sized piece
     of a row (stored blocks larger than engine blocks), or per set of rows that fill whole
-    engine blocks (smaller ones; a segment that ends inside one gets its own move)."""
+    engine blocks (smaller ones; a run that ends inside one gets its own move)."""
     bs, ebs = geo.block_size, geo.engine_block_size
     moves: dict[object, Move] = {}
-    for index, (seg, n) in enumerate(good):
-        spec = seg.load.spec
-        t0 = (spec.first_block + seg.first) * bs  # request position of the segment
-        rows = list(seg.rows[:n])
-        if ebs > bs:  # rows fill engine blocks in order (a segment starts on one)
+    for index, (span, n) in enumerate(good):
+        spec = span.load.spec
+        t0 = (spec.first_block + span.first) * bs  # request position of the run
+        rows = list(span.rows[:n])
+        if ebs > bs:  # rows fill engine blocks in order (a run starts on one)
             e0 = (t0 - spec.start) // ebs
             dst = spec.block_ids[e0 : e0 - (-(n * bs) // ebs)]
             whole = n * bs % ebs == 0  # whole engine blocks: one call with the others

@@ -14,7 +14,7 @@ from kvx.plugins.storage.blockformat import KV_ORDER, BlockFormatError, BlockSha
 from kvx.plugins.storage.buffers import row_views
 from kvx.plugins.storage.direct import Fetched, check_size
 from kvx.plugins.storage.keys import Geometry, Stage
-from kvx.plugins.storage.load_plan import Segment, Unit, scatter_moves
+from kvx.plugins.storage.load_plan import BlockRun, Unit, scatter_moves
 from kvx.plugins.storage.values import converted, layer_view, token_slice
 
 
@@ -55,7 +55,7 @@ def fetch_into(
 def scatter(
     unit: Unit,
     values: torch.Tensor,
-    good: list[tuple[Segment, int]],
+    good: list[tuple[BlockRun, int]],
     stored: BlockShape,
     geo: Geometry,
     stage: Stage,
@@ -63,7 +63,7 @@ def scatter(
     caches: dict[int, torch.Tensor],
     layout: Layout,
 ) -> None:
-    """Copy the first `n` rows of each segment (values of the `stored` shape), every layer
+    """Copy the first `n` rows of each run (values of the `stored` shape), every layer
     this rank (`stage`, `heads`; `caches` by global layer index, in `layout`) holds, into the
     cache: one convert_blocks call per layer and engine-block-sized piece of a row."""
     bs, ebs = geo.block_size, geo.engine_block_size

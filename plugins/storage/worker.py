@@ -209,7 +209,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 while len(fetches) < window and i + len(fetches) < len(units):
                     ahead = units[i + len(fetches)]
                     # skipped when every load in it already failed before its blocks
-                    skip = all(seg.first >= seg.load.bad for seg in ahead.segments)
+                    skip = all(span.first >= span.load.bad for span in ahead.runs)
                     fetch = self._fetch_direct if self._is_direct(ahead) else self._fetch
                     fetches.append(None if skip else self._pool.submit(fetch, ahead))
                 future = fetches.popleft()
@@ -262,25 +262,25 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 type(fetched.error).__name__,
                 fetched.error,
             )
-            for seg in unit.segments:
-                seg.load.bad = 0  # later units skip it; every block is reported as a load error
-            self._tally.add(**{f"load_failed_{failure_kind(fetched.error)}": len(unit.segments)})
+            for span in unit.runs:
+                span.load.bad = 0  # later units skip it; every block is reported as a load error
+            self._tally.add(**{f"load_failed_{failure_kind(fetched.error)}": len(unit.runs)})
             return
-        for seg in unit.segments if any(fetched.errors) else ():
-            for k, row in enumerate(seg.rows):
+        for span in unit.runs if any(fetched.errors) else ():
+            for k, row in enumerate(span.rows):
                 error = fetched.errors[row]
                 if error is not None:
                     self._tally.add(**{f"load_failed_{failure_kind(error)}": 1})
-                    req = seg.load.spec.req_id
+                    req = span.load.spec.req_id
                     logger.warning("kvx storage: load of request %s failed: %s", req, error)
-                    seg.load.bad = min(seg.load.bad, seg.first + k)
+                    span.load.bad = min(span.load.bad, span.first + k)
                     break
-        good = [(seg, min(len(seg.rows), seg.load.bad - seg.first)) for seg in unit.segments]
-        good = [(seg, n) for seg, n in good if n > 0]
+        good = [(span, min(len(span.rows), span.load.bad - span.first)) for span in unit.runs]
+        good = [(span, n) for span, n in good if n > 0]
         if not good:
             return
         if fetched.values is not None:
-            rows = [row for seg, n in good for row in seg.rows[:n]]
+            rows = [row for span, n in good for row in span.rows[:n]]
             stored = unify_orders(fetched.values, rows, fetched.shapes, self.dtype)
             assert self.stage is not None
             scatter(

@@ -56,7 +56,7 @@ def test_values_of_one_writer_fill_units_up_to_their_size() -> None:
     units = plan_units(loads, geo, own, range(4), shape_of(geo), lambda u, i: 2 * value)
     assert [u.keys for u in units] == [["k0", "k1"], ["k2", "k3"], ["k4"]]
     assert all(u.stage == own and u.heads == range(4) for u in units)
-    assert [seg.rows for u in units for seg in u.segments] == [range(2), range(2), range(1)]
+    assert [span.rows for u in units for span in u.runs] == [range(2), range(2), range(1)]
     assert targets(units[1], geo) == [102, 103]
     assert loads[0].bad == 5 and failed_blocks(loads[0], geo) == []
     assert valid_tokens(loads[0], 16) == 80
@@ -78,7 +78,7 @@ def test_a_load_starting_inside_a_stored_block_skips_its_tokens() -> None:
     load.spec.block_ids, load.spec.num_tokens = [7, 8, 9], 48  # tokens 16..63
     units = plan_units([load], geo, geo.stages(1)[0], range(4), shape_of(geo), lambda u, i: 1 << 30)
     (unit,) = units
-    moves = scatter_moves([(unit.segments[0], 2)], geo)
+    moves = scatter_moves([(unit.runs[0], 2)], geo)
     # piece 0 of row 0 (tokens 0-15) is before the load; piece 1 -> block 7, row 1 -> 8, 9
     assert moves == [(slice(0, 16), [1], [8], None), (slice(16, 32), [0, 1], [7, 9], None)]
 
