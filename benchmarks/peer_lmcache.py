@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from storage_baselines import KV, freeze_startup_heap, make_kv
 
 from kvx.layouts import NHD
-from kvx.plugins.lmcache.cpu_connector import PagedCPUConnector
 from kvx.plugins.lmcache.engine import destroy_engine
+from kvx.plugins.lmcache.paged_copy import PagedCPUConnector
 from kvx.plugins.lmcache.worker import prefix_mask, slot_mapping
 
 CHUNK = 256  # LMCache's default chunk size

@@ -33,7 +33,7 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from kvx.plugins.lmcache.cpu_connector import (
+from kvx.plugins.lmcache.paged_copy import (
     LayerwisePagedCPUConnector,
     PagedCPUConnector,
 )

@@ -1,5 +1,6 @@
-"""LMCache's GPU-connector interface on CPU: copies between kvx paged KV blocks (any registered
-per-layer layout) and LMCache's memory objects.
+"""Copies between kvx paged KV blocks (any registered per-layer layout) and LMCache's memory
+objects, behind LMCache's GPU-connector interface on CPU (not a kvx connector: LMCache names
+its copiers "connectors").
 
 LMCache calls the object that moves KV between the serving engine's paged cache and its own
 memory objects a "GPU connector"; all of its built-in ones need CUDA. These copy CPU tensors:

@@ -10,7 +10,7 @@ import torch
 
 from kvx.engine.kv_cache import token_view
 from kvx.layouts import get_layout
-from kvx.plugins.lmcache.cpu_connector import LayerwisePagedCPUConnector, PagedCPUConnector
+from kvx.plugins.lmcache.paged_copy import LayerwisePagedCPUConnector, PagedCPUConnector
 from kvx.plugins.lmcache.worker import slot_mapping
 
 LAYOUTS = ["NHD", "HND", "FLASHINFER_NHD", "FLASHINFER_HND", "CPU_PACKED"]
