@@ -58,10 +58,12 @@ def main() -> None:
         )
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())  # type: ignore[arg-type]
 
+        # each value as two views, as the connector hands the backend views of the KV cache
+        # (slicing the bytes inside the timed step copied each value twice more for kvx only)
+        halves = [[memoryview(v)[: size // 2], memoryview(v)[size // 2 :]] for v in values]
+
         def kvx_put(tag: str) -> None:
-            backend.put_vectored(
-                [(f"{tag}/v{i}", [v[: size // 2], v[size // 2 :]]) for i, v in enumerate(values)]
-            )
+            backend.put_vectored([(f"{tag}/v{i}", parts) for i, parts in enumerate(halves)])
 
         def kvx_get(tag: str) -> None:
             sizes = backend.get_vectored([f"{tag}/v{i}" for i in range(len(values))], outs)
