@@ -61,8 +61,10 @@ from kvx.storage import (
     StorageBackend,
     StorageBackendOptions,
     StorageRegionTable,
+    SupportsHashedIO,
     copy_into,
     open_storage_backend,
+    supports_hashed_io,
 )
 from kvx.types import (
     NULL_BLOCK,
@@ -141,6 +143,7 @@ __all__ = [
     "StorageBackendSpec",
     "StorageRegionTable",
     "SupportsHMA",
+    "SupportsHashedIO",
     "TrackedRequest",
     "TransferFigures",
     "TransformSpec",
@@ -160,6 +163,7 @@ __all__ = [
     "redact_url",
     "resolve_secret",
     "skipped_blocks",
+    "supports_hashed_io",
     "supports_hma",
     "url_problem",
     "user_cache_dir",

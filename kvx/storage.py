@@ -3,8 +3,11 @@
 A backend implements four plain calls (`put_many`, `get_many`, `exists_many`, `close`); the
 calls that move values straight between the store and caller's buffers (`get_into`,
 `put_vectored`, `get_vectored`) have defaults built on the plain ones, which a fast backend
-overrides to skip the copies. Local-file backends may also claim `hashed_io` and move whole
-batches of blocks between files and the KV cache, checksummed in the same pass.
+overrides to skip the copies. A backend may also declare the optional ability
+`SupportsHashedIO` (a mixin, as `SupportsHMA` is for connectors): it moves whole batches of
+engine blocks between the store and the KV cache, checksummed in the same pass; the mixin's
+defaults do it on the vectored calls, and a fast backend (local files, in native code)
+overrides them.
 
 A plugin registers a backend class for URL schemes (`kvx_storage_backends` returning
 `StorageBackendSpec`); `open_storage_backend(url, options)` builds the one registered for a
@@ -17,6 +20,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from kvx.errors import ConfigError, ConfigProblem
 from kvx.registry import get_registry
@@ -64,10 +69,6 @@ class StorageBackend(ABC):
 
     group_bytes: int = 16 << 20
     """How many bytes of values are worth one vectored call (one round trip to the store)."""
-
-    hashed_io: bool = False
-    """True if the backend implements `put_blocks_hashed` / `get_blocks_hashed` (local files
-    in native code); the connector then uses them for blocks that move without conversion."""
 
     def __init__(self, url: str, options: StorageBackendOptions) -> None:
         self.url = url
@@ -120,6 +121,14 @@ class StorageBackend(ABC):
             sizes.append(None if data is None else len(data))
         return sizes
 
+
+class SupportsHashedIO:
+    """The optional ability to move whole batches of engine blocks between the store and the
+    KV cache, checksummed in the same pass: a `StorageBackend` that declares it (mixed in
+    before `StorageBackend`) has the storage connector use these two calls for blocks that
+    move without conversion. The defaults work on any backend through its vectored calls,
+    hashing in Python; a fast backend overrides them (local files: native code, no GIL)."""
+
     def put_blocks_hashed(
         self,
         keys: Sequence[str],
@@ -129,9 +138,16 @@ class StorageBackend(ABC):
         blocks: Sequence[int],
     ) -> None:
         """Store key i as a header (`prefix`, then XXH3-64 of `seeds[i]` and the payload,
-        little-endian) and the payload: the regions of engine block `blocks[i]`, checksummed
-        as written. Only where `hashed_io` is True."""
-        raise NotImplementedError(f"{type(self).__name__} does not claim hashed_io")
+        little-endian) and the payload: the regions of engine block `blocks[i]`. Atomic per
+        key, as `put_many`."""
+        items: list[tuple[str, Sequence[bytes | memoryview]]] = []
+        for key, seed, block in zip(keys, seeds, blocks, strict=True):
+            payload = _block_regions(regions, block)
+            digest = xxhash.xxh3_64(seed)
+            for part in payload:
+                digest.update(part)
+            items.append((key, [prefix + digest.intdigest().to_bytes(8, "little"), *payload]))
+        _backend(self).put_vectored(items)
 
     def get_blocks_hashed(
         self,
@@ -147,8 +163,43 @@ class StorageBackend(ABC):
         of engine block `blocks[i]` when it has exactly their size (otherwise nothing is
         read). Per key its stored size (None if absent) and, when read, XXH3-64 of `seeds[i]`
         then its bytes except the `skip` (start, stop) span (else None; always None with
-        `checksum` False, when nothing is hashed). Only where `hashed_io` is True."""
-        raise NotImplementedError(f"{type(self).__name__} does not claim hashed_io")
+        `checksum` False, when nothing is hashed)."""
+        payloads = [_block_regions(regions, block) for block in blocks]
+        buffers = [[head, *payload] for head, payload in zip(heads, payloads, strict=True)]
+        sizes = _backend(self).get_vectored(keys, buffers)
+        out: list[tuple[int | None, int | None]] = []
+        for seed, parts, size in zip(seeds, buffers, sizes, strict=True):
+            total = sum(memoryview(part).nbytes for part in parts)
+            if not checksum or size != total:
+                out.append((size, None))
+                continue
+            head = bytes(parts[0])
+            digest = xxhash.xxh3_64(seed)
+            digest.update(head[: skip[0]] + head[skip[1] :])
+            for part in parts[1:]:
+                digest.update(part)
+            out.append((size, digest.intdigest()))
+        return out
+
+
+def supports_hashed_io(backend: Any) -> bool:
+    """True if `backend` (a class or an instance) declares `SupportsHashedIO`."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    return issubclass(cls, SupportsHashedIO)
+
+
+def _block_regions(regions: StorageRegionTable, block: int) -> list[memoryview]:
+    """Engine block `block`'s bytes of every region of `regions`, in table order."""
+    return [
+        buf[start + block * step : start + block * step + size]
+        for buf, start, size, step in regions
+    ]
+
+
+def _backend(obj: SupportsHashedIO) -> StorageBackend:
+    if not isinstance(obj, StorageBackend):
+        raise TypeError(f"{type(obj).__name__} mixes in SupportsHashedIO but is no StorageBackend")
+    return obj
 
 
 def copy_into(parts: Sequence[memoryview], data: bytes | memoryview) -> None:

@@ -9,11 +9,17 @@ kvx_connectors = kvx.provides_connector(
 
 kvx_storage_backends = kvx.provides(
     kvx.StorageBackendSpec(
+        name="file",
+        target="kvx.plugins.storage.backends.local_files:LocalFileBackend",
+        schemes=("file", "local"),
+        summary="local files (a private directory); whole blocks in native code, checksummed",
+    ),
+    kvx.StorageBackendSpec(
         name="fsspec",
         target="kvx.plugins.storage.backends.fsspec_backend:FsspecBackend",
-        schemes=("file", "local", "memory"),
+        schemes=("memory",),
         other_schemes="kvx.plugins.storage.backends.schemes:fsspec_knows",
-        summary="files through fsspec: local disk, memory, object stores",
+        summary="fsspec filesystems: memory, object stores (s3://, gs://...), others",
     ),
     kvx.StorageBackendSpec(
         name="redis",

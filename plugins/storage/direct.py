@@ -2,9 +2,9 @@
 stored block is the engine block and the cache is dense CPU memory (no conversion).
 
 A value's payload is one region per layer and K/V part of an engine block (a region table,
-`kvx.StorageRegionTable`). Local files move whole batches in native code, checksummed in the
-same pass (`StorageBackend.hashed_io`); other backends use vectored IO, a group of values per
-round trip (`StorageBackend.group_bytes`).
+`kvx.StorageRegionTable`). A backend that declares `kvx.SupportsHashedIO` moves whole batches,
+checksummed in the same pass (local files: in native code); other backends use vectored IO, a
+group of values per round trip (`StorageBackend.group_bytes`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kvx
 from kvx import StorageBackend
 from kvx.layouts import Layout
 from kvx.plugins.storage.blockformat import (
@@ -122,10 +123,16 @@ class DirectIO:
         ]
 
     @property
-    def native(self) -> bool:
-        """Whether values move through the backend's native block IO (local files; read
-        checksummed in the same pass when `verify`, else with a length and header check only)."""
-        return self.backend.hashed_io and self.mac_key is None
+    def hashed_io(self) -> bool:
+        """Whether values move through the backend's hashed block IO (`kvx.SupportsHashedIO`;
+        read checksummed in the same pass when `verify`, else with a length and header check
+        only)."""
+        return kvx.supports_hashed_io(self.backend) and self.mac_key is None
+
+    @property
+    def _hashed_backend(self) -> kvx.SupportsHashedIO:
+        assert isinstance(self.backend, kvx.SupportsHashedIO)  # `hashed_io` said so
+        return self.backend
 
     def fetch(
         self, unit: Unit, targets: list[int | None], names_of: Callable[[list[str]], list[str]]
@@ -150,7 +157,7 @@ class DirectIO:
         # unit's shape: nothing to parse, only its checksum to compare
         own = header_prefix(shape) if (shape.order, shape.k_order) == self.order else None
         value_bytes = shape.value_bytes
-        per = max(1, len(names) if self.native else self.backend.group_bytes // value_bytes)
+        per = max(1, len(names) if self.hashed_io else self.backend.group_bytes // value_bytes)
         for at in range(0, len(names), per):
             group = slice(at, at + per)
             try:
@@ -204,10 +211,10 @@ class DirectIO:
     ) -> list[tuple[int | None, int | None]]:
         """Read each value into its head and engine block: per value its stored size (None if
         absent) and its checksum when the backend computed it while reading (else None)."""
-        if self.native:
+        if self.hashed_io:
             # without checksums the seeds are not hashed
             seeds = [name.encode() for name in names] if self.verify else [b""] * len(names)
-            return self.backend.get_blocks_hashed(
+            return self._hashed_backend.get_blocks_hashed(
                 names, seeds, CHECKSUM_SPAN, heads, self.table, blocks, self.verify
             )
         buffers = [[head, *self.regions(block)] for head, block in zip(heads, blocks, strict=True)]
@@ -217,9 +224,11 @@ class DirectIO:
         """Write values straight from the engine's blocks (an IO thread): local files in one
         native call, checksummed as they are written; otherwise as many per call as are worth
         a round trip."""
-        if self.native:  # several values: one segment file
+        if self.hashed_io:  # several values: one segment file
             seeds = [checksum_seed(name, shape) for name in names]
-            self.backend.put_blocks_hashed(names, seeds, header_prefix(shape), self.table, blocks)
+            self._hashed_backend.put_blocks_hashed(
+                names, seeds, header_prefix(shape), self.table, blocks
+            )
             return
         per = max(1, self.backend.group_bytes // shape.value_bytes)
         for at in range(0, len(names), per):

@@ -353,7 +353,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self._saved_layers = set()
         shape = self._own_shape()
         per = max(1, GROUP_BYTES // shape.value_bytes)
-        if values is None and self._direct_io.native:
+        if values is None and self._direct_io.hashed_io:
             # a job per IO thread: each is one segment file, and on ext4 a new file's inode
             # can cost milliseconds (the allocator steps over recently deleted inodes)
             per = max(per, -(-len(items) // self._io_threads))

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import kvx
 from kvx.plugins.storage.backends.base import BackendOptions
-from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 from kvx.plugins.storage.config import DEFAULT_STORAGE_URL, FILE_MODES
 from kvx.userdirs import make_private_dirs, user_cache_dir
 from kvx_example_connector.config import ExamplePDConfig
@@ -30,9 +31,11 @@ def test_stored_files_and_directories_are_private(
     old = os.umask(0o022)
     try:
         root = tmp_path / "store" / "deeper"
-        backend = FsspecBackend(f"file://{root}", BackendOptions(file_mode=FILE_MODES[permissions]))
+        backend = LocalFileBackend(
+            f"file://{root}", BackendOptions(file_mode=FILE_MODES[permissions])
+        )
         backend.put_many([("ns/ab/value", b"v" * 100)])
-        assert backend.hashed_io  # the native writer is what the connector uses on local disks
+        assert kvx.supports_hashed_io(backend)  # the connector writes blocks with it here
         region = memoryview(bytearray(4096))
         backend.put_blocks_hashed(["ns/cd/block"], [b"seed"], b"P" * 8, [(region, 0, 64, 64)], [3])
     finally:

@@ -21,9 +21,10 @@ import kvx
 from kvx import ConfigError, KVTransferConfig, StorageBackend
 from kvx.conformance.storage_backend import StorageBackendTests
 from kvx.plugins.storage import worker as storage_worker
-from kvx.plugins.storage.backends import fsspec_backend
+from kvx.plugins.storage.backends import local_files
 from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 from kvx.plugins.storage.backends.resp import RespConnection
 from kvx.plugins.storage.keys import Stage, block_keys, chain_seed, layer_set_hash, value_key
 
@@ -34,7 +35,7 @@ LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")  # the rig's l
 class TestLocalFiles(StorageBackendTests):
     @pytest.fixture
     def backend(self, tmp_path: Path) -> Iterator[StorageBackend]:
-        backend = FsspecBackend(f"file://{tmp_path}/kv", BackendOptions())
+        backend = LocalFileBackend(f"file://{tmp_path}/kv", BackendOptions())
         yield backend
         backend.close()
 
@@ -97,13 +98,13 @@ def _size(path: Path) -> int:
 def test_file_reader_never_sees_a_torn_value(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
 
     def slow_write_all(fd: int, parts: list[bytes]) -> None:  # local files skip fs.open
         with SlowFile(open(os.dup(fd), "wb")) as f:
             f.write(b"".join(parts))
 
-    monkeypatch.setattr(fsspec_backend, "_write_all", slow_write_all)
+    monkeypatch.setattr(local_files, "_write_all", slow_write_all)
     old, new = b"a" * (1 << 20), b"b" * (2 << 20)
     backend.put_many([("ns/k", old)])
     done = threading.Event()
@@ -144,7 +145,7 @@ def test_redis_reader_never_sees_a_torn_value(redis_url: str) -> None:
 
 @pytest.mark.timeout(30)
 def test_file_writes_survive_a_pruned_store_and_read_into_buffers(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}/kv", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}/kv", BackendOptions())
     backend.put_many([("ns/ab/x", b"first")])
     shutil.rmtree(tmp_path / "kv")  # someone prunes the store while the engine runs
     backend.put_many([("ns/ab/y", memoryview(b"second"))])  # the directory is made again
@@ -161,7 +162,7 @@ def test_file_writes_survive_a_pruned_store_and_read_into_buffers(tmp_path: Path
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_vectored_io_takes_views_of_any_element_type(scheme: str, tmp_path: Path) -> None:
     url = f"file://{tmp_path}" if scheme == "file" else f"memory://kvx-vec-{uuid.uuid4().hex}"
-    backend = FsspecBackend(url, BackendOptions())
+    backend = (LocalFileBackend if scheme == "file" else FsspecBackend)(url, BackendOptions())
     src = torch.arange(1000, dtype=torch.float32)
     backend.put_vectored([("ns/k", [src[:300].numpy().data, src[300:].numpy().data])])
     dst = torch.zeros(1000, dtype=torch.float32)
@@ -304,7 +305,8 @@ def test_backends_are_registered_by_scheme() -> None:
     registry = kvx.get_registry()
     assert registry.connector("ExampleConnector").name == "SharedStorageConnector"
     for url, name in [
-        ("file:///tmp/x", "fsspec"),
+        ("file:///tmp/x", "file"),
+        ("/tmp/x", "file"),
         ("memory://x", "fsspec"),
         ("s3://bucket/x", "fsspec"),  # not listed: fsspec's own registry knows it
         ("webdav://host/x", "fsspec"),
@@ -343,3 +345,23 @@ def test_connector_config_round_trips_through_kvx_validate(tmp_path: Path) -> No
     extra = config.kv_connector_extra_config
     assert extra["storage_url"].startswith("file://") and extra["verify_checksums"] is True
     assert kvx.get_registry().resolve_connector_class(config).__name__ == "SharedStorageConnector"
+
+
+@pytest.mark.timeout(60)
+def test_a_backend_without_hashed_io_stores_and_loads_through_the_connector(
+    make_rig: MakeRig,
+) -> None:
+    """`kvx.SupportsHashedIO` is optional: a backend that does not declare it (fsspec's
+    memory://, its values checksummed by the connector instead) saves and loads every block
+    through the connector's vectored path."""
+    url = f"memory://kvx-plain-{uuid.uuid4().hex}"
+    tokens = [(5 * i) % 997 for i in range(50)]
+    producer = make_rig(url)
+    for worker, _, _ in producer.workers:
+        backend = worker.worker.backend
+        assert not kvx.supports_hashed_io(backend) and not hasattr(backend, "put_blocks_hashed")
+    producer.prefill("p", tokens)
+    consumer = make_rig(url)
+    loaded = consumer.prefill("d", tokens, compute=False)
+    assert loaded.num_external == 48 and loaded.errors == [set()]
+    consumer.check(tokens, loaded.block_ids, 48)

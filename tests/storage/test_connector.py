@@ -410,7 +410,7 @@ def test_direct_loads_with_one_io_thread_are_one_read_on_the_loading_thread(
     IO threads they are read on them, in units of READ_BYTES. A bad block fails its load
     from there on either way."""
     from kvx.plugins.storage import worker
-    from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+    from kvx.plugins.storage.backends.local_files import LocalFileBackend
 
     url = f"file://{tmp_path}"
     tokens = prompt(100, seed=12)  # six full blocks
@@ -418,13 +418,13 @@ def test_direct_loads_with_one_io_thread_are_one_read_on_the_loading_thread(
     corrupt_file(tmp_path, block_keys(tokens, 16, chain_seed(NAMESPACE, 16))[2])
     monkeypatch.setattr(worker, "READ_BYTES", 1)  # a unit per value (with IO threads)
     reads: list[tuple[threading.Thread, int]] = []
-    real = FsspecBackend.get_blocks_hashed
+    real = LocalFileBackend.get_blocks_hashed
 
-    def recorded(self: FsspecBackend, keys: Any, *args: Any, **kwargs: Any) -> Any:
+    def recorded(self: LocalFileBackend, keys: Any, *args: Any, **kwargs: Any) -> Any:
         reads.append((threading.current_thread(), len(keys)))
         return real(self, keys, *args, **kwargs)
 
-    monkeypatch.setattr(FsspecBackend, "get_blocks_hashed", recorded)
+    monkeypatch.setattr(LocalFileBackend, "get_blocks_hashed", recorded)
     consumer = make_rig(url, extra={"io_threads": io_threads})
     run = consumer.prefill("d", tokens, compute=False)
     assert run.num_external == 96 and run.errors == [set(run.block_ids[2:6])]

@@ -12,21 +12,23 @@ from typing import Any
 import pytest
 import xxhash
 
+import kvx
 from kvx.plugins.storage import (
     _fileio,  # not built: this file fails to import, as it should
     blockformat,
 )
-from kvx.plugins.storage.backends import fsspec_backend, segments
+from kvx.plugins.storage.backends import local_files, segments
 from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 from kvx.plugins.storage.blockformat import BlockShape
 
 
 def test_the_native_reader_is_built_and_used_for_local_files(tmp_path: Path) -> None:
     # The module builds against the vendored xxhash.h: every install with a C compiler has it.
     assert _fileio.vector() in ("avx2", "baseline")
-    assert FsspecBackend(f"file://{tmp_path}", BackendOptions()).hashed_io
-    assert not FsspecBackend("memory://kvx-fileio", BackendOptions()).hashed_io
+    assert kvx.supports_hashed_io(LocalFileBackend(f"file://{tmp_path}", BackendOptions()))
+    assert not kvx.supports_hashed_io(FsspecBackend("memory://kvx-fileio", BackendOptions()))
 
 
 def _expected(seed: bytes, data: bytes, skip: tuple[int, int]) -> int:
@@ -159,7 +161,7 @@ def test_a_write_that_cannot_start_reports_its_errno_and_leaves_no_file(tmp_path
 
 
 def test_backend_round_trip_sizes_and_checksums(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     src, table = _cache(3, 4096)
     seeds = [b"ns/a" + b"p" * 56, b"ns/b" + b"p" * 56]
     backend.put_blocks_hashed(["ns/a", "ns/b"], seeds, b"p" * 56, table, [2, 0])
@@ -191,7 +193,7 @@ def test_backend_round_trip_sizes_and_checksums(tmp_path: Path) -> None:
 
 
 def test_backend_remakes_a_pruned_directory_and_raises_other_errors(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     table = [(bytearray(b"data"), 0, 4, 0)]
     backend.put_blocks_hashed(["ns/x/a"], [b""], b"", table, [0])
     shutil.rmtree(tmp_path / "ns")  # pruned by someone else: made again
@@ -203,14 +205,28 @@ def test_backend_remakes_a_pruned_directory_and_raises_other_errors(tmp_path: Pa
     assert not list((tmp_path / "ns" / "x").glob("*.tmp-*"))  # its temporary file removed
 
 
-def test_without_the_native_module_the_backend_says_so(
+def test_without_the_native_module_the_mixin_defaults_serve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fsspec_backend, "_fileio", None)
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
-    assert not backend.hashed_io
-    with pytest.raises(RuntimeError, match="one-pass checksummed IO needs local files"):
-        backend.get_blocks_hashed(["ns/a"], [b""], (0, 0), [memoryview(bytearray(1))], [], [0])
+    """Without `_fileio` local files still move whole blocks (`kvx.SupportsHashedIO`'s Python
+    defaults on the vectored calls), in the same value format the native reader reads."""
+    table = [(memoryview(bytearray(range(256)) * 2), 0, 128, 128)]  # four blocks of 128 bytes
+    monkeypatch.setattr(local_files, "_fileio", None)
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
+    seeds = [b"s1" + b"p" * 8, b"s2" + b"p" * 8]  # a reader's seed, then the header's prefix
+    backend.put_blocks_hashed(["ns/a", "ns/b"], seeds, b"p" * 8, table, [1, 2])
+    monkeypatch.setattr(local_files, "_fileio", _fileio)
+    dst = bytearray(4 * 128)
+    heads = [memoryview(bytearray(16)) for _ in range(2)]
+    out = backend.get_blocks_hashed(
+        ["ns/a", "ns/b"], [b"s1", b"s2"], (8, 16), heads, [(memoryview(dst), 0, 128, 128)], [3, 0]
+    )
+    src = bytes(table[0][0])
+    assert [size for size, _ in out] == [16 + 128] * 2
+    assert dst == src[256:384] + bytes(256) + src[128:256]  # block 3 <- 1, block 0 <- 2
+    for head, (_, digest), seed, block in zip(heads, out, [b"s1", b"s2"], [1, 2], strict=True):
+        want = xxhash.xxh3_64_intdigest(seed + b"p" * 8 + src[block * 128 : block * 128 + 128])
+        assert digest == want == int.from_bytes(head[8:], "little")
 
 
 def test_hash_buffers_matches_xxhash_and_the_format_uses_it(
@@ -232,14 +248,14 @@ def test_native_and_python_paths_load_each_others_values(
 ) -> None:
     tokens = [(7 * i) % 1000 for i in range(50)]
     url = f"file://{tmp_path}"
-    monkeypatch.setattr(fsspec_backend, "_fileio", _fileio if native_writer else None)
+    monkeypatch.setattr(local_files, "_fileio", _fileio if native_writer else None)
     producer = make_rig(url)
     producer.prefill("p", tokens)
-    monkeypatch.setattr(fsspec_backend, "_fileio", None if native_writer else _fileio)
+    monkeypatch.setattr(local_files, "_fileio", None if native_writer else _fileio)
     consumer = make_rig(url)
-    for rig, native in ((producer, native_writer), (consumer, not native_writer)):
+    for rig in (producer, consumer):
         worker = rig.workers[0][0].worker
-        assert worker.direct and worker.backend.hashed_io == native
+        assert worker.direct and worker._direct_io.hashed_io  # native or the mixin's defaults
     loaded = consumer.prefill("d", tokens, compute=False)
     assert loaded.num_external == 48 and loaded.errors == [set()]
     consumer.check(tokens, loaded.block_ids, 48)
@@ -248,7 +264,7 @@ def test_native_and_python_paths_load_each_others_values(
 def test_a_batch_shares_one_segment_file_and_every_read_path_finds_its_value(
     tmp_path: Path,
 ) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     src, table = _cache(5, 3000)
     keys = ["ns/x/a", "ns/y/b", "ns/x/c"]
     seeds = [k.encode() + b"p" * 56 for k in keys]  # as the format: key, then the prefix
@@ -297,7 +313,7 @@ def test_segments_written_back_to_back_still_load(tmp_path: Path) -> None:
     """Version-1 segments from before page-aligned payloads (values back to back after the
     index) are found through their index and read whole, by the native and the Python read
     paths."""
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     src, table = _cache(3, 3000)
     keys = ["ns/a", "ns/b", "ns/c"]
     seeds = [k.encode() + b"p" * 56 for k in keys]
@@ -331,7 +347,7 @@ def test_segments_written_back_to_back_still_load(tmp_path: Path) -> None:
 
 
 def test_damaged_segment_headers_are_not_trusted(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     _, table = _cache(2, 4096)
     keys = ["ns/a", "ns/b"]
     backend.put_blocks_hashed(keys, [b"", b""], b"p" * 56, table, [0, 1])

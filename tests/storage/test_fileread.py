@@ -11,7 +11,7 @@ import pytest
 
 from kvx.plugins.storage import _fileio
 from kvx.plugins.storage.backends.base import BackendOptions
-from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 
 SIZE = 600  # bytes of a block's K (and of its V)
 BLOCKS = 48
@@ -29,7 +29,7 @@ def _body(cache: bytearray, block: int) -> bytes:
     return bytes(cache[block * SIZE :][:SIZE] + cache[(BLOCKS + block) * SIZE :][:SIZE])
 
 
-def _store(backend: FsspecBackend, keys: list[str], blocks: list[int], prefix: bytes) -> bytes:
+def _store(backend: LocalFileBackend, keys: list[str], blocks: list[int], prefix: bytes) -> bytes:
     """Write `keys` from `blocks` of the source cache (one segment file, or a plain file for a
     single key), headers starting with `prefix`; the source cache's bytes."""
     src, table = _cache(fill=True)
@@ -38,7 +38,7 @@ def _store(backend: FsspecBackend, keys: list[str], blocks: list[int], prefix: b
     return bytes(src)
 
 
-def _read(backend: FsspecBackend, keys: list[str]) -> tuple[list, list[bytearray], bytearray]:
+def _read(backend: LocalFileBackend, keys: list[str]) -> tuple[list, list[bytearray], bytearray]:
     """Read `keys` into blocks 0, 1, ... of a zeroed cache: per key (size, digest), the
     headers, the cache."""
     dst, table = _cache(fill=False)
@@ -71,7 +71,7 @@ def test_a_key_relinked_to_another_segment_is_read_from_that_file(tmp_path: Path
     """`ns/b` is listed in the index of the segment its batch neighbours are read from, but
     its path now names a newer segment: it is read from that one (and `ns/c` from the first
     again)."""
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     old, new = b"p" * 56, b"q" * 56
     src = _store(backend, ["ns/a", "ns/b", "ns/c"], [0, 1, 2], old)
     assert _store(backend, ["ns/b", "ns/d"], [3, 4], new) == src
@@ -84,7 +84,7 @@ def test_a_key_relinked_to_another_segment_is_read_from_that_file(tmp_path: Path
 def test_a_segment_replaced_between_values_is_not_read_stale(tmp_path: Path) -> None:
     """Keys of one segment, one replaced by a plain value file and one removed: each is read
     from what its path names, and the segment's other values still from the segment."""
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     old, new = b"p" * 56, b"r" * 56
     src = _store(backend, ["ns/a", "ns/b", "ns/c", "ns/d"], [0, 1, 2, 3], old)
     _store(backend, ["ns/b"], [5], new)  # a batch of one: a plain file
@@ -132,7 +132,7 @@ def test_values_past_the_lookahead_of_a_kept_segment_are_each_checked(tmp_path: 
     """A batch of 40 values of one segment (paths are looked up 32 at a time while it is kept
     open): keys re-linked to another segment, or removed, on both sides of the 32nd are read
     from what their paths name."""
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     old, new = b"p" * 56, b"q" * 56
     keys = [f"ns/{i:02d}/v" for i in range(40)]
     src = _store(backend, keys, list(range(40)), old)

@@ -16,7 +16,7 @@ import pytest
 from kvx.plugins.storage import _fileio
 from kvx.plugins.storage.backends import segments
 from kvx.plugins.storage.backends.base import BackendOptions
-from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 from kvx.plugins.storage.blockformat import (
     CHECKSUM_SPAN,
     HEADER,
@@ -51,9 +51,9 @@ def _block(cache: bytearray, layers: int, blocks: int, size: int, block: int) ->
     )
 
 
-def _v2_store(root: Path, keys: list[str], blocks: list[int]) -> tuple[FsspecBackend, bytearray]:
+def _v2_store(root: Path, keys: list[str], blocks: list[int]) -> tuple[LocalFileBackend, bytearray]:
     shape = V1_SHAPE
-    backend = FsspecBackend(f"file://{root}", BackendOptions())
+    backend = LocalFileBackend(f"file://{root}", BackendOptions())
     src, table = _cache(3, 4, shape.layer_bytes)
     seeds = [checksum_seed(key, shape) for key in keys]
     backend.put_blocks_hashed(keys, seeds, header_prefix(shape), table, blocks)
@@ -61,7 +61,7 @@ def _v2_store(root: Path, keys: list[str], blocks: list[int]) -> tuple[FsspecBac
 
 
 def _read_native(
-    backend: FsspecBackend, keys: list[str], targets: list[int], checksum: bool = True
+    backend: LocalFileBackend, keys: list[str], targets: list[int], checksum: bool = True
 ) -> tuple[list, list[bytearray], bytearray]:
     """Read `keys` into blocks `targets` of a zeroed cache like the writer's."""
     dst, table = _cache(3, 4, V1_SHAPE.layer_bytes, fill=False)
@@ -74,7 +74,7 @@ def _read_native(
 
 
 def _check_native_reads(
-    backend: FsspecBackend,
+    backend: LocalFileBackend,
     keys: list[str],
     payloads: list[bytes],
     targets: list[int],
@@ -130,7 +130,7 @@ def _v1_store(root: Path) -> None:
 
 def test_stored_version_1_segments_still_load(tmp_path: Path) -> None:
     _v1_store(tmp_path)
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     src, _ = _cache(3, 4, V1_SHAPE.layer_bytes)
     payloads = [_block(src, 3, 4, V1_SHAPE.layer_bytes, b) for b in V1_BLOCKS]
     value = V1_SHAPE.value_bytes

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvx.plugins.storage.backends.base import BackendOptions
-from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +36,7 @@ def within(seconds: float, call: Callable[[], Any]) -> Any:
 @pytest.fixture
 def planted(tmp_path: Path):
     store = tmp_path / "store"
-    backend = FsspecBackend(f"file://{store}", BackendOptions())
+    backend = LocalFileBackend(f"file://{store}", BackendOptions())
     cache = bytearray(range(256)) * 1
     table = [(cache, 0, 64, 128), (cache, 64, 64, 128)]
     for key in KEYS:
@@ -80,8 +80,8 @@ def test_a_value_that_is_a_link_out_of_the_store_is_not_loaded(tmp_path: Path, c
     """The policy: values that are symbolic links are never followed (native and Python)."""
     caplog.set_level(logging.WARNING)
     store, outside = tmp_path / "store", tmp_path / "outside"
-    backend = FsspecBackend(f"file://{store}", BackendOptions())
-    theirs = FsspecBackend(f"file://{outside}", BackendOptions())
+    backend = LocalFileBackend(f"file://{store}", BackendOptions())
+    theirs = LocalFileBackend(f"file://{outside}", BackendOptions())
     cache = bytearray(range(256))
     table = [(cache, 0, 64, 128), (cache, 64, 64, 128)]
     theirs.put_blocks_hashed(["ns/secret"], [b""], b"p" * 56, table, [0])
@@ -106,7 +106,7 @@ def test_a_shard_directory_linked_out_of_the_store_receives_no_save(tmp_path: Pa
     outside.mkdir()
     store.mkdir()
     os.symlink(outside, store / "ns")
-    backend = FsspecBackend(f"file://{store}", BackendOptions())
+    backend = LocalFileBackend(f"file://{store}", BackendOptions())
     cache = bytearray(range(256))
     table = [(cache, 0, 64, 128), (cache, 64, 64, 128)]
     with pytest.raises(OSError, match=r"leads out of the store .* through a symbolic link"):

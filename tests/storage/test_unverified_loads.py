@@ -12,7 +12,7 @@ import pytest
 
 from kvx.plugins.storage.backends import segments
 from kvx.plugins.storage.backends.base import BackendOptions
-from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
+from kvx.plugins.storage.backends.local_files import LocalFileBackend
 from kvx.plugins.storage.keys import block_keys, chain_seed
 
 MakeRig = Callable[..., Any]
@@ -26,7 +26,7 @@ def _cache(blocks: int, regions: int, size: int) -> tuple[bytearray, list[Any]]:
 
 
 def test_unhashed_reads_land_in_place_and_touch_nothing_else(tmp_path: Path) -> None:
-    backend = FsspecBackend(f"file://{tmp_path}", BackendOptions())
+    backend = LocalFileBackend(f"file://{tmp_path}", BackendOptions())
     regions, size = 100, 96  # more regions than one hashed preadv takes (64)
     src, table = _cache(4, regions, size)
     keys = ["ns/a", "ns/b", "ns/c"]
@@ -69,7 +69,7 @@ def test_unverified_loads_go_native_and_refuse_torn_values(
     def python_path(*args: object) -> None:
         raise AssertionError("unverified local loads read through the native reader")
 
-    monkeypatch.setattr(FsspecBackend, "get_vectored", python_path)
+    monkeypatch.setattr(LocalFileBackend, "get_vectored", python_path)
     consumer = make_rig(url, extra={"verify_checksums": False})
     loaded = consumer.prefill("d", tokens, compute=False)
     assert loaded.num_external == 48 and loaded.errors == [set()]

@@ -1,33 +1,16 @@
-"""fsspec backend: `file://`, `memory://` and any other fsspec protocol (`s3://` with s3fs...)."""
+"""fsspec backend: `memory://` and any other fsspec protocol (`s3://` with s3fs, `gs://`...);
+local files have a backend of their own (`local_files.py`)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import itertools
 import logging
-import os
-import stat
-import threading
 import uuid
-from collections.abc import Callable, Sequence
-from functools import partial
-from types import ModuleType
-from typing import Any
+from collections.abc import Sequence
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
-import kvx
-from kvx.plugins.storage.backends.base import BackendOptions, RegionTable, StorageBackend, copy_into
-from kvx.plugins.storage.backends.segments import locate
-from kvx.plugins.storage.backends.vectored import advance, byte_views, iov_max
-
-_fileio: ModuleType | None
-try:  # one-pass read + checksum (built when the system has xxhash.h)
-    from kvx.plugins.storage import _fileio
-except ImportError:  # pragma: no cover - every `make` install builds it
-    _fileio = None
+from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -39,34 +22,10 @@ _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfs
 S3_PART_BYTES = 16 << 20
 
 
-NOT_REGULAR = "not a regular file (a FIFO, device or socket is never read)"
-A_LINK = "a symbolic link (values that are links are never followed)"
-
-
-def open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file `path`. O_NONBLOCK: opening a FIFO does not
-    wait for a writer; anything but a regular file is refused (OSError), so a load never blocks
-    on a special file planted in the store. O_NOFOLLOW: a value that is a symbolic link is
-    refused (ELOOP), so no value is loaded from outside the store through one."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, A_LINK, path) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISREG(mode):
-        return fd
-    os.close(fd)
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-    raise OSError(errno.EINVAL, NOT_REGULAR, path)
-
-
 class FsspecBackend(StorageBackend):
-    """Values are files `<root>/<key>`; written to a temporary name and renamed into place
-    (`os.replace` on local disks), or put in one request where a put is atomic. Local files
-    go through plain `os` calls: fsspec's file objects cost more than writing a block does."""
+    """Values are objects (files) `<root>/<key>` of the URL's fsspec filesystem: put in one
+    request where a put is atomic (object stores, memory), else written to a temporary name
+    and moved into place. A group of values (`group_bytes`) is one call's worth."""
 
     def __init__(self, url: str, options: BackendOptions) -> None:
         self.url = url
@@ -78,21 +37,7 @@ class FsspecBackend(StorageBackend):
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.atomic_put = bool(_ATOMIC_PUT.intersection(protocols))
         self._put_kwargs = {"chunksize": S3_PART_BYTES} if {"s3", "s3a"} & set(protocols) else {}
-        self.local = isinstance(self.fs, LocalFileSystem)
-        # bytes worth reading per get_vectored call: local files one value at a time (no
-        # round trip to save; the caller checks each value while it is in the CPU's cache)
-        self.group_bytes = 1 if self.local else 16 << 20
-        # local files are read / written and checksummed in one pass (`get_blocks_hashed`,
-        # `put_blocks_hashed`)
-        self.hashed_io = self.local and _fileio is not None
         self._dirs: set[str] = set()
-        self._dirs_lock = threading.Lock()
-        self._tmp_tag = uuid.uuid4().hex  # temporary names: unique per backend, then a serial
-        self._tmp_serial = itertools.count()
-        self.file_mode, self.dir_mode = options.file_mode, options.dir_mode
-        if self.local:
-            kvx.make_private_dirs(self.root, self.dir_mode)
-            self._real_root = os.path.realpath(self.root)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -101,15 +46,12 @@ class FsspecBackend(StorageBackend):
         self.put_vectored([(key, [value]) for key, value in items])
 
     def put_vectored(self, items: Sequence[tuple[str, Sequence[bytes | memoryview]]]) -> None:
-        """Store each key's value: the concatenation of its buffers (local files: one
-        `writev` from the buffers, no joined copy)."""
+        """Store each key's value, the concatenation of its buffers: one put where that is
+        atomic, else a temporary file moved into place."""
         for key, parts in items:
             path = self._path(key)
             if self.atomic_put:
-                self.fs.pipe_file(path, b"".join(parts), **self._put_kwargs)
-                continue
-            if self.local:
-                self._put_local(path, partial(_write_all, parts=parts))
+                self.fs.pipe_file(path, _joined(parts), **self._put_kwargs)
                 continue
             self._makedirs(path.rsplit("/", 1)[0])
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -119,33 +61,9 @@ class FsspecBackend(StorageBackend):
                         f.write(part)
                 self.fs.mv(tmp, path)
             except BaseException:
-                self._discard(tmp)
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(tmp)
                 raise
-
-    def _put_local(self, path: str, write: Callable[[int], None]) -> None:
-        """Create the local file `path` atomically: `write(fd)` fills a new temporary file
-        beside it, which is then renamed into place (`os.replace`). A directory pruned since
-        it was made is made again."""
-        directory = path.rsplit("/", 1)[0]
-        self._makedirs(directory)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        create = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # a new file, never an existing one
-        try:
-            try:
-                fd = os.open(tmp, create, self.file_mode)
-            except FileNotFoundError:  # the directory was pruned since it was made
-                with self._dirs_lock:
-                    self._dirs.discard(directory)
-                self._makedirs(directory)
-                fd = os.open(tmp, create, self.file_mode)
-            try:
-                write(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            self._discard(tmp)
-            raise
 
     def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
         return [self._get(key, max_bytes) for key in keys]
@@ -153,13 +71,6 @@ class FsspecBackend(StorageBackend):
     def _get(self, key: str, max_bytes: int) -> bytes | None:
         path = self._path(key)
         try:
-            if self.local:
-                with open(open_regular(path), "rb", buffering=0) as raw:
-                    where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key, path)
-                    if where is None:
-                        return raw.read(max_bytes + 1)
-                    want = min(where.size, max_bytes + 1) - len(where.head)
-                    return where.head + os.pread(raw.fileno(), max(want, 0), where.offset)
             # one ranged read: a file object would first ask for the size and version, then
             # read, and fail if a writer replaced the value in between (s3fs: ETag changed)
             data: bytes = self.fs.cat_file(path, start=0, end=max_bytes + 1)
@@ -170,230 +81,36 @@ class FsspecBackend(StorageBackend):
             logger.warning("kvx storage: cannot read %s: %s", path, exc)
             return None
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        """Read each value into its buffer when it is exactly that long: per key the stored
-        size (None where absent or unreadable). Local files go straight into the buffer."""
-        return self.get_vectored(keys, [[buf] for buf in buffers])
-
     def get_vectored(
         self, keys: Sequence[str], buffers: Sequence[Sequence[memoryview]]
     ) -> list[int | None]:
         """Read each value into the concatenation of its buffers when it is exactly that long
         (otherwise they are untouched): per key the stored size (None where absent or
-        unreadable; a longer value on a remote filesystem is read only to the buffers' total
-        + 1 and reported as that). Local files: one `preadv` into the buffers."""
-        return [self._get_vectored(key, parts) for key, parts in zip(keys, buffers, strict=True)]
-
-    def _get_vectored(self, key: str, parts: Sequence[memoryview]) -> int | None:
-        total = sum(part.nbytes for part in parts)
-        path = self._path(key)
-        if not self.local:
-            data = self._get(key, total)
-            if data is not None and len(data) == total:
+        unreadable; a longer value is read only to the buffers' total + 1 and reported as
+        that)."""
+        sizes: list[int | None] = []
+        for key, parts in zip(keys, buffers, strict=True):
+            data = self._get(key, sum(part.nbytes for part in parts))
+            if data is not None and len(data) == sum(part.nbytes for part in parts):
                 copy_into(parts, data)
-            return None if data is None else len(data)
-        try:
-            fd = open_regular(path)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            logger.warning("kvx storage: cannot read %s: %s", path, exc)
-            return None
-        try:
-            size, start, head = os.fstat(fd).st_size, 0, b""
-            if size > total and (where := locate(fd, size, key, path)) is not None:
-                start, size, head = where.offset, where.size, where.head  # in a segment file
-            if size != total:
-                return size
-            views, i = byte_views(parts), 0
-            if head:  # version 2: the value's header came from the segment's index
-                copy_into(_cut(views, len(head)), head)
-                i = advance(views, 0, len(head))
-                start -= len(head)  # file offsets below count the header's bytes too
-            got = len(head)
-            while i < len(views):
-                n = os.preadv(fd, views[i : i + _IOV_MAX], start + got)
-                if n == 0:
-                    break  # shorter than fstat said: reported as that size
-                got += n
-                i = advance(views, i, n)
-            return got
-        finally:
-            os.close(fd)
-
-    def put_blocks_hashed(
-        self,
-        keys: Sequence[str],
-        seeds: Sequence[bytes],
-        prefix: bytes,
-        regions: RegionTable,
-        blocks: Sequence[int],
-    ) -> None:
-        """Store local files, key i holding a header (`prefix`, then XXH3-64 of `seeds[i]` and
-        the payload, little-endian) and the payload: the regions of engine block `blocks[i]`
-        (`regions`: per region (buffer, start, size, step), block b's bytes being
-        `buffer[start + b * step:][:size]`). Checksummed as written, all in native code
-        without the GIL (needs `hashed_io`). Atomic per key, as `put_many`."""
-        self._native()  # a clear error where it cannot serve
-        paths = [self._path(key) for key in keys]
-        todo = list(range(len(keys)))
-        for attempt in range(2):
-            directories = {paths[i].rsplit("/", 1)[0] for i in todo}
-            if attempt:  # pruned since they were made: made again
-                with self._dirs_lock:
-                    self._dirs.difference_update(directories)
-            for directory in directories:
-                self._makedirs(directory)
-            errors = self._write_hashed(
-                [paths[i] for i in todo],
-                [keys[i] for i in todo],
-                [seeds[i] for i in todo],
-                prefix,
-                regions,
-                [blocks[i] for i in todo],
-            )
-            failed = [(i, e) for i, e in zip(todo, errors, strict=True) if e]
-            todo = [i for i, e in failed if e == errno.ENOENT]
-            if not failed or len(todo) < len(failed) or attempt:
-                break
-        if failed:
-            i, error = failed[0]
-            raise OSError(error, f"cannot store {paths[i]}: {os.strerror(error)}")
-
-    def _write_hashed(
-        self,
-        paths: list[str],
-        keys: list[str],
-        seeds: list[bytes],
-        prefix: bytes,
-        regions: RegionTable,
-        blocks: list[int],
-    ) -> list[int]:
-        """Per value 0 or the errno that stopped it. Several values go into segment files
-        (one new inode per SEGMENT_VALUES values, not per value: `segments.py`), one alone
-        into a file of its own."""
-        native = self._native()
-        if len(paths) == 1:
-            tmp = f"{paths[0]}.tmp-{self._tmp_tag}-{next(self._tmp_serial)}"
-            return list(
-                native.write_blocks(
-                    paths, [tmp], seeds, prefix, regions, blocks, False, self.file_mode
-                )
-            )
-        errors: list[int] = []
-        for at in range(0, len(paths), SEGMENT_VALUES):
-            part = slice(at, at + SEGMENT_VALUES)
-            tmp = f"{paths[at]}.tmp-{self._tmp_tag}-{next(self._tmp_serial)}"
-            errors += native.write_segment(
-                paths[part],
-                [key.encode() for key in keys[part]],
-                tmp,
-                seeds[part],
-                prefix,
-                regions,
-                blocks[part],
-                False,
-                self.file_mode,
-            )
-        return errors
-
-    def get_blocks_hashed(
-        self,
-        keys: Sequence[str],
-        seeds: Sequence[bytes],
-        skip: tuple[int, int],
-        heads: Sequence[memoryview],
-        regions: RegionTable,
-        blocks: Sequence[int],
-        checksum: bool = True,
-    ) -> list[tuple[int | None, int | None]]:
-        """Read local files written by `put_blocks_hashed`: key i into `heads[i]` and the
-        regions of engine block `blocks[i]`, when it has exactly their size (otherwise nothing
-        is read), checksumming it in the same pass without the GIL (needs `hashed_io`). Per key
-        its stored size (None if absent or unreadable) and, when it was read and `checksum`,
-        XXH3-64 of `seeds[i]` then its bytes except `skip` (else None). Without `checksum` a
-        value moves in one `preadv` and nothing is hashed."""
-        native = self._native()
-        paths = [self._path(key) for key in keys]
-        out: list[tuple[int | None, int | None]] = []
-        for path, (size, digest, error) in zip(
-            paths,
-            native.read_blocks(
-                paths,
-                seeds,
-                *skip,
-                heads,
-                regions,
-                blocks,
-                False,
-                [k.encode() for k in keys],
-                checksum,
-            ),
-            strict=True,
-        ):
-            if error and error != errno.ENOENT:
-                why = {errno.EINVAL: NOT_REGULAR, errno.ELOOP: A_LINK}.get(
-                    error, os.strerror(error)
-                )
-                logger.warning("kvx storage: cannot read %s: %s", path, why)
-            out.append((size, digest))
-        return out
-
-    def _native(self) -> Any:
-        """The `_fileio` module, or a clear error where it cannot serve (not local files, or
-        not built)."""
-        if not self.hashed_io:
-            raise NotImplementedError(f"{self.url}: one-pass checksummed IO needs local files")
-        return _fileio
+            sizes.append(None if data is None else len(data))
+        return sizes
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        if self.local:  # a stat each, without fsspec's path handling (~5x the cost)
-            return [os.path.exists(self._path(key)) for key in keys]
         return [bool(self.fs.exists(self._path(key))) for key in keys]
 
     def _makedirs(self, directory: str) -> None:
-        if directory in self._dirs:
-            return
-        if self.local:
-            kvx.make_private_dirs(directory, self.dir_mode)
-            real = os.path.realpath(directory)
-            if real != self._real_root and not real.startswith(self._real_root + "/"):
-                raise OSError(
-                    errno.ELOOP,
-                    f"{directory} leads out of the store (to {real}) through a symbolic link; "
-                    "the store saves into no directory outside it",
-                )
-        else:
+        if directory not in self._dirs:
             self.fs.makedirs(directory, exist_ok=True)
-        with self._dirs_lock:
             self._dirs.add(directory)
-
-    def _discard(self, path: str) -> None:
-        with contextlib.suppress(OSError):
-            self.fs.rm_file(path)
 
     def close(self) -> None:
         """Nothing to release: fsspec filesystems hold no per-backend connections here."""
 
 
-def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
-    """Write the concatenation of `parts` to `fd` (vectored, resuming after short writes)."""
-    views, i = byte_views(parts), 0
-    while i < len(views):
-        i = advance(views, i, os.writev(fd, views[i : i + _IOV_MAX]))
-
-
-def _cut(views: list[memoryview], n: int) -> list[memoryview]:
-    """The views covering the first `n` bytes of their concatenation (the last one cut)."""
-    out: list[memoryview] = []
-    for view in views:
-        if n <= 0:
-            break
-        out.append(view[:n])
-        n -= len(view)
-    return out
-
-
-_IOV_MAX = iov_max()
-SEGMENT_VALUES = 256
-"""Values per segment file at most (a write call's batch is split into segments of this many)."""
+def _joined(parts: Sequence[bytes | memoryview]) -> bytes:
+    """One body for a put (fsspec's `pipe_file` takes bytes): a value that is one bytes
+    object as it is, else the parts joined."""
+    if len(parts) == 1 and isinstance(parts[0], bytes):
+        return parts[0]
+    return b"".join(parts)
