@@ -5,6 +5,9 @@ own key, found through an index in the file's header. Written by the native `wri
 
 A file whose size is the size the reader expects is a value of its own: files written one per
 value (block format 3 stores, batches of one value) are read as they always were.
+
+The format is defined by the C sources (`_fileio.h`, `_segment.c`); the constants below restate
+it for this reader, and tests/storage/test_segment_format.py fails when the two differ.
 """
 
 from __future__ import annotations
