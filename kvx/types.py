@@ -135,6 +135,9 @@ class NewRequestData:
     block_ids: BlockIds
     num_computed_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    mm_hashes: list[str] = field(default_factory=list)
+    """The request's multimodal inputs' hashes (vLLM's `mm_features` identifiers), as
+    `Request.mm_hashes`."""
 
 
 @dataclass

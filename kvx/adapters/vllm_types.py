@@ -142,6 +142,7 @@ def scheduler_output(out: Any, mirror: RequestMirror) -> SchedulerOutput:
             block_ids=tables(r.block_ids),
             num_computed_tokens=r.num_computed_tokens,
             kv_transfer_params=mirror.params_of(r.req_id),
+            mm_hashes=[f.identifier for f in r.mm_features or ()],
         )
         for r in out.scheduled_new_reqs
     ]

@@ -311,6 +311,7 @@ class Scheduler:
                         (list(state.blocks),),
                         num_computed,
                         req.kv_transfer_params,
+                        list(req.mm_hashes),
                     )
                 )
 

@@ -110,18 +110,20 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
     # -- helpers ---------------------------------------------------------------------------
 
     def _start(self, new: kvx.NewRequestData) -> _Request:
-        keys = self._keys.get(new.req_id)
-        if keys is None:  # on_new_request / get_num_new_matched_tokens were not called
-            keys = block_keys(new.prompt_token_ids, self.geo.block_size, self.geo.seed())
-            self._keys[new.req_id] = keys
+        # on_new_request / get_num_new_matched_tokens may not have been called
+        keys = self._keys_of(new.req_id, new.prompt_token_ids, new.mm_hashes)
         return _Request(len(new.prompt_token_ids), keys)
 
     def _request_keys(self, request: kvx.Request) -> list[str]:
-        keys = self._keys.get(request.request_id)
+        return self._keys_of(request.request_id, request.prompt_token_ids, request.mm_hashes)
+
+    def _keys_of(self, req_id: str, prompt: list[int], mm_hashes: list[str]) -> list[str]:
+        """The request's stored-block keys, seeded once (with its multimodal hashes: equal
+        placeholder tokens of different images must not share keys) and kept."""
+        keys = self._keys.get(req_id)
         if keys is None:
-            seed = self.geo.seed(request.mm_hashes)
-            keys = block_keys(request.prompt_token_ids, self.geo.block_size, seed)
-            self._keys[request.request_id] = keys
+            keys = block_keys(prompt, self.geo.block_size, self.geo.seed(mm_hashes))
+            self._keys[req_id] = keys
         return keys
 
     def plan(self, meta: StorageMetadata, step: ScheduledRequest[_Request]) -> None:
