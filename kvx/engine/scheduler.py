@@ -19,7 +19,6 @@ that one is left to compute; the engine records it, then carries on loading one 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -521,6 +520,3 @@ class Scheduler:
     def held_blocks(self) -> dict[str, list[int]]:
         """Blocks kept after finish for a connector (sending) or an in-flight read."""
         return {**self._held_for_send, **self._held_for_recv}
-
-    def finished_requests(self) -> Iterable[Request]:
-        return (s.request for s in self.states.values() if s.request.is_finished())

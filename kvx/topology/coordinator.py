@@ -120,7 +120,6 @@ class GroupCoordinator:
 
 _WORLD: GroupCoordinator | None = None
 _GROUPS: dict[str, GroupCoordinator] = {}
-_GRID: RankGrid | None = None
 
 
 def init_distributed_environment(
@@ -159,7 +158,6 @@ def initialize_model_parallel(
 ) -> RankGrid:
     """Build the TP, DCP, PCP, PP, DP (and EP) groups of the world (matches vLLM's
     `initialize_model_parallel`); returns the grid they came from."""
-    global _GRID
     if _WORLD is None:
         raise TopologyError("call init_distributed_environment before initialize_model_parallel")
     if _GROUPS:
@@ -176,7 +174,6 @@ def initialize_model_parallel(
     kinds = ["tp", "dcp", "pcp", "pp", "dp"] + (["ep"] if enable_expert_parallel else [])
     for kind in kinds:
         _GROUPS[kind] = GroupCoordinator(grid.groups(kind), _WORLD.local_rank, backend, kind)
-    _GRID = grid
     return grid
 
 
@@ -221,19 +218,11 @@ def get_ep_group() -> GroupCoordinator:
     return _group("ep")
 
 
-def get_grid() -> RankGrid:
-    if _GRID is None:
-        raise TopologyError("model parallel groups are not initialised")
-    return _GRID
-
-
 def destroy_model_parallel() -> None:
     """Destroy every model-parallel group (the world stays)."""
-    global _GRID
     for coordinator in _GROUPS.values():
         coordinator.destroy()
     _GROUPS.clear()
-    _GRID = None
 
 
 def destroy_distributed_environment() -> None:
