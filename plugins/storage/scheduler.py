@@ -67,6 +67,8 @@ class StorageScheduler(PlanningScheduler[_Request, StorageMetadata]):
     ) -> tuple[int, bool]:
         """Tokens of full stored blocks beyond `num_computed_tokens`, engine-block aligned and
         never the last prompt token (vLLM: `align_to_block_size(len - 1)`); loads are sync."""
+        # TODO: asynchronous loads (answer True, WAITING_FOR_REMOTE_KVS) so a long prefix no
+        # longer delays the step that loads it (docs/connectors/shared-storage.md, Limits)
         bs, ebs = self.geo.block_size, self.geo.engine_block_size
         cap = (len(request.prompt_token_ids) - 1) // ebs * ebs
         if not self.load or cap <= num_computed_tokens:

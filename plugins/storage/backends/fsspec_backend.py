@@ -97,6 +97,8 @@ class FsspecBackend(StorageBackend):
         return sizes
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        # TODO: one request per value on object stores (stages x shards per block); one
+        # listing of the values' common prefix would answer a block's values at once
         return [bool(self.fs.exists(self._path(key))) for key in keys]
 
     def _makedirs(self, directory: str) -> None:
@@ -111,6 +113,8 @@ class FsspecBackend(StorageBackend):
 def _joined(parts: Sequence[bytes | memoryview]) -> bytes:
     """One body for a put (fsspec's `pipe_file` takes bytes): a value that is one bytes
     object as it is, else the parts joined."""
+    # TODO: a value of several parts (header + KV regions) is copied once here; a body that
+    # reads the parts in turn would let s3fs send them as they are (bench_s3.py measures it)
     if len(parts) == 1 and isinstance(parts[0], bytes):
         return parts[0]
     return b"".join(parts)

@@ -111,6 +111,8 @@ class MooncakeBackend(StorageBackend):
 
     def get_many(self, keys: Sequence[str], max_bytes: int) -> list[bytes | None]:
         out: list[bytes | None] = []
+        # TODO: one `get` (a round trip) per key, as `put_many` is one `upsert` per value; the
+        # store's batch calls would serve a group of values in one
         for key in keys:
             data = self.store.get(KEY_PREFIX + key)
             out.append(bytes(data[: max_bytes + 1]) if data else None)

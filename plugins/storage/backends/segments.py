@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+# TODO: generate these from _fileio.h at build time instead of restating them (until then
+# tests/storage/test_segment_format.py fails when the two differ)
 MAGIC = b"KVXS"
 VERSION = 2  # written; version 1 is still read
 VERSIONS = (1, 2)
