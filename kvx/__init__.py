@@ -16,7 +16,6 @@ from kvx.contract import (
     CopyBlocksOp,
     KVConnectorBase,
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
@@ -35,6 +34,7 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
 from kvx.hookimpls import hookimpl, provides, provides_connector
 from kvx.loading import install_hint
 from kvx.planning import (
@@ -90,6 +90,7 @@ __all__ = [
     "DIRECTIONS",
     "FAILURE_KINDS",
     "NULL_BLOCK",
+    "AgentPayload",
     "AllBlocksCleared",
     "BlockIds",
     "BlockRemoved",
@@ -147,6 +148,7 @@ __all__ = [
     "TrackedRequest",
     "TransferFigures",
     "TransformSpec",
+    "WorkerAddress",
     "__version__",
     "copy_into",
     "create_connector",

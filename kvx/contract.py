@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from kvx.events import KVCacheEvent, KVConnectorKVEvents
+from kvx.handshake import KVConnectorHandshakeMetadata
 from kvx.stats import KVConnectorStats
 
 if TYPE_CHECKING:
@@ -75,10 +76,6 @@ class KVConnectorMetadata:
     Subclasses must be msgspec-encodable (dataclasses or msgspec Structs of plain fields):
     the payload may cross a process boundary and kvx never pickles.
     """
-
-
-class KVConnectorHandshakeMetadata:
-    """Marker base of what a worker publishes for peers to connect to it (e.g. agent metadata)."""
 
 
 class KVConnectorWorkerMetadata(ABC):

@@ -7,11 +7,15 @@ and the engine context, or overrides `build_scheduler` / `build_worker`; the fac
 half of its role and forwards every contract method to it, so connector code is two plain classes
 (`ConnectorScheduler`, `ConnectorWorker`) with no role checks. A method of the other role fails
 with an error that names the method, the role it belongs to and the role the instance was built
-for. (Scheduler halves that plan request by request build on `kvx.planning`.)
+for. The facade only delegates: a connector's protocol lives in its halves (the worker half's
+`get_handshake_metadata`, the scheduler half's `set_handshake_metadata`, the worker half's
+`wait_for_save(metadata)`), never in facade overrides. (Scheduler halves that plan request by
+request build on `kvx.planning`.)
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -19,13 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get
 
 from kvx.contract import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
 from kvx.events import KVCacheEvent
+from kvx.handshake import KVConnectorHandshakeMetadata, Ranks, split_by_type, with_pp_ranks
 from kvx.stats import KVConnectorStats
 
 if TYPE_CHECKING:
@@ -40,12 +44,18 @@ if TYPE_CHECKING:
         SchedulerOutput,
     )
 
+logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=KVConnectorMetadata)
 
 
 class ConnectorScheduler(ABC):
     """The scheduler half: the contract's scheduler-side methods, same names, arguments and
-    defaults (see `KVConnectorBase_V1`), plus `shutdown`."""
+    defaults (see `KVConnectorBase_V1`), plus `set_handshake_metadata` (where both of the
+    contract's `set_xfer_handshake_metadata*` land) and `shutdown`."""
+
+    handshake_type: ClassVar[type[KVConnectorHandshakeMetadata]] = KVConnectorHandshakeMetadata
+    """The kind of handshake metadata this half's workers publish (`kvx.handshake`);
+    `set_handshake_metadata` gets only entries of this kind."""
 
     def on_new_request(self, request: Request) -> None:
         """A request was added to the engine."""
@@ -83,6 +93,11 @@ class ConnectorScheduler(ABC):
         """Drop cached KV if the connector can (None: not supported)."""
         return None
 
+    def set_handshake_metadata(self, metadata: dict[Ranks, Any]) -> None:
+        """Every worker's handshake metadata (a `handshake_type`), keyed by `(pp_rank,
+        tp_rank)`, once all registered their KV caches: serve or advertise it to peers.
+        Called once, on both P and D; TP-only engines give pp_rank 0."""
+
     def shutdown(self) -> None:
         """Close threads, sockets and files."""
 
@@ -107,8 +122,9 @@ class ConnectorWorker(ABC, Generic[M]):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, metadata: M) -> None:
         """The layer wrote its KV for this step (default: nothing is saved per layer)."""
 
-    def wait_for_save(self) -> None:
-        """The forward pass is over: the blocks being saved must be safe to reuse on return."""
+    def wait_for_save(self, metadata: M) -> None:
+        """The forward pass is over (this step's metadata is still the one given to
+        `start_load_kv`): the blocks being saved must be safe to reuse on return."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests done sending, requests done receiving) since the last call."""
@@ -127,7 +143,8 @@ class ConnectorWorker(ABC, Generic[M]):
         return None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """What peers need to connect to this worker (after `register_kv_caches`), or None."""
+        """What peers need to connect to this worker (after `register_kv_caches`), a kind
+        from `kvx.handshake`, or None; the scheduler half gets every worker's."""
         return None
 
     def shutdown(self) -> None:
@@ -269,6 +286,29 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     def reset_cache(self) -> bool | None:
         return self.scheduler.reset_cache()
 
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.set_xfer_handshake_metadata_pp_aware(with_pp_ranks(metadata))
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[Ranks, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """The scheduler half gets the entries of its `handshake_type`; others are another
+        connector's (a MultiConnector gives every child the first child's) and are left out."""
+        half = self.scheduler
+        own, other = split_by_type(metadata, half.handshake_type)
+        if other:
+            logger.warning(
+                "%s: handshake metadata of ranks %s is %s, not %s (another connector's); left out",
+                type(self).__name__,
+                sorted(other),
+                sorted(set(other.values())),
+                half.handshake_type.__name__,
+            )
+        if own:
+            half.set_handshake_metadata(own)
+
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -289,7 +329,7 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
         self.worker.save_kv_layer(layer_name, kv_layer, self._metadata())
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save()
+        self.worker.wait_for_save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self.worker.get_finished(finished_req_ids)

@@ -35,7 +35,3 @@ class LMCacheConnectorV1(RoleSplitConnector[LMCacheScheduler, LMCacheWorker]):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return bool(extra_config.get("use_layerwise", False))
-
-    def wait_for_save(self) -> None:
-        """Whole-chunk stores are planned in this step's metadata, so the worker gets it here."""
-        self.worker.save_step(self._metadata())

@@ -227,9 +227,9 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
         for _, steps in self._stores:
             next(steps, None)
 
-    def save_step(self, meta: LMCacheMetadata) -> None:
-        """The step's stores, once its forward pass is over (the facade's `wait_for_save`, which
-        hands this step's metadata over: whole-chunk stores are planned there)."""
+    def wait_for_save(self, meta: LMCacheMetadata) -> None:
+        """The step's stores, once its forward pass is over (whole-chunk stores are planned in
+        this step's metadata)."""
         if self.options.use_layerwise:
             self._finish_loads()  # loads of a step whose layer hooks did not all run
             for store, steps in self._stores:

@@ -8,16 +8,9 @@ channel, `worker.py` registers memory and moves bytes. Matches vLLM's `NixlConne
 from __future__ import annotations
 
 import kvx
-from kvx import (
-    ANY_GEOMETRY,
-    Capability,
-    KVConnectorHandshakeMetadata,
-    KVConnectorStats,
-    KVTransferConfig,
-    RoleSplitConnector,
-)
+from kvx import ANY_GEOMETRY, Capability, KVTransferConfig, RoleSplitConnector
 from kvx.plugins.nixl.config import NixlConfig
-from kvx.plugins.nixl.scheduler import NixlAgentHandshake, NixlScheduler
+from kvx.plugins.nixl.scheduler import NixlScheduler
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.plugins.nixl.worker import NixlWorker
 
@@ -31,30 +24,6 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
     extra_config_schema = NixlConfig
     stats_type = NixlKVConnectorStats
-    _held_reported = False
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.scheduler.serve_handshakes({(0, tp): meta for tp, meta in metadata.items()})
-
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.scheduler.serve_handshakes(metadata)
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return NixlAgentHandshake(self.worker.handshake_payload())
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Stats since the last call, with P's held requests as gauges: reported while any is
-        held and once more when none is (so a dashboard sees the hold end)."""
-        stats = self.worker.stats
-        held, oldest = self.worker.held()
-        if held or self._held_reported:
-            stats.set_held(held, oldest)
-        self._held_reported = held > 0
-        return None if stats.is_empty() else stats.clone_and_reset()
 
     @classmethod
     def fault_wait_s(cls, config: KVTransferConfig) -> float:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import kvx
-from kvx import KVConnectorHandshakeMetadata, RequestStatus
+from kvx import AgentPayload, RequestStatus
 from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
 from kvx.plugins.nixl.handshake import (
     compatibility_factors,
@@ -34,13 +34,6 @@ REQUIRED_PARAMS = {
 }
 
 
-class NixlAgentHandshake(KVConnectorHandshakeMetadata):
-    """A worker's encoded `AgentMetadata`, handed to the scheduler side to serve."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-
-
 def malformed_params(params: dict[str, Any]) -> str | None:
     """Why `kv_transfer_params` cannot drive a read, or None when they can."""
     for key, kind in REQUIRED_PARAMS.items():
@@ -53,6 +46,8 @@ def malformed_params(params: dict[str, Any]) -> str | None:
 
 
 class NixlScheduler(kvx.ConnectorScheduler):
+    handshake_type = AgentPayload  # each worker's encoded AgentMetadata
+
     def __init__(self, options: NixlConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options = options
         self.secret = kvx.resolve_secret(
@@ -72,17 +67,12 @@ class NixlScheduler(kvx.ConnectorScheduler):
 
     # -- side channel ---------------------------------------------------------------------
 
-    def serve_handshakes(
-        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-    ) -> None:
-        """Start serving every worker's payload (once; producers only)."""
+    def set_handshake_metadata(self, metadata: dict[tuple[int, int], AgentPayload]) -> None:
+        """Start serving every worker's payload (once; producers only: in pull mode only P is
+        read from)."""
         if self._server is not None or not self.config.is_kv_producer:
             return
-        payloads = {}
-        for rank, meta in metadata.items():
-            if not isinstance(meta, NixlAgentHandshake):
-                raise TypeError(f"handshake metadata of rank {rank} is {type(meta).__name__}")
-            payloads[rank] = meta.payload
+        payloads = {rank: meta.payload for rank, meta in metadata.items()}
         factors = compatibility_factors(self.ctx)
         self._server = SideChannelServer(
             self.address.host,

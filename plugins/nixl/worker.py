@@ -95,6 +95,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._producer = config.is_kv_producer
         self._lock = threading.Lock()  # every agent call; shared with the progress thread
         self._progress: IdleProgress | None = None
+        self._held_reported = False
 
     # -- registration ---------------------------------------------------------------------
 
@@ -151,11 +152,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._producer and self.options.idle_progress:
             self._progress = IdleProgress(self.agent, self._lock)
 
-    def handshake_payload(self) -> bytes:
+    def get_handshake_metadata(self) -> kvx.AgentPayload:
         """This worker's encoded `AgentMetadata` (served by P's side channel)."""
         cache = self.ctx.cache
         p = self.ctx.parallel
-        return encode(
+        payload = encode(
             AgentMetadata(
                 engine_id=self.engine_id,
                 agent_metadata=self.agent.get_agent_metadata(),
@@ -174,6 +175,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 mem_type="VRAM" if self._mem_type == "VRAM" else "DRAM",
             )
         )
+        return kvx.AgentPayload(payload)
 
     # -- per step -------------------------------------------------------------------------
 
@@ -192,9 +194,14 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._progress is not None:
             self._progress.set_wanted(self._leases.holding)
 
-    def held(self) -> tuple[int, float]:
-        """P side: requests held for D now, and the oldest one's age (seconds)."""
-        return self._leases.held(time.monotonic())
+    def take_stats(self) -> kvx.KVConnectorStats | None:
+        """Stats since the last call, with P's held requests as gauges: reported while any is
+        held and once more when none is (so a dashboard sees the hold end)."""
+        held, oldest = self._leases.held(time.monotonic())
+        if held or self._held_reported:
+            self.stats.set_held(held, oldest)
+        self._held_reported = held > 0
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def _start_load_kv(self, meta: NixlMetadata) -> None:
         now = time.monotonic()

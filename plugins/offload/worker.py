@@ -139,7 +139,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
             nbytes = -1 if min(load.slots, default=0) < 0 else len(load.slots) * self._block_bytes()
             self._loads[load.req_id] = self._run(nbytes, self._load, load)
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, meta: OffloadMetadata) -> None:
         stores, self._pending_stores = self._pending_stores, []
         if not stores:
             return

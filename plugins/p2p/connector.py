@@ -9,24 +9,11 @@ GET loads, sealed messages.
 
 from __future__ import annotations
 
-from kvx import (
-    ANY_GEOMETRY,
-    Capability,
-    KVConnectorHandshakeMetadata,
-    KVTransferConfig,
-    RoleSplitConnector,
-)
+from kvx import ANY_GEOMETRY, Capability, KVTransferConfig, RoleSplitConnector
 from kvx.plugins.p2p.config import P2pConfig
 from kvx.plugins.p2p.scheduler import P2pScheduler
 from kvx.plugins.p2p.stats import P2pKVConnectorStats
 from kvx.plugins.p2p.worker import P2pWorker
-
-
-class P2pListenPort(KVConnectorHandshakeMetadata):
-    """The port a worker listens on, for the scheduler side to advertise (`kv_port` 0)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
 
 
 class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
@@ -36,21 +23,6 @@ class P2pNcclConnector(RoleSplitConnector[P2pScheduler, P2pWorker]):
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
     extra_config_schema = P2pConfig
     stats_type = P2pKVConnectorStats
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return P2pListenPort(self.worker.listening_port)
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
-
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.scheduler.worker_ports = {
-            rank: meta.port for rank, meta in metadata.items() if isinstance(meta, P2pListenPort)
-        }
 
     @classmethod
     def fault_wait_s(cls, config: KVTransferConfig) -> float:

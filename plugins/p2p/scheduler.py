@@ -134,6 +134,8 @@ def _mode(value: Any) -> str:
 
 
 class P2pScheduler(kvx.ConnectorScheduler):
+    handshake_type = kvx.WorkerAddress  # the port each worker listens on
+
     def __init__(self, options: P2pConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options, self.config, self.ctx = options, config, ctx
         self.block_size = ctx.cache.block_size
@@ -145,9 +147,12 @@ class P2pScheduler(kvx.ConnectorScheduler):
         self._local_hits: dict[str, int] = {}
         """D: the block-aligned local prefix hit vLLM offered with each remote prefill (where
         its load starts)."""
-        self.worker_ports: dict[tuple[int, int], int] = {}
+        self._worker_ports: dict[tuple[int, int], int] = {}
         """(pp_rank, tp_rank) -> the port each worker listens on (from its handshake)."""
         self._announcer = start_announcer(options, config)  # xPyD discovery, if configured
+
+    def set_handshake_metadata(self, metadata: dict[tuple[int, int], kvx.WorkerAddress]) -> None:
+        self._worker_ports = {ranks: address.port for ranks, address in metadata.items()}
 
     # -- P ----------------------------------------------------------------------------------
 
@@ -237,7 +242,7 @@ class P2pScheduler(kvx.ConnectorScheduler):
         return [
             port
             for (pp, rank), port in sorted(
-                self.worker_ports.items(), key=lambda kv: kv[0][0] * tp + kv[0][1]
+                self._worker_ports.items(), key=lambda kv: kv[0][0] * tp + kv[0][1]
             )
         ]
 

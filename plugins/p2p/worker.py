@@ -144,11 +144,11 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             self._unacked = False
             self._sender = AsyncSender(self._put, f"kvx-p2p-send-{self.port}")
 
-    @property
-    def listening_port(self) -> int:
-        """The port this worker listens on (0: it does not listen)."""
+    def get_handshake_metadata(self) -> kvx.WorkerAddress:
+        """The port this worker listens on (0: it does not listen), for the scheduler half to
+        advertise when `kv_port` is 0."""
         address = self.engine.address if self.engine is not None else None
-        return int(address.rsplit(":", 1)[1]) if address else 0
+        return kvx.WorkerAddress(int(address.rsplit(":", 1)[1]) if address else 0)
 
     # -- P: saving ------------------------------------------------------------------------
 
@@ -276,7 +276,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             bad = {id(m) for m, _ in failed}
             self.stats.count("put_bytes", sum(m.nbytes for m, _ in items if id(m) not in bad))
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, metadata: P2pMetadata) -> None:
         """Returns once no send reads this step's blocks any more (they may be reused): every
         ack of the CPU plane's unacked PUTs is read (each within its deadline; a dead peer's
         connection is dropped with its queued frames); on NCCL, queued sends left after

@@ -408,7 +408,8 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
                 self._save_buffers.give(flat)
             self._writing = []
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, meta: StorageMetadata | None = None) -> None:
+        """The step's writes (queued by `save_kv_layer`) are done; also at shutdown (None)."""
         self._drop_unfinished_saves()
         pending, self._pending = self._pending, []
         for future in pending:

@@ -86,7 +86,7 @@ def threads_of(worker: OffloadWorker) -> list[int]:
 
 def step(worker: OffloadWorker, meta: OffloadMetadata) -> None:
     worker.start_load_kv(meta)
-    worker.wait_for_save()
+    worker.wait_for_save(meta)
 
 
 def expect_copied(

@@ -175,7 +175,7 @@ class SavesLateWorker(ExamplePDWorker):
         for save in saves:
             self._saving[save.req_id] = _done()
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, metadata: ExamplePDMetadata) -> None:
         for save in self._flush:
             index = torch.tensor(save.block_ids, dtype=torch.long)
             snapshot = {n: t.index_select(self.dim, index) for n, t in self._caches.items()}
