@@ -146,6 +146,22 @@ def answer_headers(
     return headers
 
 
+MAX_FACTS_HEADER_CHARS = 4096
+"""P's transfer facts larger than this (as JSON) are not put in a header."""
+
+
+def prefill_facts_header(kv_transfer_params: Mapping[str, Any] | None) -> dict[str, str]:
+    """`x-kvx-prefill-transfer`: P's transfer facts (`kvx_transfer.prefill` of P's answer, as
+    compact JSON) for the client; a streamed answer carries no `kv_transfer_params`, so this
+    is where a streaming client finds them. Empty when P gave none or too many."""
+    legs = (kv_transfer_params or {}).get("kvx_transfer")
+    facts = legs.get("prefill") if isinstance(legs, dict) else None
+    if not isinstance(facts, dict):
+        return {}
+    text = json.dumps(facts, separators=(",", ":"), ensure_ascii=True)
+    return {"x-kvx-prefill-transfer": text} if len(text) <= MAX_FACTS_HEADER_CHARS else {}
+
+
 class Forwarder:
     """Sends exchanges to the pool's servers, chosen by one router per role."""
 
@@ -300,6 +316,7 @@ class Forwarder:
                     headers = answer_headers(
                         answer.headers, exchange, prefill=prefill_server, decode=server
                     )
+                    headers.update(prefill_facts_header(kv_transfer_params))
                     if not exchange.stream or answer.status_code != 200:
                         try:
                             content = await read_capped(answer)
