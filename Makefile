@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt examples/kvx-example-connector
 	$(PYTHON_EXE) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(PY))
-	$(EDITABLE) $(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy]'
+	$(EDITABLE) $(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy,otel]'
 	$(EDITABLE) $(PIP) install --quiet --no-deps -e examples/kvx-example-connector
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)

@@ -42,8 +42,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 import kvx
+from kvx import tracing
 from kvx.adapters import vllm_payloads as payloads
 from kvx.adapters import vllm_types as to_kvx
+from kvx.adapters.request_facts import RequestFacts, log_to_stderr
 from kvx.adapters.vllm_config import (
     CPU_LAYOUT,
     KVX_CONNECTOR_KEY,
@@ -92,6 +94,15 @@ class KvxConnector(KVConnectorBase_V1):
         # shared with the engine's other kvx adapters (children of vLLM's MultiConnector)
         self._guard = ReportGuard(config.kv_connector or "?", kv_cache_config)
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._facts = RequestFacts(
+            config.kv_connector or "?",
+            self._ctx.engine_id,
+            self._ctx.cache,
+            config.kv_load_failure_policy,
+        )
+        if role is KVConnectorRole.SCHEDULER:
+            log_to_stderr()
+            tracing.setup_from_env()
 
     @property
     def kvx_connector(self) -> kvx.KVConnectorBase_V1:
@@ -224,6 +235,7 @@ class KvxConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def on_new_request(self, request: Any) -> None:
+        self._facts.arrived(request.request_id)
         self._kvx.on_new_request(self._mirror.get(request))
 
     def get_num_new_matched_tokens(
@@ -233,12 +245,14 @@ class KvxConnector(KVConnectorBase_V1):
             self._mirror.get(request), num_computed_tokens
         )
         self._mirror.write_back(request)
+        if count:
+            self._facts.matched(request.request_id, is_async)
         return count, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._kvx.update_state_after_alloc(
-            self._mirror.get(request), to_kvx.kv_cache_blocks(blocks), num_external_tokens
-        )
+        kvx_request, kvx_blocks = self._mirror.get(request), to_kvx.kv_cache_blocks(blocks)
+        self._facts.allocated(kvx_request, kvx_blocks, num_external_tokens)
+        self._kvx.update_state_after_alloc(kvx_request, kvx_blocks, num_external_tokens)
         self._mirror.write_back(request)
 
     def get_external_cache_hit_sources(
@@ -247,6 +261,7 @@ class KvxConnector(KVConnectorBase_V1):
         sources = self._kvx.get_external_cache_hit_sources(
             self._mirror.get(request), num_external_tokens
         )
+        self._facts.sources(request.request_id, sources or {})
         if not sources:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return payloads.hit_sources(sources)
@@ -258,24 +273,37 @@ class KvxConnector(KVConnectorBase_V1):
         self._mirror.refresh_all()
         self._guard.note_loading(self._mirror.vllm_requests())
         out = to_kvx.scheduler_output(scheduler_output, self._mirror)
+        self._facts.scheduled(out.num_scheduled_tokens)
         return payloads.StepMetadata(self._kvx.build_connector_meta(out), out.preempted_req_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """vLLM calls this before it acts on the output's finished sets: reports for requests
         vLLM is not waiting on are dropped first (see `vllm_guard`)."""
         self._guard.filter(connector_output)
-        self._kvx.update_connector_output(payloads.unwrap_output(connector_output))
+        output = payloads.unwrap_output(connector_output)
+        self._facts.output(
+            output.finished_recving or (),
+            output.failed_recving,
+            output.invalid_block_ids,
+            output.kv_connector_stats,
+            output.finished_sending or (),
+        )
+        self._kvx.update_connector_output(output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Matches vLLM: the returned params become the request output's `kv_transfer_params`."""
+        """Matches vLLM: the returned params become the request output's `kv_transfer_params`;
+        kvx adds the request's transfer facts to them (`request_facts.py`; under vLLM's own
+        MultiConnector only the first kvx child's: each child logs its own)."""
         try:
-            delay, params = self._kvx.request_finished(
-                self._mirror.get(request), to_kvx.table(block_ids)
-            )
+            kvx_request, table = self._mirror.get(request), to_kvx.table(block_ids)
+            delay, params = self._kvx.request_finished(kvx_request, table)
             self._mirror.write_back(request)
             self._guard.note_finished(request.request_id, delay)
+            with_facts = self._facts.finished(kvx_request, table, delay, params)
+            if self._guard.first:  # vLLM's MultiConnector refuses a key two children return
+                params = with_facts
         finally:
             self._mirror.forget(request.request_id)
         return delay, params

@@ -107,6 +107,11 @@ class ReportGuard:
         return kept or None
 
     @property
+    def first(self) -> bool:
+        """This adapter is its engine's first kvx adapter (the one answering for all)."""
+        return self._waits.filterer is self
+
+    @property
     def pending(self) -> tuple[frozenset[str], frozenset[str]]:
         """(loads, sends) vLLM still waits on: for tests and diagnostics."""
         return frozenset(self._waits.loading), frozenset(self._waits.sending)

@@ -14,8 +14,9 @@ from typing import Any
 
 from rich.console import Console
 
+from kvx import tracing
 from kvx.discovery import DEFAULT_DISCOVERY_PORT
-from kvx.errors import ConfigProblem, quote
+from kvx.errors import ConfigProblem, MissingDependencyError, quote
 from kvx.proxy.config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
@@ -244,6 +245,11 @@ def run(config: ProxyConfig, out: Console) -> int:
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
+    try:
+        tracing.setup_from_env()
+    except (ValueError, MissingDependencyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     def announce(url: str, discovery: str | None) -> None:
         found = f"; discovery on {discovery}" if discovery else ""

@@ -24,6 +24,7 @@ import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 
+from kvx import tracing
 from kvx.proxy.errors import (
     Attempt,
     ProxyError,
@@ -61,9 +62,10 @@ def peer_addresses(decode: Upstream) -> dict[str, str]:
 
 
 def prefill_request(
-    body: Mapping[str, Any], peers: Mapping[str, str] | None = None
+    body: Mapping[str, Any], peers: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The client's request as P gets it (with D's KV address, if known)."""
+    """The client's request as P gets it (with D's KV address, if known, and the trace
+    context when tracing is on)."""
     prefill = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
     prefill["kv_transfer_params"] = {**PREFILL_KV_TRANSFER_PARAMS, **(peers or {})}
     prefill["stream"] = False
@@ -144,6 +146,22 @@ def answer_headers(
     return headers
 
 
+MAX_FACTS_HEADER_CHARS = 4096
+"""P's transfer facts larger than this (as JSON) are not put in a header."""
+
+
+def prefill_facts_header(kv_transfer_params: Mapping[str, Any] | None) -> dict[str, str]:
+    """`x-kvx-prefill-transfer`: P's transfer facts (`kvx_transfer.prefill` of P's answer, as
+    compact JSON) for the client; a streamed answer carries no `kv_transfer_params`, so this
+    is where a streaming client finds them. Empty when P gave none or too many."""
+    legs = (kv_transfer_params or {}).get("kvx_transfer")
+    facts = legs.get("prefill") if isinstance(legs, dict) else None
+    if not isinstance(facts, dict):
+        return {}
+    text = json.dumps(facts, separators=(",", ":"), ensure_ascii=True)
+    return {"x-kvx-prefill-transfer": text} if len(text) <= MAX_FACTS_HEADER_CHARS else {}
+
+
 class Forwarder:
     """Sends exchanges to the pool's servers, chosen by one router per role."""
 
@@ -203,13 +221,20 @@ class Forwarder:
         """Prefill, then decode; the client's answer, or ProxyError.
 
         D is chosen first and counts as busy while P works: no prefill is done for a request
-        no D can take, and a connector where P sends the KV cache to D could be told which D."""
+        no D can take, and a connector where P sends the KV cache to D could be told which D.
+        With tracing on (`kvx.tracing`) this is the request's root span."""
+        attributes = {"kvx.request_id": exchange.request_id, "http.route": exchange.path}
+        with tracing.span("kvx.proxy.request", attributes):
+            return await self._complete(exchange)
+
+    async def _complete(self, exchange: Exchange) -> Response:
         decode_server = self._reserve(Role.DECODE, set())
         if decode_server is None:
             raise self._unavailable(Role.DECODE, [])
         decoding = False
         try:
-            prefilled = await self._prefill(exchange, decode_server)
+            with tracing.span("kvx.proxy.prefill"):
+                prefilled = await self._prefill(exchange, decode_server)
             if isinstance(prefilled, Response):
                 return prefilled
             decoding = True
@@ -217,7 +242,8 @@ class Forwarder:
             if not decoding:
                 decode_server.outstanding -= 1
         kv_transfer_params, prefill_server = prefilled
-        return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
+        with tracing.span("kvx.proxy.decode"):
+            return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
 
     async def _prefill(
         self, exchange: Exchange, decode_server: Upstream
@@ -227,7 +253,9 @@ class Forwarder:
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
         while (server := self._reserve(Role.PREFILL, tried)) is not None:
-            body = prefill_request(exchange.body, peer_addresses(decode_server))
+            body = prefill_request(
+                exchange.body, {**peer_addresses(decode_server), **tracing.carrier()}
+            )
             server.requests += 1
             try:
                 async with (
@@ -269,7 +297,9 @@ class Forwarder:
     ) -> Response:
         """D's answer to the request; `decode_server` (already counted busy) is asked first,
         and replaced only if it cannot be connected to."""
-        body = decode_request(exchange.body, kv_transfer_params)
+        body = decode_request(
+            exchange.body, {**(kv_transfer_params or {}), **tracing.carrier()} or None
+        )
         attempts: list[Attempt] = []
         tried = {decode_server}
         next_server: Upstream | None = decode_server
@@ -286,6 +316,7 @@ class Forwarder:
                     headers = answer_headers(
                         answer.headers, exchange, prefill=prefill_server, decode=server
                     )
+                    headers.update(prefill_facts_header(kv_transfer_params))
                     if not exchange.stream or answer.status_code != 200:
                         try:
                             content = await read_capped(answer)

@@ -7,6 +7,7 @@ The upstream servers are small real HTTP servers on loopback ports standing in f
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -142,6 +143,22 @@ def test_busy_port_exits_2_with_the_reason():
     assert done.stderr == (
         f"error: invalid proxy setting: --port: cannot listen on 127.0.0.1:{port}: "
         "Address already in use\n"
+    )
+
+
+def test_a_bad_kvx_otel_value_exits_2_naming_it_and_what_is_allowed():
+    env = {**os.environ, "KVX_OTEL": "maybe"}
+    done = subprocess.run(
+        [KVX, "proxy", "--prefill", P, "--decode", D, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "error: KVX_OTEL: 'maybe' is not allowed; use 1, true or yes (on) or 0, false, no (off)\n"
     )
 
 

@@ -238,3 +238,24 @@ def test_body_over_the_limit_is_refused_with_413(stub, start_proxy, client):
     assert undeclared.status_code == 413
     assert "exceeds 1000 bytes" in undeclared.json()["error"]["message"]
     assert len(p.behaviour.completions()) == 1
+
+
+def test_a_streamed_answer_carries_ps_transfer_facts_in_a_header(stub, start_proxy, client):
+    """vLLM sends no kv_transfer_params in a stream: P's facts reach the client as a header."""
+    p, d = stub("P"), stub("D")
+    facts = {"connector": "NixlConnector", "kept": {"blocks": 3, "held": True}, "note": "é"}
+    p.behaviour.prefill_params = {"do_remote_prefill": True, "kvx_transfer": {"prefill": facts}}
+    proxy = start_proxy([p.url], [d.url])
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}
+    with client.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
+        answer.read()
+    assert answer.status_code == 200
+    assert json.loads(answer.headers["x-kvx-prefill-transfer"]) == facts
+    d_params = d.behaviour.completions()[0].body["kv_transfer_params"]
+    assert d_params["kvx_transfer"] == {"prefill": facts}  # and D gets them with the rest
+
+    p.behaviour.prefill_params = {"kvx_transfer": {"prefill": {"x": "y" * 5000}}}
+    with client.stream("POST", proxy.url + "/v1/completions", json=body) as answer:
+        answer.read()
+    assert answer.status_code == 200
+    assert "x-kvx-prefill-transfer" not in answer.headers  # too large for a header

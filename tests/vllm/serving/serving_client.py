@@ -38,6 +38,8 @@ class Result:
     error: str | None = None
     seconds: float = 0.0
     first_token_seconds: float | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """The answer's `kv_transfer_params` (non-streamed answers carry them)."""
 
     @property
     def ok(self) -> bool:
@@ -78,6 +80,7 @@ def complete(client: httpx.Client, url: str, model: str, req: Request) -> Result
                 data = reply.json()
                 result.tokens = list(data["choices"][0].get("token_ids") or [])
                 result.cached_tokens = cached_of(data.get("usage"))
+                result.kv_transfer_params = data.get("kv_transfer_params")
                 result.first_token_seconds = time.monotonic() - start
         else:
             with client.stream("POST", f"{url}/v1/completions", json=body(model, req)) as reply:

@@ -5,6 +5,11 @@ loaded from outside times the model's bytes per block, the proxy counts every re
 and a fault injected for real moves the failure counter of its kind (NIXL: P's lease runs out
 when D never reads; store: a stored block corrupted on disk fails its checksum on D).
 
+The same requests check the per-request transfer facts: each non-streamed answer through the
+proxy carries both legs' facts in `kv_transfer_params.kvx_transfer`, equal to what D loaded,
+D logs one `kvx.requests` line per request whose bytes add up to what D's series counted, and
+the corrupted block's answer says its load was recomputed after a checksum failure.
+
 One deployment at a time (two vLLM engines at most on this machine)."""
 
 from __future__ import annotations
@@ -13,16 +18,17 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dashboard
 import httpx
 import pytest
 import serving_checks as checks
+import serving_cluster as cluster
 import serving_kit as kit
 from prometheus_client.parser import text_string_to_metric_families
-from serving_client import Request, body, complete
+from serving_client import Request, Result, body, complete
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -77,11 +83,56 @@ def prompts(seed: int) -> list[Request]:
     ]
 
 
-def send_through_proxy(dep: kit.Deployment, requests: list[Request]) -> None:
+def send_through_proxy(dep: kit.Deployment, requests: list[Request]) -> list[Result]:
+    results = []
     with httpx.Client(timeout=120, trust_env=False) as client:
         for req in requests:
             result = complete(client, dep.proxy.url, dep.model.name, req)
             assert result.ok, result.error
+            results.append(result)
+    return results
+
+
+def request_log(server: cluster.Server) -> dict[str, dict[str, object]]:
+    """The `kvx.requests` lines in a server's log, by request id."""
+    marker = " kvx.requests INFO "
+    lines = server.log.read_text(errors="replace").splitlines()
+    records = [json.loads(line.split(marker, 1)[1]) for line in lines if marker in line]
+    return {r["request_id"]: r for r in records}
+
+
+def check_facts(
+    dep: kit.Deployment,
+    requests: list[Request],
+    results: list[Result],
+    loads: Callable[[int], int],
+    block_size_bytes: int,
+    connector: str,
+) -> int:
+    """Each non-streamed answer carries P's and D's facts: D loaded `loads(prompt length)`
+    tokens, their whole blocks' bytes, from the deployment's connector; D's log has the same
+    facts. Returns the bytes D's log lines say were loaded (streamed requests too)."""
+    for req, result in zip(requests, results, strict=True):
+        if req.stream:  # vLLM sends no kv_transfer_params in a stream: the log line says it
+            continue
+        legs = (result.kv_transfer_params or {}).get("kvx_transfer")
+        assert isinstance(legs, dict) and set(legs) == {"prefill", "decode"}, legs
+        d, p = legs["decode"], legs["prefill"]
+        tokens = loads(len(req.prompt))
+        blocks = -(-tokens // BLOCK)
+        load = d["load"]
+        got = (load["tokens"], load["blocks"], load["bytes"], load["outcome"])
+        assert got == (tokens, blocks, blocks * block_size_bytes, "loaded"), d
+        assert d["connector"] == p["connector"] == connector, legs
+        assert p["kept"]["blocks"] >= blocks and "load" not in p, p
+        assert 0 < load["seconds"] <= d["seconds"], d
+    logged = request_log(dep.decodes[0])
+    assert len(logged) == len(requests), logged
+    for result in results:
+        if result.kv_transfer_params:
+            d = result.kv_transfer_params["kvx_transfer"]["decode"]
+            assert logged[d["request_id"]] == {"leg": "decode", **d}
+    return sum(r["load"]["bytes"] for r in logged.values())  # type: ignore[index]
 
 
 def check_series_moved(
@@ -130,8 +181,10 @@ def test_nixl_pd_series_move_by_what_moved(own_fleet: kit.Fleet, long_tiny_model
     servers = [dep.prefills[0].url, dep.decodes[0].url, dep.proxy.url]
     before = [scrape(u) for u in servers]
     requests = prompts(11)
-    send_through_proxy(dep, requests)
+    results = send_through_proxy(dep, requests)
     received = {"connector": "NixlConnector", "direction": "received"}
+    size = block_bytes(long_tiny_model)
+    facts_bytes = check_facts(dep, requests, results, lambda n: n, size, "NixlConnector")
 
     def stats_arrived() -> None:
         after = [scrape(u) for u in servers]
@@ -139,7 +192,7 @@ def test_nixl_pd_series_move_by_what_moved(own_fleet: kit.Fleet, long_tiny_model
         check_series_moved(dep, before, after, sum(PROMPT_LENGTHS))
         blocks = sum(-(-n // BLOCK) for n in PROMPT_LENGTHS)
         got = moved(before[1], after[1], "kvx_kv_transfer_bytes_total", **received)
-        assert got == blocks * block_bytes(long_tiny_model), (got, blocks)
+        assert got == blocks * size == facts_bytes, (got, blocks, facts_bytes)
         reads = moved(before[1], after[1], "kvx_kv_transfer_duration_seconds_count", **received)
         assert reads >= len(requests)
         failed = moved(before[1], after[1], "kvx_kv_transfer_failures_total")
@@ -190,9 +243,12 @@ def test_store_pd_series_move_by_what_moved(
     servers = [dep.prefills[0].url, dep.decodes[0].url, dep.proxy.url]
     before = [scrape(u) for u in servers]
     requests = prompts(21)
-    send_through_proxy(dep, requests)
+    results = send_through_proxy(dep, requests)
     c = {"connector": "SharedStorageConnector"}
     size = block_bytes(long_tiny_model)
+    facts_bytes = check_facts(
+        dep, requests, results, checks.store_loadable, size, "SharedStorageConnector"
+    )
 
     def stats_arrived() -> None:
         after = [scrape(u) for u in servers]
@@ -202,7 +258,7 @@ def test_store_pd_series_move_by_what_moved(
         blocks = sum(loadable) // BLOCK
         d0, d1 = before[1], after[1]
         loaded = moved(d0, d1, "kvx_kv_transfer_bytes_total", **c, direction="loaded")
-        assert loaded == blocks * size, (loaded, blocks)
+        assert loaded == blocks * size == facts_bytes, (loaded, blocks, facts_bytes)
         # blocks as stored: the store's blocks may be smaller than the engine's (16 of 128)
         stored = moved(d0, d1, "kvx_kv_transfer_blocks_total", **c, direction="loaded")
         assert stored >= blocks and stored % blocks == 0, (stored, blocks)
@@ -230,7 +286,10 @@ def test_store_pd_series_move_by_what_moved(
     newest.write_bytes(bytes(data))
     mid = scrape(d.url)
     with httpx.Client(timeout=120, trust_env=False) as client:
-        assert complete(client, d.url, dep.model.name, fresh).ok
+        answer = complete(client, d.url, dep.model.name, fresh)
+    assert answer.ok, answer.error
+    load = (answer.kv_transfer_params or {})["kvx_transfer"]["decode"]["load"]
+    assert (load["outcome"], load.get("failure")) == ("recomputed", "checksum"), load
     kit.eventually(
         lambda: _assert_moved(
             mid, scrape(d.url), "kvx_kv_transfer_failures_total", 1, kind="checksum"
