@@ -22,9 +22,9 @@ from kvx.proxy.bodies import parse_body
 from kvx.proxy.config import BODY_COPIES, ProxyConfig
 from kvx.proxy.errors import ProxyError, error_document
 from kvx.proxy.forward import Exchange, Forwarder
-from kvx.proxy.health import HealthChecker
+from kvx.proxy.health import HealthChecker, health_document
 from kvx.proxy.metrics import MetricsMiddleware, ProxyMetrics
-from kvx.proxy.pool import Health, Role, ServerPool
+from kvx.proxy.pool import Role, ServerPool
 from kvx.proxy.routing import make_router
 
 log = logging.getLogger("kvx.proxy")
@@ -210,16 +210,7 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
         return await forwarder.models(upstream_headers(request))
 
     async def health(request: Request) -> Response:
-        counts = {
-            str(role): {
-                "up": sum(s.health is Health.UP for s in pool.servers(role)),
-                "total": len(pool.servers(role)),
-            }
-            for role in Role
-        }
-        ready = all(c["up"] > 0 for c in counts.values())
-        document = {"status": "ok" if ready else "unavailable", **counts}
-        return JSONResponse(document, 200 if ready else 503)
+        return JSONResponse(*health_document(pool))
 
     async def servers(request: Request) -> Response:
         document: dict[str, Any] = {"routing": config.routing, **pool.snapshot()}

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvx.proxy.errors import (
     Attempt,
@@ -32,6 +32,7 @@ from kvx.proxy.errors import (
     sse_error_event,
 )
 from kvx.proxy.pool import Role, ServerPool, Upstream
+from kvx.proxy.relay import CUT, EventScanner, EventTooLarge, RelayResponse
 from kvx.proxy.routing import Router
 
 log = logging.getLogger("kvx.proxy")
@@ -291,9 +292,12 @@ class Forwarder:
                             content = await read_capped(answer)
                         finally:
                             await answer.aclose()
+                        if answer.status_code >= 500:
+                            reason = f"answered HTTP {answer.status_code}: {snippet(content)}"
+                            self._failed(exchange, server, reason, attempts)
                         return Response(content, answer.status_code, headers)
                 relaying = True
-                return StreamingResponse(
+                return RelayResponse(
                     self._relay(answer, server, exchange), answer.status_code, headers
                 )
             except httpx.ConnectError as exc:
@@ -324,31 +328,41 @@ class Forwarder:
     async def _relay(
         self, answer: httpx.Response, server: Upstream, exchange: Exchange
     ) -> AsyncIterator[bytes]:
-        """D's streamed answer, chunk by chunk as it arrives. If D fails mid-stream, the client
-        gets an error event (the status line is already sent) instead of a silent cut."""
-        tail = b"\n\n"
+        """D's streamed answer, chunk by chunk as it arrives. If D reports an error in the
+        stream or the stream breaks, the client gets one error event, no `[DONE]`, and a cut
+        connection (`kvx.proxy.relay`): every client counts the request as failed."""
+        events = answer.headers.get("content-type", "").startswith("text/event-stream")
+        scanner = EventScanner()
+        failure: str | None = None
         try:
             async for chunk in answer.aiter_raw():
+                if events:
+                    chunk, said = scanner.feed(chunk)
+                    if said is not None:
+                        failure = f"sent an error event: {said}"
                 if chunk:
-                    tail = (tail + chunk)[-2:]
                     yield chunk
-        except httpx.HTTPError as exc:
-            server.failures += 1
-            reason = describe_failure(exc, self.timeout)
-            log.warning(
-                "request %s: decode stream from %s broke: %s",
-                exchange.request_id,
-                server.url,
-                reason,
-            )
-            if answer.headers.get("content-type", "").startswith("text/event-stream"):
+                if failure is not None:
+                    break
+        except (httpx.HTTPError, EventTooLarge) as exc:
+            failure = describe_failure(exc, self.timeout)
+            if events:
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-                separator = b"" if tail == b"\n\n" else b"\n\n"
-                yield separator + sse_error_event(status, f"decode server {server.url}: {reason}")
+                message = f"decode server {server.url}: {failure}"
+                yield scanner.separator() + sse_error_event(status, message)
         finally:
             server.outstanding -= 1
             with anyio.CancelScope(shield=True):
                 await answer.aclose()
+        if failure is not None:
+            server.failures += 1
+            log.warning(
+                "request %s: decode stream from %s failed: %s; the client's stream is cut",
+                exchange.request_id,
+                server.url,
+                failure,
+            )
+            yield CUT
 
     async def models(self, headers: dict[str, str]) -> Response:
         """GET /v1/models of the first healthy server that answers (decode servers first)."""
