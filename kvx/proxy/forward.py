@@ -33,7 +33,8 @@ from kvx.proxy.errors import (
 )
 from kvx.proxy.pool import Role, ServerPool, Upstream
 from kvx.proxy.relay import CUT, EventScanner, EventTooLarge, RelayResponse
-from kvx.proxy.routing import Router
+from kvx.proxy.routing import RouteHint, Router
+from kvx.proxy.tokens import prompt_tokens
 
 log = logging.getLogger("kvx.proxy")
 
@@ -157,13 +158,15 @@ class Forwarder:
     ) -> None:
         self.pool, self.client, self.routers, self.timeout = pool, client, routers, timeout
 
-    def _reserve(self, role: Role, tried: set[Upstream]) -> Upstream | None:
+    def _reserve(
+        self, role: Role, tried: set[Upstream], hint: RouteHint | None = None
+    ) -> Upstream | None:
         """The router's choice among the role's eligible servers not tried yet, counted as
         tried and as busy (`outstanding`) from now on; None if there is none."""
         candidates = [s for s in self.pool.eligible(role) if s not in tried]
         if not candidates:
             return None
-        server = self.routers[role].choose(candidates)
+        server = self.routers[role].choose(candidates, hint)
         tried.add(server)
         server.outstanding += 1
         return server
@@ -205,12 +208,13 @@ class Forwarder:
 
         D is chosen first and counts as busy while P works: no prefill is done for a request
         no D can take, and a connector where P sends the KV cache to D could be told which D."""
-        decode_server = self._reserve(Role.DECODE, set())
+        hint = await self._hint(exchange)
+        decode_server = self._reserve(Role.DECODE, set(), hint)
         if decode_server is None:
             raise self._unavailable(Role.DECODE, [])
         decoding = False
         try:
-            prefilled = await self._prefill(exchange, decode_server)
+            prefilled = await self._prefill(exchange, decode_server, hint)
             if isinstance(prefilled, Response):
                 return prefilled
             decoding = True
@@ -218,16 +222,34 @@ class Forwarder:
             if not decoding:
                 decode_server.outstanding -= 1
         kv_transfer_params, prefill_server = prefilled
-        return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
+        return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server, hint)
+
+    async def _hint(self, exchange: Exchange) -> RouteHint | None:
+        """The prompt's tokens, when a router routes by them (`kv_aware`)."""
+        if not any(router.wants_tokens for router in self.routers.values()):
+            return None
+        servers = self.pool.eligible(Role.PREFILL) or self.pool.eligible(Role.DECODE)
+        if not servers:
+            return None
+        server = min(servers, key=lambda s: s.outstanding)
+        tokens = await prompt_tokens(
+            self.client,
+            server,
+            exchange.path,
+            exchange.body,
+            exchange.headers,
+            exchange.request_id,
+        )
+        return None if tokens is None else RouteHint(tokens)
 
     async def _prefill(
-        self, exchange: Exchange, decode_server: Upstream
+        self, exchange: Exchange, decode_server: Upstream, hint: RouteHint | None = None
     ) -> tuple[dict[str, Any] | None, Upstream] | Response:
         """P's `kv_transfer_params` and which P gave them; or P's own answer when it refused
         the request (4xx: the client's request is at fault, so it gets P's reason)."""
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
-        while (server := self._reserve(Role.PREFILL, tried)) is not None:
+        while (server := self._reserve(Role.PREFILL, tried, hint)) is not None:
             body = prefill_request(exchange.body, peer_addresses(decode_server))
             server.requests += 1
             try:
@@ -267,6 +289,7 @@ class Forwarder:
         kv_transfer_params: dict[str, Any] | None,
         prefill_server: Upstream,
         decode_server: Upstream,
+        hint: RouteHint | None = None,
     ) -> Response:
         """D's answer to the request; `decode_server` (already counted busy) is asked first,
         and replaced only if it cannot be connected to."""
@@ -322,7 +345,7 @@ class Forwarder:
             finally:
                 if not relaying:
                     server.outstanding -= 1
-            next_server = self._reserve(Role.DECODE, tried)
+            next_server = self._reserve(Role.DECODE, tried, hint)
         raise self._unavailable(Role.DECODE, attempts)
 
     async def _relay(
