@@ -22,10 +22,12 @@ from kvx.proxy.bodies import parse_body
 from kvx.proxy.config import BODY_COPIES, ProxyConfig
 from kvx.proxy.errors import ProxyError, error_document
 from kvx.proxy.forward import Exchange, Forwarder
-from kvx.proxy.health import HealthChecker
+from kvx.proxy.health import HealthChecker, health_document
+from kvx.proxy.kv_events import EventSource, KvEventListener
 from kvx.proxy.metrics import MetricsMiddleware, ProxyMetrics
-from kvx.proxy.pool import Health, Role, ServerPool
-from kvx.proxy.routing import make_router
+from kvx.proxy.pool import Role, ServerPool
+from kvx.proxy.prefix_index import PrefixIndex
+from kvx.proxy.routing import KvAware, Router, make_router
 
 log = logging.getLogger("kvx.proxy")
 
@@ -140,11 +142,29 @@ def upstream_headers(request: Request) -> dict[str, str]:
     return headers
 
 
+def kv_index_snapshot(
+    pool: ServerPool, index: PrefixIndex, listener: KvEventListener, routers: dict[Role, Router]
+) -> dict[str, Any]:
+    """What KV-aware routing knows: blocks indexed per server, event and index counters, and
+    requests routed by a held prefix per role (the rest went by load)."""
+    return {
+        "blocks": {s.url: index.blocks(s.url) for s in pool.servers()},
+        "events": vars(listener.counts),
+        "index": vars(index.counts),
+        "routed_by_prefix": {
+            str(role): r.routed for role, r in routers.items() if isinstance(r, KvAware)
+        },
+    }
+
+
 def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
     """The proxy for `config`; `pool` (default: one built from the config's servers) is also
     `app.state.pool`, to add or remove servers while it runs."""
     pool = pool if pool is not None else ServerPool(config.prefill, config.decode)
-    routers = {role: make_router(config.routing) for role in Role}
+    index = PrefixIndex(config.kv_index_blocks)
+    routers = {role: make_router(config.routing, index) for role in Role}
+    sources = tuple(EventSource(url, endpoint) for url, endpoint in config.kv_event_sources())
+    events: list[KvEventListener] = []
     metrics = ProxyMetrics(pool)
 
     @contextlib.asynccontextmanager
@@ -160,9 +180,14 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
             app.state.forwarder = Forwarder(pool, client, routers, config.request_timeout)
             checker = HealthChecker(pool, client, config.health_interval, config.health_timeout)
             health_task = asyncio.create_task(checker.run(), name="kvx-proxy-health")
+            if sources:
+                events.append(KvEventListener(sources, index).start())
             try:
                 yield
             finally:
+                for listener in events:
+                    listener.stop()
+                events.clear()
                 health_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await health_task
@@ -210,19 +235,12 @@ def build_app(config: ProxyConfig, pool: ServerPool | None = None) -> Starlette:
         return await forwarder.models(upstream_headers(request))
 
     async def health(request: Request) -> Response:
-        counts = {
-            str(role): {
-                "up": sum(s.health is Health.UP for s in pool.servers(role)),
-                "total": len(pool.servers(role)),
-            }
-            for role in Role
-        }
-        ready = all(c["up"] > 0 for c in counts.values())
-        document = {"status": "ok" if ready else "unavailable", **counts}
-        return JSONResponse(document, 200 if ready else 503)
+        return JSONResponse(*health_document(pool))
 
     async def servers(request: Request) -> Response:
         document: dict[str, Any] = {"routing": config.routing, **pool.snapshot()}
+        if events:
+            document["kv_index"] = kv_index_snapshot(pool, index, events[0], routers)
         discovery = getattr(request.app.state, "discovery", None)
         if discovery is not None:
             document["discovery"] = {"address": discovery.address, **vars(discovery.counts)}

@@ -62,6 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"how to choose among servers of one role (default {_DEFAULTS.routing})",
     )
     parser.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="with --routing kv_aware: where a server's KV events are published, e.g. "
+        "http://127.0.0.1:8100=tcp://127.0.0.1:5557 (repeat per server)",
+    )
+    parser.add_argument(
+        "--kv-index-blocks",
+        default=str(_DEFAULTS.kv_index_blocks),
+        metavar="N",
+        help=f"blocks the prefix index keeps per server (default {_DEFAULTS.kv_index_blocks})",
+    )
+    parser.add_argument(
         "--health-interval",
         default=str(_DEFAULTS.health_interval),
         metavar="S",
@@ -203,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         "max_concurrent_requests": _number(
             "--max-concurrent-requests", args.max_concurrent_requests, int, problems
         ),
+        "kv_index_blocks": _number("--kv-index-blocks", args.kv_index_blocks, int, problems),
     }
     if args.discovery_port is not None:
         numbers |= {
@@ -221,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             decode=tuple(args.decode),
             host=args.host,
             routing=args.routing,
+            kv_events=tuple(args.kv_events),
             discovery_host=args.discovery_host,
             **{name: value for name, value in numbers.items() if value is not None},
         )

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
 
-ROUTING_POLICIES = ("round_robin", "least_outstanding")
+ROUTING_POLICIES = ("round_robin", "least_outstanding", "kv_aware")
 """How the proxy picks among the servers of one role (see `kvx.proxy.routing`)."""
 
 DEFAULT_HOST = "127.0.0.1"
@@ -26,6 +26,8 @@ BODY_COPIES = 4
 """How many times over a request's body is held while it is served (as received, parsed,
 encoded for P, encoded for D): what it counts against --max-body-memory."""
 MAX_CONNECTIONS_LIMIT = 1 << 20
+MAX_KV_INDEX_BLOCKS = 10_000_000
+KV_EVENT_SCHEMES = ("tcp://", "ipc://")
 
 
 class ProxySettingError(ConfigError):
@@ -83,6 +85,50 @@ def _server_problems(flag: str, urls: Iterable[str], problems: list[ConfigProble
         if normal in seen:
             problems.append(ConfigProblem(flag, f"{quote(url)} is given twice"))
         seen.add(normal)
+
+
+def parse_kv_events(entry: str) -> tuple[str, str]:
+    """`SERVER_URL=ENDPOINT` as (normalized URL, endpoint); ValueError says what is wrong."""
+    if not isinstance(entry, str) or "=" not in entry:
+        raise ValueError(
+            "expected SERVER_URL=ENDPOINT, e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557"
+        )
+    url, endpoint = entry.split("=", 1)
+    url = normalize_server_url(url)
+    if not endpoint.startswith(KV_EVENT_SCHEMES) or len(endpoint) <= 6 or len(endpoint) > 300:
+        raise ValueError(
+            f"the endpoint {endpoint!r} must be tcp://HOST:PORT or ipc://PATH (at most 300 "
+            "characters), where the server's vLLM publishes its KV events"
+        )
+    return url, endpoint
+
+
+def _kv_aware_problems(config: ProxyConfig, problems: list[ConfigProblem]) -> None:
+    seen: set[str] = set()
+    for entry in config.kv_events:
+        try:
+            url, _ = parse_kv_events(entry)
+        except ValueError as exc:
+            problems.append(ConfigProblem("--kv-events", f"{quote(entry)}: {exc}"))
+            continue
+        if url in seen:
+            problems.append(ConfigProblem("--kv-events", f"{quote(entry)}: {url} is given twice"))
+        seen.add(url)
+    if config.routing == "kv_aware" and not config.kv_events:
+        problems.append(
+            ConfigProblem(
+                "--kv-events",
+                "--routing kv_aware needs at least one SERVER_URL=ENDPOINT (where a server's "
+                "KV events are published)",
+            )
+        )
+    if config.kv_events and config.routing != "kv_aware":
+        problems.append(
+            ConfigProblem(
+                "--kv-events", f"is only used with --routing kv_aware, not {config.routing}"
+            )
+        )
+    _int_in("--kv-index-blocks", config.kv_index_blocks, 1, MAX_KV_INDEX_BLOCKS, problems)
 
 
 def _int_in(flag: str, value: object, low: int, high: int, problems: list[ConfigProblem]) -> None:
@@ -159,6 +205,10 @@ class ProxyConfig:
     discovery_max_servers: int = 256
     discovery_secret: str | None = field(default=None, repr=False)
     """Announcements must be sealed with it (HMAC-SHA256); None: any is accepted."""
+    kv_events: tuple[str, ...] = ()
+    """`SERVER_URL=ENDPOINT`: where a server's engine publishes its KV events (kv_aware)."""
+    kv_index_blocks: int = 100_000
+    """Blocks the prefix index keeps per server (kv_aware), the least recently stored go."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
@@ -221,7 +271,13 @@ class ProxyConfig:
                 problems,
             )
         _discovery_problems(self, problems)
+        object.__setattr__(self, "kv_events", tuple(self.kv_events))
+        _kv_aware_problems(self, problems)
         if problems:
             raise ProxySettingError(problems)
         object.__setattr__(self, "prefill", tuple(normalize_server_url(u) for u in self.prefill))
         object.__setattr__(self, "decode", tuple(normalize_server_url(u) for u in self.decode))
+
+    def kv_event_sources(self) -> list[tuple[str, str]]:
+        """(server URL, endpoint) of each --kv-events."""
+        return [parse_kv_events(entry) for entry in self.kv_events]

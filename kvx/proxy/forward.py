@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvx import tracing
 from kvx.proxy.errors import (
@@ -33,7 +33,9 @@ from kvx.proxy.errors import (
     sse_error_event,
 )
 from kvx.proxy.pool import Role, ServerPool, Upstream
-from kvx.proxy.routing import Router
+from kvx.proxy.relay import CUT, EventScanner, EventTooLarge, RelayResponse
+from kvx.proxy.routing import RouteHint, Router
+from kvx.proxy.tokens import prompt_tokens
 
 log = logging.getLogger("kvx.proxy")
 
@@ -174,13 +176,15 @@ class Forwarder:
     ) -> None:
         self.pool, self.client, self.routers, self.timeout = pool, client, routers, timeout
 
-    def _reserve(self, role: Role, tried: set[Upstream]) -> Upstream | None:
+    def _reserve(
+        self, role: Role, tried: set[Upstream], hint: RouteHint | None = None
+    ) -> Upstream | None:
         """The router's choice among the role's eligible servers not tried yet, counted as
         tried and as busy (`outstanding`) from now on; None if there is none."""
         candidates = [s for s in self.pool.eligible(role) if s not in tried]
         if not candidates:
             return None
-        server = self.routers[role].choose(candidates)
+        server = self.routers[role].choose(candidates, hint)
         tried.add(server)
         server.outstanding += 1
         return server
@@ -228,13 +232,14 @@ class Forwarder:
             return await self._complete(exchange)
 
     async def _complete(self, exchange: Exchange) -> Response:
-        decode_server = self._reserve(Role.DECODE, set())
+        hint = await self._hint(exchange)
+        decode_server = self._reserve(Role.DECODE, set(), hint)
         if decode_server is None:
             raise self._unavailable(Role.DECODE, [])
         decoding = False
         try:
             with tracing.span("kvx.proxy.prefill"):
-                prefilled = await self._prefill(exchange, decode_server)
+                prefilled = await self._prefill(exchange, decode_server, hint)
             if isinstance(prefilled, Response):
                 return prefilled
             decoding = True
@@ -243,16 +248,36 @@ class Forwarder:
                 decode_server.outstanding -= 1
         kv_transfer_params, prefill_server = prefilled
         with tracing.span("kvx.proxy.decode"):
-            return await self._decode(exchange, kv_transfer_params, prefill_server, decode_server)
+            return await self._decode(
+                exchange, kv_transfer_params, prefill_server, decode_server, hint
+            )
+
+    async def _hint(self, exchange: Exchange) -> RouteHint | None:
+        """The prompt's tokens, when a router routes by them (`kv_aware`)."""
+        if not any(router.wants_tokens for router in self.routers.values()):
+            return None
+        servers = self.pool.eligible(Role.PREFILL) or self.pool.eligible(Role.DECODE)
+        if not servers:
+            return None
+        server = min(servers, key=lambda s: s.outstanding)
+        tokens = await prompt_tokens(
+            self.client,
+            server,
+            exchange.path,
+            exchange.body,
+            exchange.headers,
+            exchange.request_id,
+        )
+        return None if tokens is None else RouteHint(tokens)
 
     async def _prefill(
-        self, exchange: Exchange, decode_server: Upstream
+        self, exchange: Exchange, decode_server: Upstream, hint: RouteHint | None = None
     ) -> tuple[dict[str, Any] | None, Upstream] | Response:
         """P's `kv_transfer_params` and which P gave them; or P's own answer when it refused
         the request (4xx: the client's request is at fault, so it gets P's reason)."""
         attempts: list[Attempt] = []
         tried: set[Upstream] = set()
-        while (server := self._reserve(Role.PREFILL, tried)) is not None:
+        while (server := self._reserve(Role.PREFILL, tried, hint)) is not None:
             body = prefill_request(
                 exchange.body, {**peer_addresses(decode_server), **tracing.carrier()}
             )
@@ -294,6 +319,7 @@ class Forwarder:
         kv_transfer_params: dict[str, Any] | None,
         prefill_server: Upstream,
         decode_server: Upstream,
+        hint: RouteHint | None = None,
     ) -> Response:
         """D's answer to the request; `decode_server` (already counted busy) is asked first,
         and replaced only if it cannot be connected to."""
@@ -322,9 +348,12 @@ class Forwarder:
                             content = await read_capped(answer)
                         finally:
                             await answer.aclose()
+                        if answer.status_code >= 500:
+                            reason = f"answered HTTP {answer.status_code}: {snippet(content)}"
+                            self._failed(exchange, server, reason, attempts)
                         return Response(content, answer.status_code, headers)
                 relaying = True
-                return StreamingResponse(
+                return RelayResponse(
                     self._relay(answer, server, exchange), answer.status_code, headers
                 )
             except httpx.ConnectError as exc:
@@ -349,37 +378,47 @@ class Forwarder:
             finally:
                 if not relaying:
                     server.outstanding -= 1
-            next_server = self._reserve(Role.DECODE, tried)
+            next_server = self._reserve(Role.DECODE, tried, hint)
         raise self._unavailable(Role.DECODE, attempts)
 
     async def _relay(
         self, answer: httpx.Response, server: Upstream, exchange: Exchange
     ) -> AsyncIterator[bytes]:
-        """D's streamed answer, chunk by chunk as it arrives. If D fails mid-stream, the client
-        gets an error event (the status line is already sent) instead of a silent cut."""
-        tail = b"\n\n"
+        """D's streamed answer, chunk by chunk as it arrives. If D reports an error in the
+        stream or the stream breaks, the client gets one error event, no `[DONE]`, and a cut
+        connection (`kvx.proxy.relay`): every client counts the request as failed."""
+        events = answer.headers.get("content-type", "").startswith("text/event-stream")
+        scanner = EventScanner()
+        failure: str | None = None
         try:
             async for chunk in answer.aiter_raw():
+                if events:
+                    chunk, said = scanner.feed(chunk)
+                    if said is not None:
+                        failure = f"sent an error event: {said}"
                 if chunk:
-                    tail = (tail + chunk)[-2:]
                     yield chunk
-        except httpx.HTTPError as exc:
-            server.failures += 1
-            reason = describe_failure(exc, self.timeout)
-            log.warning(
-                "request %s: decode stream from %s broke: %s",
-                exchange.request_id,
-                server.url,
-                reason,
-            )
-            if answer.headers.get("content-type", "").startswith("text/event-stream"):
+                if failure is not None:
+                    break
+        except (httpx.HTTPError, EventTooLarge) as exc:
+            failure = describe_failure(exc, self.timeout)
+            if events:
                 status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-                separator = b"" if tail == b"\n\n" else b"\n\n"
-                yield separator + sse_error_event(status, f"decode server {server.url}: {reason}")
+                message = f"decode server {server.url}: {failure}"
+                yield scanner.separator() + sse_error_event(status, message)
         finally:
             server.outstanding -= 1
             with anyio.CancelScope(shield=True):
                 await answer.aclose()
+        if failure is not None:
+            server.failures += 1
+            log.warning(
+                "request %s: decode stream from %s failed: %s; the client's stream is cut",
+                exchange.request_id,
+                server.url,
+                failure,
+            )
+            yield CUT
 
     async def models(self, headers: dict[str, str]) -> Response:
         """GET /v1/models of the first healthy server that answers (decode servers first)."""

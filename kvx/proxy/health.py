@@ -1,15 +1,16 @@
 """Health checks: GET /health on every server, every interval; a failed check takes the server
-out of rotation and a passing one puts it back."""
+out of rotation and a passing one puts it back. And the proxy's own /health, from the results."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 
 from kvx.proxy.errors import describe_failure
-from kvx.proxy.pool import ServerPool, Upstream
+from kvx.proxy.pool import Health, Role, ServerPool, Upstream
 
 
 class HealthChecker:
@@ -46,3 +47,31 @@ class HealthChecker:
         else:
             self.pool.mark_down(server, reason)
         server.checked_at = time.time()
+
+
+def health_document(pool: ServerPool) -> tuple[dict[str, Any], int]:
+    """The proxy's /health and its status code: `ok` (200) when every server passed its last
+    check; `degraded` (200: the proxy still serves, with less capacity) when each role has a
+    server up but some server is down, listed under `down`; `unavailable` (503) when a role
+    has no server up."""
+    counts: dict[str, Any] = {}
+    down: list[dict[str, Any]] = []
+    for role in Role:
+        servers = pool.servers(role)
+        counts[str(role)] = {
+            "up": sum(s.health is Health.UP for s in servers),
+            "total": len(servers),
+        }
+        down += [
+            {"role": str(role), "url": s.url, "last_error": s.last_error}
+            for s in servers
+            if s.health is Health.DOWN
+        ]
+    if not all(c["up"] > 0 for c in counts.values()):
+        status, code = "unavailable", 503
+    else:
+        status, code = ("degraded" if down else "ok"), 200
+    document: dict[str, Any] = {"status": status, **counts}
+    if down:
+        document["down"] = down
+    return document, code

@@ -20,6 +20,7 @@ from kvx.proxy.config import ProxyConfig, ProxySettingError
 from kvx.proxy.connections import guarded_protocol
 from kvx.proxy.discovery import DiscoveryListener, DiscoverySettings
 from kvx.proxy.pool import ServerPool
+from kvx.proxy.relay import quiet_cut_streams
 
 GRACEFUL_SHUTDOWN_S = 5
 """How long open requests may finish after a stop is asked for."""
@@ -82,6 +83,7 @@ def _server(
 ) -> uvicorn.Server:
     app = build_app(config, pool)
     app.state.discovery = discovery
+    quiet_cut_streams()
     return uvicorn.Server(
         uvicorn.Config(
             app,

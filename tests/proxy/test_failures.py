@@ -50,6 +50,12 @@ def test_killed_decode_server_leaves_rotation_and_returns(
     wait_until(lambda: health_of(client, proxy.url, "decode", d2_url) == "down", 10, "D2 down")
     status = client.get(f"{proxy.url}/kvx/servers").json()["decode"][1]
     assert "cannot connect" in status["last_error"]
+    health = client.get(f"{proxy.url}/health")  # still serving, with one D of two
+    assert health.status_code == 200
+    assert health.json()["status"] == "degraded"
+    [down] = health.json()["down"]
+    assert (down["role"], down["url"]) == ("decode", d2_url)
+    assert down["last_error"].startswith("GET /health: cannot connect")
 
     stub_process("D2", port)
     wait_until(lambda: health_of(client, proxy.url, "decode", d2_url) == "up", 10, "D2 up")
@@ -139,18 +145,32 @@ def test_hanging_prefill_gives_504_within_the_request_timeout(stub, start_proxy,
     assert d.behaviour.completions() == []
 
 
+def read_cut_stream(client: httpx.Client, url: str) -> bytes:
+    """A streamed completion's bytes; asserts the proxy cut the connection mid-body (so every
+    HTTP client, vLLM's benchmark client too, reports the request as failed)."""
+    received = b""
+    with client.stream("POST", f"{url}/v1/completions", json={"stream": True}) as answer:
+        assert answer.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            for chunk in answer.iter_raw():
+                received += chunk
+    return received
+
+
+def error_event(received: bytes, prefix: bytes) -> dict:
+    assert received.startswith(prefix)
+    event = received[len(prefix) :]
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+    assert b"[DONE]" not in event
+    return json.loads(event[len(b"data: ") :])["error"]
+
+
 def test_hanging_decode_stream_ends_with_an_error_event(stub, start_proxy, client):
     p, d = stub("P"), stub("D")
     d.behaviour.stream_chunks = [b"data: one\n\n", b"data: [DONE]\n\n"]
     d.behaviour.hold_after_first_chunk = threading.Event()  # sends one chunk, then nothing
     proxy = start_proxy([p.url], [d.url], request_timeout=3.0)
-    with client.stream("POST", f"{proxy.url}/v1/completions", json={"stream": True}) as answer:
-        assert answer.status_code == 200
-        received = b"".join(answer.iter_raw())
-    assert received.startswith(b"data: one\n\n")
-    event = received[len(b"data: one\n\n") :]
-    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-    error = json.loads(event[len(b"data: ") :])["error"]
+    error = error_event(read_cut_stream(client, proxy.url), b"data: one\n\n")
     assert error["code"] == 504
     assert error["message"] == f"decode server {d.url}: no answer within 3 s (--request-timeout)"
 
@@ -160,16 +180,46 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(stub, start_proxy, cli
     d.behaviour.stream_chunks = [b"data: one\n\n", b"data: tw", b"o\n\n", b"data: [DONE]\n\n"]
     d.behaviour.cut_stream_after = 2
     proxy = start_proxy([p.url], [d.url])
-    with client.stream("POST", f"{proxy.url}/v1/completions", json={"stream": True}) as answer:
-        received = b"".join(answer.iter_raw())
+    received = read_cut_stream(client, proxy.url)
     # The half-sent event is closed off, then the error follows as its own event.
-    prefix = b"data: one\n\ndata: tw\n\ndata: "
-    assert received.startswith(prefix)
-    error = json.loads(received[len(prefix) :])["error"]
+    error = error_event(received, b"data: one\n\ndata: tw\n\n")
     assert error["code"] == 502
     assert error["message"].startswith(f"decode server {d.url}: closed the connection mid-answer")
     status = client.get(f"{proxy.url}/kvx/servers").json()["decode"][0]
     assert status["outstanding"] == 0 and status["failures"] == 1
+
+
+def test_decode_error_event_ends_the_stream_without_done_and_counts(stub, start_proxy, client):
+    """vLLM ends a request that failed mid-generation (its engine died, a KV load failed) with
+    an error event and then `[DONE]`: the client gets the error event, no `[DONE]`, a cut."""
+    p, d = stub("P"), stub("D")
+    vllm_error = b'data: {"error": {"message": "EngineCore died", "type": "x", "code": 500}}\n\n'
+    token = b'data: {"choices": [{"text": "error"}]}\n\n'  # the word alone is no error
+    d.behaviour.stream_chunks = [token, vllm_error + b"data: [DONE]\n\n"]
+    proxy = start_proxy([p.url], [d.url])
+    received = read_cut_stream(client, proxy.url)
+    assert received == token + vllm_error
+    status = client.get(f"{proxy.url}/kvx/servers").json()["decode"][0]
+    assert status["outstanding"] == 0 and status["failures"] == 1
+    metrics = client.get(f"{proxy.url}/metrics").text
+    assert f'kvx_proxy_upstream_errors_total{{role="decode",server="{d.url}"}} 1.0' in metrics
+
+
+def test_decode_answering_500_is_passed_on_counted_and_logged(stub, start_proxy, client, caplog):
+    """D answers 500 when it could not load the KV cache (kv_load_failure_policy fail)."""
+    p, d = stub("P"), stub("D")
+    d.behaviour.completion_status = 500
+    proxy = start_proxy([p.url], [d.url])
+    answer = client.post(
+        f"{proxy.url}/v1/completions", json={"prompt": "a"}, headers={"x-request-id": "req-500"}
+    )
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "D refuses"
+    assert client.get(f"{proxy.url}/kvx/servers").json()["decode"][0]["failures"] == 1
+    metrics = client.get(f"{proxy.url}/metrics").text
+    assert f'kvx_proxy_upstream_errors_total{{role="decode",server="{d.url}"}} 1.0' in metrics
+    logged = [r.getMessage() for r in caplog.records if "req-500" in r.getMessage()]
+    assert any("answered HTTP 500" in line for line in logged), logged
 
 
 def test_client_leaving_mid_stream_releases_the_decode_server(

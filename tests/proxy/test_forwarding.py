@@ -181,6 +181,7 @@ def test_models_health_and_server_status(stub, start_proxy, client, wait_until):
         "status": "unavailable",
         "prefill": {"up": 1, "total": 1},
         "decode": {"up": 0, "total": 1},
+        "down": [{"role": "decode", "url": d.url, "last_error": "GET /health answered HTTP 503"}],
     }
     d.behaviour.health_status = 200
     wait_until(

@@ -2,7 +2,7 @@
 proxy's tests (real `vllm serve` P/D runs are the serving tests' job, tests/vllm).
 
 It speaks the part of vLLM's API the proxy uses, over real HTTP on a loopback port: GET /health,
-GET /v1/models, POST /v1/completions and /v1/chat/completions. A request carrying
+GET /v1/models, POST /v1/completions, /v1/chat/completions and /tokenize. A request carrying
 `kv_transfer_params.do_remote_decode` is answered as a vLLM prefill server answers (one token and
 `kv_transfer_params` naming this server's blocks); any other is answered as a decode server
 answers, whole or as server-sent events. `Behaviour` lets a test make it hang, fail, look unhealthy
@@ -128,6 +128,14 @@ def build_upstream_app(behaviour: Behaviour) -> Starlette:
         }
         return JSONResponse(answer)
 
+    async def tokenize(request: Request) -> Response:
+        """vLLM's POST /tokenize, with one token per character (code point)."""
+        body = await request.json()
+        behaviour.received.append(Received(request.url.path, body, dict(request.headers)))
+        text = body.get("prompt") or "".join(str(m.get("content")) for m in body["messages"])
+        tokens = [ord(c) for c in text]
+        return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
     async def _stream() -> AsyncIterator[bytes]:
         chunks = behaviour.stream_chunks or default_stream(behaviour.name)
         for i, chunk in enumerate(chunks):
@@ -143,6 +151,7 @@ def build_upstream_app(behaviour: Behaviour) -> Starlette:
             Route("/v1/models", models),
             Route("/v1/completions", completion, methods=["POST"]),
             Route("/v1/chat/completions", completion, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
         ]
     )
 

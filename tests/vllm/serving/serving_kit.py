@@ -99,14 +99,25 @@ def deploy(
     p_kv: list[dict[str, Any]],
     d_kv: list[dict[str, Any]],
     proxy_args: tuple[str, ...] = ("--health-interval=1", "--request-timeout=120"),
+    p_extra: list[list[str]] | None = None,
 ) -> Deployment:
     """Start one P server per `p_kv` on core 0 and one D server per `d_kv` on core 1, wait until
     all are healthy, then the proxy. Never a P and a D on one core: between steps vLLM's worker
     loop spins on `sched_yield`, and a P holding blocks for a D steps every millisecond; a D
     sharing its core then starved until P's 30 s lease ran out (the burst after a killed D took
-    ~100 s where it takes ~2 s on disjoint cores)."""
+    ~100 s where it takes ~2 s on disjoint cores). `p_extra`: more `vllm serve` flags per P."""
     prefills = [
-        fleet.add(cluster.vllm_server(f"P{i}", model, fleet.log_dir, kv, "0", MAX_MODEL_LEN))
+        fleet.add(
+            cluster.vllm_server(
+                f"P{i}",
+                model,
+                fleet.log_dir,
+                kv,
+                "0",
+                MAX_MODEL_LEN,
+                extra=p_extra[i] if p_extra else (),
+            )
+        )
         for i, kv in enumerate(p_kv)
     ]
     decodes = [
