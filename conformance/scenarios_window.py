@@ -77,3 +77,24 @@ def window_offload(h: Harness) -> None:
         )
     got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
     check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
+
+
+@scenario(
+    "window_pd_prefill_hit",
+    "sliding window: P's save of a prompt whose leading blocks it had cached (null in its "
+    "table) sends only the window's blocks",
+    (Capability.REMOTE_PREFILL,),
+    group="pd",
+)
+def window_pd_prefill_hit(h: Harness) -> None:
+    prefix = h.prompts([96], seed=65, name="prefix")["prefix-0"]
+    with h.pair(sliding_window=WINDOW) as pair:
+        h.run_pair(pair, {"warm": prefix})
+        before = pair.decode.last_stats.get("external_tokens", 0)
+        # P hits the prefix; the blocks before its window come as NULL_BLOCK in P's table
+        report = h.run_pair(pair, h.prompts([70, 45], seed=66, prefix=prefix))
+        check(
+            report.decode_stats["external_tokens"] > before,
+            f"D loaded nothing of the second prompts ({report.decode_stats}); the scenario "
+            "needs a load",
+        )

@@ -212,7 +212,9 @@ class KVCacheSpec:
     `dtype` is a torch dtype name (`"float32"`, `"bfloat16"`, ...); `layout` names a registered
     layout (see `kvx list`). `sliding_window` (tokens; None: full attention) says attention
     reads only the last `sliding_window` positions, so leading block table entries become
-    `NULL_BLOCK` as a request grows.
+    `NULL_BLOCK` as a request grows. `layer_groups` (engines with several KV-cache groups,
+    vLLM's hybrid allocator) gives each layer's group, the index of its table in `BlockIds`;
+    empty: every layer is in group 0.
     """
 
     layer_names: tuple[str, ...]
@@ -224,10 +226,16 @@ class KVCacheSpec:
     use_mla: bool = False
     num_blocks: int = 0
     sliding_window: int | None = None
+    layer_groups: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups (tables per request in `BlockIds`)."""
+        return max(self.layer_groups, default=0) + 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

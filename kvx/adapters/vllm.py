@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 import kvx
@@ -308,6 +309,22 @@ class KvxConnector(KVConnectorBase_V1):
             self._mirror.forget(request.request_id)
         return delay, params
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator: one block table per KV cache group. vLLM calls it only on
+        a class that is its `SupportsHMA`: the adapter class of a kvx connector implementing
+        `kvx.SupportsHMA` (`connector_class`)."""
+        try:
+            delay, params = self._kvx.request_finished_all_groups(  # type: ignore[attr-defined]
+                self._mirror.get(request), to_kvx.tables(block_ids)
+            )
+            self._mirror.write_back(request)
+            self._guard.note_finished(request.request_id, delay)
+        finally:
+            self._mirror.forget(request.request_id)
+        return delay, params
+
     def take_events(self) -> list[Any]:
         return payloads.cache_events(self._kvx.take_events())
 
@@ -431,12 +448,20 @@ def connector_class(reference: str) -> type[KvxConnector]:
     vLLM's own MultiConnector keys each child's stats by the child's class name and rebuilds
     them in the API process through that factory, which must give back this class (a bare
     `NixlConnector` would resolve to vLLM's own, with another stats type). `__qualname__` stays
-    `reference`, the attribute of this module that gives the class back."""
+    `reference`, the attribute of this module that gives the class back.
+
+    The class is vLLM's `SupportsHMA` when the kvx connector implements `kvx.SupportsHMA`, so
+    vLLM keeps its hybrid KV cache allocator on (several KV cache groups); otherwise vLLM turns
+    the allocator off for it, as for any connector without HMA support."""
     if reference not in _BOUND:
         check_connector_name(reference, "kv_connector")
+        try:
+            hybrid = kvx.supports_hma(load_kvx_class(reference))
+        except (LookupError, ImportError):  # not loadable: refused when vLLM checks the config
+            hybrid = False
         _BOUND[reference] = type(
             PLUGIN_PREFIX + reference,
-            (KvxConnector,),
+            (KvxConnector, SupportsHMA) if hybrid else (KvxConnector,),
             {
                 "kvx_connector_name": reference,
                 "__module__": __name__,

@@ -182,6 +182,7 @@ def engine_context(
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("vLLM's KV cache config has no KV cache groups")
+    check_paged_attention(groups, model)
     specs = {(g.kv_cache_spec.block_size, g.kv_cache_spec.head_size) for g in groups}
     if len(specs) != 1:
         raise ValueError(
@@ -199,6 +200,9 @@ def engine_context(
         model_name=str(model.model),
         cache=KVCacheSpec(
             layer_names=tuple(name for g in groups for name in g.layer_names),
+            layer_groups=tuple(i for i, g in enumerate(groups) for _ in g.layer_names)
+            if len(groups) > 1
+            else (),
             num_kv_heads=model.get_total_num_kv_heads(),
             head_size=spec.head_size,
             block_size=spec.block_size,
@@ -222,6 +226,26 @@ def engine_context(
         enable_kv_cache_events=bool(events is not None and events.enable_kv_cache_events),
         extra={"engine": "vllm", "vllm_version": vllm_version},
     )
+
+
+def check_paged_attention(groups: Any, model: Any) -> None:
+    """Refuse KV cache groups that are not paged attention KV: vLLM's Mamba / linear-attention
+    state (`MambaSpec`: per request, not per token, as tensors of several shapes), which no
+    kvx connector moves. vLLM reaches here only with its hybrid allocator on (a kvx connector
+    with `SupportsHMA`); without it vLLM itself stops such a model at start."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            arch = ", ".join(getattr(model.hf_config, "architectures", None) or ["?"])
+            raise ValueError(
+                f"kvx: KV cache group {index} of {arch} is vLLM's {type(spec).__name__} "
+                f"(layers {list(group.layer_names)[:4]}...): per-request state, not paged "
+                "attention KV. kvx connectors move attention KV only (full attention, sliding "
+                "window, MLA); Mamba and linear-attention hybrids (granite4h, falcon-h1, "
+                "qwen3-next) are not supported"
+            )
 
 
 def warn_unverified_kernels(dtype: Any, block_size: int, head_size: int) -> str:

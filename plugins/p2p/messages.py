@@ -55,7 +55,9 @@ class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One (request, layer) slice of KV: `num_blocks` blocks in `layout` with `block_size`
     tokens, `num_heads` heads starting at global head `first_head`, of which the first
-    `num_tokens` tokens count. `src_rank` is the sender's TP rank."""
+    `num_tokens` tokens count. `src_rank` is the sender's TP rank. The slice's first block is
+    the request's block `first_block`: the blocks before it were outside P's sliding window
+    (null in its table) and are not sent."""
 
     request_id: Name
     layer: Name
@@ -69,13 +71,21 @@ class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     dtype: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+    first_block: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.num_tokens > self.num_blocks * self.block_size:
+        blocks = self.first_block + self.num_blocks
+        if self.num_tokens > blocks * self.block_size:
             raise ValueError(
-                f"{self.num_tokens} tokens do not fit {self.num_blocks} blocks of {self.block_size}"
+                f"{self.num_tokens} tokens do not fit blocks {self.first_block}..{blocks} "
+                f"of {self.block_size}"
+            )
+        if self.first_block and self.num_tokens <= self.first_block * self.block_size:
+            raise ValueError(
+                f"first_block {self.first_block}: the slice's {self.num_tokens} tokens end "
+                "before its first block"
             )
 
 

@@ -15,6 +15,7 @@ import functools
 import math
 import warnings
 
+import msgspec
 import torch
 
 from kvx.layouts import HEAD_SIZE, HEADS, Layout, convert_blocks, get_layout
@@ -191,10 +192,22 @@ def scatter(
     num_tokens: int,
     dst_heads: range | None,
 ) -> None:
-    """Write tokens `start_token..start_token+num_tokens` of the received slice (which starts at
-    token 0) into `block_ids` of `cache`; `start_token` is a multiple of the cache's block size."""
+    """Write tokens `start_token..start_token+num_tokens` of the received slice into
+    `block_ids` of `cache`; `start_token` is a multiple of the cache's block size. The slice
+    starts at token `meta.first_block * meta.block_size` (0 unless P's table began with null
+    blocks, outside its sliding window); tokens before that cannot be written."""
     sizes = layout.sizes_of(cache)
     bd, rb = sizes["tokens"], meta.block_size
+    offset = meta.first_block * rb
+    if offset:
+        if start_token < offset or offset % bd:
+            raise ValueError(
+                f"{meta.request_id}#{meta.layer}: the peer sent tokens from {offset} (blocks "
+                f"before were outside its sliding window); tokens from {start_token} in blocks "
+                f"of {bd} are needed"
+            )
+        start_token -= offset
+        meta = msgspec.structs.replace(meta, first_block=0, num_tokens=meta.num_tokens - offset)
     end = start_token + num_tokens
     if end > meta.num_tokens:
         raise ValueError(

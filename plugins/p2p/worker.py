@@ -168,6 +168,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
     def _meta(
         self, spec: SaveSpec, layer: str, first_head: int, num_heads: int, nbytes: int
     ) -> TensorMeta:
+        skipped = kvx.skipped_blocks(spec.block_ids)
         return TensorMeta(
             spec.request_id,
             layer,
@@ -176,11 +177,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             num_heads,
             self.geometry.head_size,
             self.geometry.block_size,
-            len(spec.block_ids),
+            len(spec.block_ids) - skipped,
             spec.num_tokens,
             self.layout.name,
             self.geometry.dtype,
             nbytes,
+            skipped,
         )
 
     def _save(
@@ -188,10 +190,13 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
     ) -> None:
         assert self.engine is not None, "register_kv_caches must run before saves"
         heads = has_heads(self.layout)
+        # Leading null entries (outside a sliding window) hold no KV: only the rest is sent,
+        # and the slice's meta says which request block it starts at.
+        blocks = spec.block_ids[kvx.skipped_blocks(spec.block_ids) :]
         if spec.mode == "GET":
             assert self.store is not None
             local = range(len(self.heads)) if heads else None
-            t = gather(kv_layer, self.layout, spec.block_ids, local, self.geometry.head_size)
+            t = gather(kv_layer, self.layout, blocks, local, self.geometry.head_size)
             nbytes = t.numel() * t.element_size()
             self.store.put(self._meta(spec, layer, self.heads.start, len(local or [0]), nbytes), t)
             return
@@ -207,7 +212,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
         stage = stage_of(self.layer_index[layer], self.geometry.num_layers, decode.pp_size)
         for d, read in plan:
             local = range(read.remote_head_offset, read.remote_head_offset + read.num_heads)
-            wire = self._wire(kv_layer, spec.block_ids, local if heads else None, rows)
+            wire = self._wire(kv_layer, blocks, local if heads else None, rows)
             meta = self._meta(
                 spec,
                 layer,

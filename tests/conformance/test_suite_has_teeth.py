@@ -61,6 +61,7 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
         ("SavesLate", "pd_prefill_block_pressure", "differ"),
         ("SendsALock", "pd_short_prompt", "cannot be sent to a worker process"),
         ("WritesNullBlock", "window_pd", "the null block (no request's; a write through"),
+        ("SlicesLatent", "mla_pd", "differ"),
     ],
 )
 def test_broken_connector_fails_the_suite(
@@ -150,6 +151,8 @@ def test_the_good_connectors_pass_the_same_scenarios(broken_importable: None) ->
     assert sorted((r.name, r.outcome, r.message) for r in results) == sorted(
         (name, PASSED, "") for name in scenarios
     )
+    (mla,) = run_suite(broken("ClaimsMla"), only=["mla_pd"], options=OPTIONS)
+    assert (mla.outcome, mla.message) == (PASSED, "")  # the control for SlicesLatent
     storage = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": STORAGE_EXTRA}
     (result,) = run_suite(storage, only=["roles_store_reuse"], options=OPTIONS)
     assert (result.outcome, result.message) == (PASSED, "")

@@ -18,9 +18,9 @@ from kvx.conformance.runner import FAILED, PASSED
 from ._ports import free_port_range, p2p_config
 
 SUBSET = {  # in-process scenarios (test_separate_processes.py runs P and D in processes)
-    "PUT": ["pd_short_prompt", "pd_prefix_hit_on_decode", "window_pd"],
+    "PUT": ["pd_short_prompt", "pd_prefix_hit_on_decode", "window_pd", "window_pd_prefill_hit"],
     "PUT_ASYNC": ["pd_chunked_prefill", "clean_shutdown", "pd_prefill_block_pressure"],
-    "GET": ["abort_on_decode_while_loading", "pd_prefix_hit_on_decode"],
+    "GET": ["abort_on_decode_while_loading", "pd_prefix_hit_on_decode", "window_pd_prefill_hit"],
 }
 FULL = os.environ.get("KVX_P2P_FULL_SUITE") == "1"
 

@@ -4,6 +4,7 @@ convert path writes and leaves every other element alone."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -106,3 +107,25 @@ def test_segments_that_split_a_block_fall_back_to_the_convert_path() -> None:
     scatter(odd, meta, dst, layout, [4, 7], 0, 8, None)
     convert_blocks(src, reference, [1, 2], [4, 7], src_layout=layout, dst_layout=layout)
     assert torch.equal(dst, reference)
+
+
+@pytest.mark.parametrize("name", ["NHD", "CPU_PACKED"])
+def test_a_slice_starting_after_null_blocks_lands_at_its_blocks(name: str) -> None:
+    """P skipped two null blocks (outside its window): the slice's block 0 is the request's
+    block 2; D writes tokens 8..18 into its blocks, every other element stays."""
+    layout, src, dst = get_layout(name), _cache(name, 5), _cache(name, 6)
+    sent = physical(gather(src, layout, [4, 5, 6], range(HEADS), HEAD_SIZE), layout)
+    nbytes = sent.numel() * sent.element_size()
+    meta = TensorMeta(
+        "r", "l0", 0, 0, HEADS, HEAD_SIZE, BLOCK, 3, 18, name, "float16", nbytes, first_block=2
+    )
+    want = dst.clone()
+    convert_blocks(
+        src, want, [4, 5, 6], [9, 1, 3], src_layout=layout, dst_layout=layout, num_tokens=10
+    )
+    scatter([sent], meta, dst, layout, [9, 1, 3], 8, 10, range(HEADS))
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="sent tokens from 8"):
+        scatter([sent], meta, dst, layout, [0, 9, 1, 3], 4, 14, range(HEADS))
+    with pytest.raises(ValueError, match="end before its first block"):
+        msgspec.structs.replace(meta, num_tokens=8)

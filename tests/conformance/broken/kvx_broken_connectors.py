@@ -213,6 +213,36 @@ class WritesNullBlock(ExamplePDConnector):
         super().update_state_after_alloc(request, every, num_external_tokens)
 
 
+class ClaimsMla(ExamplePDConnector):
+    """The example connector claiming MLA: its workers copy whole blocks of whatever layout
+    the cache has, the MLA latent included, so it must pass the `mla_*` P/D scenarios (the
+    control for `SlicesLatent`)."""
+
+    capabilities = ExamplePDConnector.capabilities | {kvx.Capability.MLA}
+
+
+class SlicesLatentWorker(ExamplePDWorker):
+    """Treats the MLA latent as if TP split it like KV heads: the rank loads only its 1/2 of
+    each token's latent (rank 0 of 2: the first half), the rest of the block stays as it was.
+    (The latent is whole on every rank; a connector must move all of it.)"""
+
+    def _load(self, path: Path, load: LoadSpec, dim: int) -> None:
+        index = torch.tensor(load.local_block_ids, dtype=torch.long)
+        before = {name: cache.index_select(dim, index) for name, cache in self._caches.items()}
+        super()._load(path, load, dim)
+        for name, cache in self._caches.items():
+            width = cache.shape[-1]
+            kept = before[name].narrow(-1, width // 2, width - width // 2)
+            loaded = cache.index_select(dim, index)
+            loaded.narrow(-1, width // 2, width - width // 2).copy_(kept)
+            cache.index_copy_(dim, index, loaded)
+
+
+class SlicesLatent(ClaimsMla):
+    __doc__ = SlicesLatentWorker.__doc__
+    worker_type = SlicesLatentWorker
+
+
 def _done() -> Future[None]:
     future: Future[None] = Future()
     future.set_result(None)
