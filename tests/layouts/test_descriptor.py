@@ -179,7 +179,7 @@ def test_layouts_and_transforms_are_discoverable_through_the_registry() -> None:
     registry = get_registry()
     assert set(BUILTIN_LAYOUTS) <= set(registry.layouts())
     for name, layout in BUILTIN_LAYOUTS.items():
-        assert registry.load_layout(name) is layout
+        assert registry.get_layout(name) is layout
         assert registry.layouts()[name].spec.summary == layout.summary
     transforms = {
         "convert_blocks": convert_blocks,
