@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar
@@ -54,6 +54,18 @@ class ConfigResolver(Protocol):
     def extra_config_target(
         self, connector: str, module_path: str | None, config_path: str = ""
     ) -> ExtraConfigTarget: ...
+
+
+_default_resolver: Callable[[], ConfigResolver] | None = None
+
+
+def set_default_resolver(get: Callable[[], ConfigResolver] | None) -> None:
+    """Install how `KVTransferConfig.from_dict` finds a resolver when given none. `kvx.registry`
+    installs the process-wide registry's getter when it is imported, so this module never
+    imports the registry (no config <-> registry circle); code below the entry points passes
+    its registry explicitly."""
+    global _default_resolver
+    _default_resolver = get
 
 
 @dataclass
@@ -145,11 +157,12 @@ class KVTransferConfig:
         cls, data: Any, *, registry: ConfigResolver | None = None, check_extra: bool = True
     ) -> KVTransferConfig:
         """Validate a JSON-like dict and build the config; raise `ConfigError` listing every
-        problem. Given a `registry` (any `ConfigResolver`, e.g. `kvx.get_registry()`) and
-        `check_extra` (default), the connector name is resolved in it and its extra config
-        validated against the connector's schema (children of composites too); without one,
-        vLLM's fields and rules are checked and the extra config is kept as given
-        (`create_connector` checks it against the registry it builds from)."""
+        problem. With `check_extra` (default) the connector name is resolved in `registry` (any
+        `ConfigResolver`; default: the one `set_default_resolver` installed, the process-wide
+        registry) and its extra config validated against the connector's schema (children of
+        composites too)."""
+        if check_extra and registry is None and _default_resolver is not None:
+            registry = _default_resolver()
         problem = _depth_problem(data)
         if problem is not None:  # checked first: every later step may recurse
             raise problem

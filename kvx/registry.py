@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvx.catalog import Registered
-from kvx.config import ExtraConfigTarget, KVTransferConfig
+from kvx.config import ExtraConfigTarget, KVTransferConfig, set_default_resolver
 from kvx.contract import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -349,6 +349,9 @@ def get_registry() -> Registry:
     if _default is None:
         _default = Registry()
     return _default
+
+
+set_default_resolver(lambda: get_registry())  # the getter is looked up when called
 
 
 def get_layout(name: str, registry: PluginRegistry | None = None) -> KVLayout:

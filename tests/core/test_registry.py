@@ -242,7 +242,8 @@ def test_create_connector_builds_each_role(plugin_registry: Registry) -> None:
         assert type(connector).__name__ == "EchoConnector"
         assert connector.role is role
         assert connector.kv_transfer_config is config
-        assert connector.engine_context is CTX
+        assert connector.engine_context == CTX  # the engine's context, carrying the registry
+        assert connector.engine_context.registry is plugin_registry
 
 
 def test_create_connector_validates_programmatic_configs(plugin_registry: Registry) -> None:

@@ -168,7 +168,7 @@ def test_get_layout_by_name_with_did_you_mean() -> None:
     assert get_layout("HND") is HND
     assert get_layout(HND) is HND
     with pytest.raises(
-        ValueError, match=r"unknown layout 'CPU_PACK' \(did you mean 'CPU_PACKED'\?\)"
+        ValueError, match=r"unknown layout 'CPU_PACK' \(did you mean \"CPU_PACKED\"\?\)"
     ):
         get_layout("CPU_PACK")
     with pytest.raises(TypeError, match="name or a Layout"):
