@@ -8,7 +8,7 @@ ones included) use nothing else (docs/architecture.md, enforced by tests/core/te
 from __future__ import annotations
 
 from kvx._version import __version__
-from kvx.config import KVTransferConfig, load_cli_arg
+from kvx.config import ConfigResolver, KVTransferConfig, load_cli_arg
 from kvx.contract import (
     ANY_GEOMETRY,
     CONTRACT_VERSION,
@@ -44,7 +44,13 @@ from kvx.planning import (
     ScheduledRequest,
     TrackedRequest,
 )
-from kvx.registry import Registry, create_connector, get_layout, get_registry
+from kvx.registry import (
+    Registry,
+    create_connector,
+    get_layout,
+    get_registry,
+    open_storage_backend,
+)
 from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
 from kvx.schema import path_problem, url_problem
 from kvx.secrets import Secret, SecretSource, redact_url, resolve_secret
@@ -63,7 +69,6 @@ from kvx.storage import (
     StorageRegionTable,
     SupportsHashedIO,
     copy_into,
-    open_storage_backend,
     supports_hashed_io,
 )
 from kvx.types import (
@@ -76,6 +81,7 @@ from kvx.types import (
     KVCacheSpec,
     NewRequestData,
     ParallelInfo,
+    PluginRegistry,
     Request,
     RequestStatus,
     SchedulerOutput,
@@ -101,6 +107,7 @@ __all__ = [
     "CommandSpec",
     "ConfigError",
     "ConfigProblem",
+    "ConfigResolver",
     "ConnectorScheduler",
     "ConnectorSpec",
     "ConnectorWorker",
@@ -129,6 +136,7 @@ __all__ = [
     "NewRequestData",
     "ParallelInfo",
     "PlanningScheduler",
+    "PluginRegistry",
     "Registry",
     "RegistryError",
     "Request",

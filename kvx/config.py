@@ -13,18 +13,15 @@ import hashlib
 import json
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 
 from kvx import schema
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
-
-if TYPE_CHECKING:
-    from kvx.registry import Registry
 
 T = TypeVar("T")
 
@@ -37,6 +34,38 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_JSON_DEPTH = 64
 MAX_NESTING = 8
 """How deep composite connectors (a MultiConnector inside a MultiConnector...) may nest."""
+
+
+@dataclass(frozen=True)
+class ExtraConfigTarget:
+    """How to validate one connector's `kv_connector_extra_config`."""
+
+    name: str
+    schema: Any
+    child_configs_key: str | None = None
+    unchecked: bool = False  # a module-path class that declares no schema
+
+
+class ConfigResolver(Protocol):
+    """What config validation needs from a registry (`kvx.Registry` is one): how to validate
+    the extra config of a connector named `connector` (or loaded from `module_path`); raises
+    `ConfigError` for an unknown one. `config_path` locates the config (nested children)."""
+
+    def extra_config_target(
+        self, connector: str, module_path: str | None, config_path: str = ""
+    ) -> ExtraConfigTarget: ...
+
+
+_default_resolver: Callable[[], ConfigResolver] | None = None
+
+
+def set_default_resolver(get: Callable[[], ConfigResolver] | None) -> None:
+    """Install how `KVTransferConfig.from_dict` finds a resolver when given none. `kvx.registry`
+    installs the process-wide registry's getter when it is imported, so this module never
+    imports the registry (no config <-> registry circle); code below the entry points passes
+    its registry explicitly."""
+    global _default_resolver
+    _default_resolver = get
 
 
 @dataclass
@@ -125,15 +154,15 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(
-        cls, data: Any, *, registry: Registry | None = None, check_extra: bool = True
+        cls, data: Any, *, registry: ConfigResolver | None = None, check_extra: bool = True
     ) -> KVTransferConfig:
         """Validate a JSON-like dict and build the config; raise `ConfigError` listing every
-        problem. With `check_extra` (default) the connector name is resolved in the registry and
-        its extra config validated against the connector's schema."""
-        if check_extra and registry is None:
-            from kvx.registry import get_registry
-
-            registry = get_registry()
+        problem. With `check_extra` (default) the connector name is resolved in `registry` (any
+        `ConfigResolver`; default: the one `set_default_resolver` installed, the process-wide
+        registry) and its extra config validated against the connector's schema (children of
+        composites too)."""
+        if check_extra and registry is None and _default_resolver is not None:
+            registry = _default_resolver()
         problem = _depth_problem(data)
         if problem is not None:  # checked first: every later step may recurse
             raise problem
@@ -291,7 +320,7 @@ def _rule_problems(data: Mapping[str, Any], path: str) -> list[ConfigProblem]:
 def _validate(
     data: Any,
     path: str,
-    registry: Registry | None,
+    registry: ConfigResolver | None,
     parent: Mapping[str, Any] | None,
     depth: int = 0,
 ) -> dict[str, Any]:
@@ -354,8 +383,23 @@ def _validate(
     return data
 
 
+def _registry_problems(
+    typed: Any, registry: ConfigResolver, extra_path: str
+) -> list[ConfigProblem]:
+    """A schema's checks that need the registry it is validated against: its optional
+    `registry_checks(registry) -> list[ConfigProblem]` (paths relative to the extra config),
+    e.g. that a storage URL's scheme has a backend in that registry."""
+    check = getattr(typed, "registry_checks", None)
+    if not callable(check):
+        return []
+    return [
+        ConfigProblem(schema.join_path(extra_path, p.path) if p.path else extra_path, p.message)
+        for p in check(registry)
+    ]
+
+
 def _validate_extra(
-    data: dict[str, Any], extra: Any, path: str, registry: Registry, depth: int
+    data: dict[str, Any], extra: Any, path: str, registry: ConfigResolver, depth: int
 ) -> dict[str, Any]:
     """Validate `kv_connector_extra_config` against the connector's declared schema."""
     extra_path = schema.join_path(path, "kv_connector_extra_config")
@@ -404,6 +448,8 @@ def _validate_extra(
             normalised.update(msgspec.to_builtins(typed))
         except ConfigError as exc:
             problems += exc.problems
+        else:
+            problems += _registry_problems(typed, registry, extra_path)
     if problems:
         raise ConfigError(problems)
     return normalised

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
-from kvx._version import __version__
 from kvx.catalog import Registered
-from kvx.config import KVTransferConfig
+from kvx.config import ExtraConfigTarget, KVTransferConfig, set_default_resolver
 from kvx.contract import (
-    CONTRACT_VERSION,
-    KVX_RELEASES_FOR_CONTRACT_MAJOR,
     KVConnectorBase_V1,
     KVConnectorRole,
     supports_hma,
@@ -43,20 +40,11 @@ from kvx.specs import (
     StorageBackendSpec,
     TransformSpec,
 )
-from kvx.target_check import check_target, schema_problem, target_problem
-from kvx.types import EngineContext
+from kvx.storage import StorageBackend, StorageBackendOptions, open_backend
+from kvx.target_check import check_target, contract_problem, schema_problem, target_problem
+from kvx.types import EngineContext, PluginRegistry
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ExtraConfigTarget:
-    """How to validate one connector's `kv_connector_extra_config`."""
-
-    name: str
-    schema: Any
-    child_configs_key: str | None = None
-    unchecked: bool = False  # a module-path class that declares no schema
 
 
 class Registry(PluginCatalogs):
@@ -143,9 +131,17 @@ class Registry(PluginCatalogs):
             problem = schema_problem(config_schema, what=f"config schema of {what}")
         return problem
 
-    def load_layout(self, name: str) -> Any:
+    def get_layout(self, name: str) -> KVLayout:
+        """The layout registered as `name` (or an alias) through the `kvx_layouts` hook: kvx's
+        one layout lookup (`kvx.get_layout` and `kvx.layouts.get_layout` come here)."""
         entry = self.layout(name)
-        return load_target(entry.spec.target, what=f"layout {entry.name!r}")
+        layout = load_target(entry.spec.target, what=f"layout {entry.name!r}")
+        if not isinstance(layout, KVLayout):
+            raise RegistryError(
+                f"layout {name!r} resolves to {type(layout).__name__}, which is not a layout "
+                "(no name, shape, memory, blocks_dim and sizes_of)"
+            )
+        return layout
 
     def load_transform(self, name: str) -> Any:
         entry = self.transform(name)
@@ -298,30 +294,6 @@ def check_connector_class(cls: Any, origin: str) -> type[KVConnectorBase_V1]:
     return cls
 
 
-def contract_problem(declared: object, origin: str) -> str | None:
-    """None when `declared` (a class's `contract_version`) is this contract major, else why not."""
-    if (
-        not isinstance(declared, tuple)
-        or len(declared) != 2
-        or not all(isinstance(v, int) for v in declared)
-    ):
-        return (
-            f"{origin}: contract_version must be a (major, minor) tuple of ints, got {declared!r}"
-        )
-    if declared[0] != CONTRACT_VERSION[0]:
-        fits = KVX_RELEASES_FOR_CONTRACT_MAJOR.get(
-            declared[0],
-            f"a kvx release implementing contract {declared[0]}.x (none is known "
-            f"to kvx {__version__})",
-        )
-        return (
-            f"{origin} implements kvx connector contract {declared[0]}.{declared[1]}, but kvx "
-            f"{__version__} implements contract {CONTRACT_VERSION[0]}.{CONTRACT_VERSION[1]}; "
-            f"use {fits} for this connector, or port it to contract {CONTRACT_VERSION[0]}.x"
-        )
-    return None
-
-
 def create_connector(
     config: KVTransferConfig,
     role: KVConnectorRole,
@@ -332,18 +304,29 @@ def create_connector(
     """Validate `config`, resolve its connector class and build it for `role`.
 
     Matches vLLM's `KVConnectorFactory.create_connector`, including the refusal of connectors
-    without `SupportsHMA` when the engine runs the hybrid memory allocator.
+    without `SupportsHMA` when the engine runs the hybrid memory allocator. The registry is
+    `registry`, else the one `ctx` carries, else the process-wide one; the connector gets it in
+    its `ctx.registry`, so what it builds (a composite's children, a storage backend, layouts)
+    comes from the same registry.
     """
-    registry = registry or get_registry()
+    found: Registry
+    if registry is not None:
+        found = registry
+    elif isinstance(ctx.registry, Registry):
+        found = ctx.registry
+    else:
+        found = get_registry()
+    if ctx.registry is not found:
+        ctx = replace(ctx, registry=found)
     if not isinstance(config, KVTransferConfig):
         raise TypeError(f"config must be a KVTransferConfig, got {type(config).__name__}")
     if not isinstance(role, KVConnectorRole):
         raise TypeError(f"role must be a KVConnectorRole, got {role!r}")
     if config.kv_connector is None:
         raise RegistryError("kv_connector is not set in the KV transfer config")
-    KVTransferConfig.from_dict(config.to_dict(), registry=registry)
-    cls = registry.resolve_connector_class(config)
-    if ctx.enable_hma and not registry.supports_hma_config(config):
+    KVTransferConfig.from_dict(config.to_dict(), registry=found)
+    cls = found.resolve_connector_class(config)
+    if ctx.enable_hma and not found.supports_hma_config(config):
         raise RegistryError(
             f"connector {config.kv_connector!r} does not support HMA but HMA is enabled; "
             "disable the hybrid memory allocator (vLLM: --disable-hybrid-kv-cache-manager)"
@@ -368,16 +351,21 @@ def get_registry() -> Registry:
     return _default
 
 
-def get_layout(name: str) -> KVLayout:
-    """The layout registered as `name` (or an alias) through the `kvx_layouts` hook, from the
-    process-wide registry (`kvx list` shows them)."""
-    layout = get_registry().load_layout(name)
-    if not isinstance(layout, KVLayout):
-        raise RegistryError(
-            f"layout {name!r} resolves to {type(layout).__name__}, which is not a layout "
-            "(no name, shape, memory, blocks_dim and sizes_of)"
-        )
-    return layout
+set_default_resolver(lambda: get_registry())  # the getter is looked up when called
+
+
+def get_layout(name: str, registry: PluginRegistry | None = None) -> KVLayout:
+    """The layout registered as `name` (or an alias) in `registry` (default: the process-wide
+    one; `kvx list` shows them): `Registry.get_layout`."""
+    return (registry or get_registry()).get_layout(name)
+
+
+def open_storage_backend(
+    url: str, options: StorageBackendOptions, registry: PluginRegistry | None = None
+) -> StorageBackend:
+    """The backend registered for `url`'s scheme in `registry` (default: the process-wide one;
+    a connector passes its `ctx.registry`), opened on `url`."""
+    return open_backend(url, options, registry or get_registry())
 
 
 def reset_registry() -> None:

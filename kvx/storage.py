@@ -10,8 +10,8 @@ defaults do it on the vectored calls, and a fast backend (local files, in native
 overrides them.
 
 A plugin registers a backend class for URL schemes (`kvx_storage_backends` returning
-`StorageBackendSpec`); `open_storage_backend(url, options)` builds the one registered for a
-URL's scheme as `cls(url, options)`. See docs/writing-a-storage-backend.md.
+`StorageBackendSpec`); `open_storage_backend(url, options, registry)` builds the one registered
+for a URL's scheme as `cls(url, options)`. See docs/writing-a-storage-backend.md.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import xxhash
 
 from kvx.errors import ConfigError, ConfigProblem
-from kvx.registry import get_registry
 from kvx.secrets import redact_url
+from kvx.types import PluginRegistry
 
 
 @dataclass(frozen=True)
@@ -212,9 +212,11 @@ def copy_into(parts: Sequence[memoryview], data: bytes | memoryview) -> None:
         at += view.nbytes
 
 
-def open_storage_backend(url: str, options: StorageBackendOptions) -> StorageBackend:
-    """The backend registered (`kvx_storage_backends`) for `url`'s scheme, opened on `url`."""
-    registry = get_registry()
+def open_backend(
+    url: str, options: StorageBackendOptions, registry: PluginRegistry
+) -> StorageBackend:
+    """The backend registered (`kvx_storage_backends`) in `registry` for `url`'s scheme, opened
+    on `url` (`kvx.open_storage_backend` is this with the registry defaulted)."""
     entry = registry.storage_backend_for_url(url)
     cls = registry.load_storage_backend(entry.name)
     if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):

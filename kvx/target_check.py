@@ -17,6 +17,8 @@ import importlib.util
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from kvx._version import __version__
+from kvx.contract import CONTRACT_VERSION, KVX_RELEASES_FOR_CONTRACT_MAJOR
 from kvx.errors import MissingDependencyError, RegistryError
 from kvx.loading import install_hint, load_target, missing_requirements
 
@@ -95,8 +97,6 @@ def check_target(
 
 
 def _class_problem(node: ast.ClassDef, origin: str) -> str | None:
-    from kvx.registry import contract_problem  # the registry imports this module
-
     if not node.bases:
         return f"{origin} is not a subclass of kvx.KVConnectorBase_V1"
     for item in node.body:
@@ -181,4 +181,28 @@ def schema_problem(target: str, *, what: str) -> str | None:
         return f"{what}: {target} is not a schema type: {exc}"
     if not isinstance(info, mi.StructType | mi.DataclassType | mi.TypedDictType):
         return f"{what}: {target} is not a msgspec Struct, dataclass or TypedDict"
+    return None
+
+
+def contract_problem(declared: object, origin: str) -> str | None:
+    """None when `declared` (a class's `contract_version`) is this contract major, else why not."""
+    if (
+        not isinstance(declared, tuple)
+        or len(declared) != 2
+        or not all(isinstance(v, int) for v in declared)
+    ):
+        return (
+            f"{origin}: contract_version must be a (major, minor) tuple of ints, got {declared!r}"
+        )
+    if declared[0] != CONTRACT_VERSION[0]:
+        fits = KVX_RELEASES_FOR_CONTRACT_MAJOR.get(
+            declared[0],
+            f"a kvx release implementing contract {declared[0]}.x (none is known "
+            f"to kvx {__version__})",
+        )
+        return (
+            f"{origin} implements kvx connector contract {declared[0]}.{declared[1]}, but kvx "
+            f"{__version__} implements contract {CONTRACT_VERSION[0]}.{CONTRACT_VERSION[1]}; "
+            f"use {fits} for this connector, or port it to contract {CONTRACT_VERSION[0]}.x"
+        )
     return None

@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvx.specs import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -266,6 +268,26 @@ class ParallelInfo:
         return self.tp_size * self.pp_size * self.pcp_size
 
 
+class PluginRegistry(Protocol):
+    """What a connector looks up in the registry it was built from (`kvx.Registry` is one).
+    Connector classes and backends are typed loosely here (`types` sits below the contract);
+    `kvx.Registry` gives the precise types."""
+
+    def get_layout(self, name: str) -> KVLayout: ...
+
+    def resolve_connector_class(self, config: Any) -> Any: ...
+
+    def load_connector_class(self, name: str) -> Any: ...
+
+    def storage_backend_for_url(self, url: str) -> Any: ...
+
+    def load_storage_backend(self, name: str) -> Any: ...
+
+    def extra_config_target(
+        self, connector: str, module_path: str | None, config_path: str = ""
+    ) -> Any: ...
+
+
 @dataclass(frozen=True)
 class EngineContext:
     """Everything a connector is constructed with besides its config and role.
@@ -281,3 +303,7 @@ class EngineContext:
     enable_hma: bool = False
     enable_kv_cache_events: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
+    registry: PluginRegistry | None = field(default=None, repr=False, compare=False)
+    """The registry the connector was built from (`create_connector` sets it): a composite
+    builds its children, a storage connector opens its backend and a worker finds plugin
+    layouts in it, never in the process-wide one."""

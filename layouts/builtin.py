@@ -7,8 +7,7 @@ the K/V orders its "vec" attention kernels write: matches vLLM-CPU's `cpu_attn_r
 
 from __future__ import annotations
 
-import difflib
-
+import kvx
 from kvx.layouts.descriptor import Layout
 
 _FA = ("kv", "blocks", "tokens", "heads", "head_size")
@@ -114,11 +113,12 @@ BUILTIN_LAYOUTS: dict[str, Layout] = {
 """Built-in layouts by name."""
 
 
-def get_layout(layout: str | Layout) -> Layout:
+def get_layout(layout: str | Layout, registry: kvx.PluginRegistry | None = None) -> Layout:
     """The layout named `layout` (a `Layout` is returned as is).
 
-    Built-ins resolve without the plugin registry; other names are looked up among the layouts
-    plugins register through the `kvx_layouts` hook.
+    Built-ins resolve from `BUILTIN_LAYOUTS` (the objects kvx.layouts registers); other names
+    through `Registry.get_layout` of `registry` (a connector passes its `ctx.registry`;
+    default: the process-wide one), kvx's one layout lookup.
     """
     if isinstance(layout, Layout):
         return layout
@@ -126,19 +126,11 @@ def get_layout(layout: str | Layout) -> Layout:
         raise TypeError(f"layout must be a name or a Layout, got {type(layout).__name__}")
     if layout in BUILTIN_LAYOUTS:
         return BUILTIN_LAYOUTS[layout]
-    import kvx
-
-    registry = kvx.get_registry()
     try:
-        registry.layout(layout)
-    except kvx.RegistryError:
-        known = sorted({*BUILTIN_LAYOUTS, *registry.layouts()})
-        close = difflib.get_close_matches(layout, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(
-            f"unknown layout {layout!r}{hint}; known layouts: {', '.join(known)}"
-        ) from None
-    found = registry.load_layout(layout)
+        found = kvx.get_layout(layout, registry)
+    except kvx.RegistryError as exc:  # "'X' is not a registered layout (did you mean...)..."
+        why = str(exc).partition(" is not a registered layout")[2] or f": {exc}"
+        raise ValueError(f"unknown layout {layout!r}{why}") from None
     if not isinstance(found, Layout):
         raise TypeError(
             f"layout {layout!r} resolves to {type(found).__name__}, not a kvx.layouts.Layout"

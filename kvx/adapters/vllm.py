@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import kvx
 from kvx import tracing
+from kvx.adapters import VLLM_PREFIX as PLUGIN_PREFIX
 from kvx.adapters import vllm_payloads as payloads
 from kvx.adapters import vllm_types as to_kvx
 from kvx.adapters.request_facts import RequestFacts, log_to_stderr
@@ -56,7 +57,6 @@ from kvx.adapters.vllm_config import (
     load_kvx_class,
 )
 from kvx.adapters.vllm_guard import ReportGuard
-from kvx.adapters.vllm_plugin import PREFIX as PLUGIN_PREFIX
 from kvx.adapters.vllm_prom import KvxPromMetrics
 from kvx.errors import ConfigError
 

@@ -27,9 +27,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvx.adapters import VLLM_PREFIX as PREFIX
+
 logger = logging.getLogger(__name__)
 
-PREFIX = "kvx."
 ADAPTER_MODULE = "kvx.adapters.vllm"
 
 

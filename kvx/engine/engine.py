@@ -113,12 +113,13 @@ class EngineConfig:
             sliding_window=self.sliding_window,
         )
 
-    def context(self, parallel: ParallelInfo) -> EngineContext:
+    def context(self, parallel: ParallelInfo, registry: Registry | None = None) -> EngineContext:
         return EngineContext(
             engine_id=self.engine_id,
             model_name=self.model_name,
             cache=self.cache_spec(),
             parallel=parallel,
+            registry=registry,
         )
 
 
@@ -135,12 +136,15 @@ class Engine:
     """Add requests, step, read outputs; `shutdown()` when done."""
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        """`registry`: where the connector, its children, backends and layouts are found
+        (default: the process-wide one; the engine is an entry point)."""
         ktc = config.kv_transfer_config
         registry = registry or get_registry()
+        self.registry = registry
         if ktc is not None and ktc.kv_connector is not None and not config.use_mla:
             # Like vLLM, the connector's layout requirement decides the cache layout.
             required = registry.resolve_connector_class(ktc).get_required_kvcache_layout(
-                ktc, config.context(ParallelInfo())
+                ktc, config.context(ParallelInfo(), registry)
             )
             if required is not None and required != config.layout:
                 config = replace(config, layout=required)
@@ -151,7 +155,9 @@ class Engine:
             self.scheduler_connector = create_connector(
                 ktc,
                 KVConnectorRole.SCHEDULER,
-                config.context(ParallelInfo(tp_size=config.tp_size, pp_size=config.pp_size)),
+                config.context(
+                    ParallelInfo(tp_size=config.tp_size, pp_size=config.pp_size), registry
+                ),
                 registry=registry,
             )
         self.scheduler = Scheduler(
@@ -179,9 +185,12 @@ class Engine:
                 if self.scheduler_connector is not None:
                     assert ktc is not None
                     connector = create_connector(
-                        ktc, KVConnectorRole.WORKER, config.context(parallel), registry=registry
+                        ktc,
+                        KVConnectorRole.WORKER,
+                        config.context(parallel, registry),
+                        registry=registry,
                     )
-                self.workers.append(Worker(self.model, spec, parallel, connector))
+                self.workers.append(Worker(self.model, spec, parallel, connector, layouts=registry))
         self.aggregator: KVOutputAggregator | None = None
         if self.scheduler_connector is not None:
             self.aggregator = KVOutputAggregator.from_connector(

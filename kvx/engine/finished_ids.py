@@ -3,21 +3,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Container, Iterator, Mapping
 
 from kvx.contract import KVConnectorOutput
+from kvx.engine.request_state import RequestState
 from kvx.types import RequestStatus
-
-if TYPE_CHECKING:
-    from kvx.engine.scheduler import Scheduler
 
 
 def unheld_finished_ids(
-    scheduler: Scheduler, kv_output: KVConnectorOutput, sendable: set[str]
+    states: Mapping[str, RequestState],
+    recved: Container[str],
+    held_for_recv: Container[str],
+    kv_output: KVConnectorOutput,
+    sendable: set[str],
 ) -> Iterator[str]:
     """A violation message per id in the finished sets that names no transfer this engine is
-    waiting for (`sendable`: the requests held for sending before this step)."""
+    waiting for (the scheduler's `states`; `recved`, loads already reported; `held_for_recv`,
+    loads whose blocks it holds; `sendable`, the requests held for sending before this
+    step)."""
     for req_id in sorted((kv_output.finished_sending or set()) - sendable):
         yield (
             f"finished_sending names request {req_id!r}, which this engine does not hold "
@@ -25,13 +28,13 @@ def unheld_finished_ids(
             "reported finished (ids in finished_sending must be held requests, once each)"
         )
     for req_id in sorted(kv_output.finished_recving or ()):
-        state = scheduler.states.get(req_id)
+        state = states.get(req_id)
         loading = (
             state is not None
             and state.request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-            and req_id not in scheduler._recved
+            and req_id not in recved
         )
-        if not loading and req_id not in scheduler._held_for_recv:
+        if not loading and req_id not in held_for_recv:
             yield (
                 f"finished_recving names request {req_id!r}, which is not loading "
                 "asynchronously on this engine: unknown, never given an async load, or "

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from kvx.errors import RegistryError
-from kvx.registry import get_registry
 from kvx.topology import is_primary_holder
 from kvx.topology import physical_head_range as rank_heads
-from kvx.types import KVCacheSpec, ParallelInfo
+from kvx.types import KVCacheSpec, ParallelInfo, PluginRegistry
 
 TOKEN_DIMS = ("blocks", "tokens", "kv", "heads", "head_size")
 
@@ -93,14 +92,21 @@ def _split_key(key: Any) -> tuple[tuple[Any, ...], Any, tuple[Any, ...]]:
 class PagedKVCache:
     """Per-layer KV tensors of one worker (its TP head shard, its PP layers)."""
 
-    def __init__(self, spec: KVCacheSpec, parallel: ParallelInfo, layer_names: Sequence[str]):
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        parallel: ParallelInfo,
+        layer_names: Sequence[str],
+        layouts: PluginRegistry,
+    ):
+        """`layouts`: the registry the spec's layout name is looked up in."""
         if spec.layout == "MLA" and not spec.use_mla:
             raise ValueError(
                 "KVCacheSpec.layout: 'MLA' holds one latent vector per token; set "
                 "use_mla=True for an MLA model, or pick an attention layout"
             )
         try:
-            layout = get_registry().load_layout("MLA" if spec.use_mla else spec.layout)
+            layout: Any = layouts.get_layout("MLA" if spec.use_mla else spec.layout)
         except RegistryError as exc:
             raise ValueError(f"KVCacheSpec.layout: {exc}") from None
         if layout.is_cross_layer:

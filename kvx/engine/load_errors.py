@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
 
 from kvx.contract import KVConnectorOutput
+from kvx.engine.request_state import RequestState
 from kvx.types import RequestStatus, SchedulerOutput
-
-if TYPE_CHECKING:
-    from kvx.engine.scheduler import RequestState
 
 
 def failed_loads(

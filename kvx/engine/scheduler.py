@@ -19,13 +19,14 @@ that one is left to compute; the engine records it, then carries on loading one 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
 from kvx.engine.block_pool import BlockPool, block_hashes
 from kvx.engine.finished_ids import unheld_finished_ids
 from kvx.engine.load_errors import failed_loads
+from kvx.engine.request_state import RequestState
 from kvx.types import (
     NULL_BLOCK,
     CachedRequestData,
@@ -63,20 +64,6 @@ class RequestOutput:
     finished: bool
     status: RequestStatus
     kv_transfer_params: dict[str, Any] | None = None
-
-
-@dataclass
-class RequestState:
-    """Scheduler bookkeeping of one request."""
-
-    request: Request
-    blocks: list[int] = field(default_factory=list)
-    ever_scheduled: bool = False
-    sync_loaded_tokens: int = 0  # tokens loaded synchronously in the current step
-    loaded: bool = False  # promoted after a remote load, not yet scheduled
-    kv_transfer_params_out: dict[str, Any] | None = None
-    finished_step: int = -1  # the scheduler step in which the request finished
-    asked_later: bool = False  # get_num_new_matched_tokens last answered None
 
 
 class Scheduler:
@@ -409,7 +396,9 @@ class Scheduler:
         discard: set[str] = set()
         sendable = set(self._held_for_send)  # request_finished handed these over earlier
         if kv_output is not None:
-            for problem in unheld_finished_ids(self, kv_output, sendable):
+            for problem in unheld_finished_ids(
+                self.states, self._recved, self._held_for_recv, kv_output, sendable
+            ):
                 self._violate(problem)
             self._recved |= kv_output.finished_recving or set()
             self.recv_steps.update(dict.fromkeys(kv_output.finished_recving or (), self.steps))

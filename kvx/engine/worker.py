@@ -17,7 +17,7 @@ from kvx.engine.hooks import LayerHooks, run_connector_step
 from kvx.engine.kv_cache import PagedKVCache
 from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.topology import pp_layer_range
-from kvx.types import ForwardContext, KVCacheSpec, ParallelInfo, SchedulerOutput
+from kvx.types import ForwardContext, KVCacheSpec, ParallelInfo, PluginRegistry, SchedulerOutput
 
 
 @dataclass
@@ -44,13 +44,16 @@ class Worker:
         spec: KVCacheSpec,
         parallel: ParallelInfo,
         connector: KVConnectorBase_V1 | None = None,
+        *,
+        layouts: PluginRegistry,
     ) -> None:
+        """`layouts`: the registry the cache's layout is looked up in (the engine's)."""
         self.model = model
         self.parallel = parallel
         self.connector = connector
         layers = pp_layer_range(len(spec.layer_names), parallel.pp_rank, parallel.pp_size)
         self.layers = {spec.layer_names[i]: i for i in layers}
-        self.cache = PagedKVCache(spec, parallel, list(self.layers))
+        self.cache = PagedKVCache(spec, parallel, list(self.layers), layouts)
         self.window = spec.sliding_window
         self.requests: dict[str, _ReqState] = {}
         self._null_block: dict[str, torch.Tensor] = {}

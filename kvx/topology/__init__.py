@@ -27,6 +27,7 @@ from kvx.topology.plan import (
     KVGeometry,
     TransferPlan,
     check_compatible,
+    check_layout,
     plan_reads,
     readers_per_remote_rank,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "TransferPlan",
     "block_byte_runs",
     "check_compatible",
+    "check_layout",
     "check_tp_heads",
     "destroy_distributed_environment",
     "destroy_model_parallel",

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
 
+from kvx.specs import KVLayout
 from kvx.topology.errors import TopologyError
 
 _FIXED = {"kv": 2}
 
 
 def block_byte_runs(
-    layout: Any,
+    layout: KVLayout,
     *,
     num_heads: int,
     block_size: int,
@@ -32,12 +32,8 @@ def block_byte_runs(
 ) -> list[tuple[int, int]]:
     """`(offset, length)` byte runs, in memory order and merged when adjacent, holding
     `heads` (indices in this rank's head dim, default all) and `tokens` (default all) of one
-    block of one region of a tensor in `layout` (a `kvx.layouts.Layout` or registered name).
+    block of one region of a tensor in `layout` (a layout object, e.g. a `kvx.layouts.Layout`).
     """
-    if isinstance(layout, str):
-        from kvx.registry import get_registry
-
-        layout = get_registry().load_layout(layout)
     memory = list(layout.memory)
     inner = memory[memory.index("blocks") + 1 :]
     sizes = {"heads": num_heads, "tokens": block_size, "head_size": head_size, **_FIXED}
@@ -55,7 +51,7 @@ def block_byte_runs(
         picks[dim] = want
     if not getattr(layout, "split_order", False):
         return _runs(inner, sizes, picks, itemsize)
-    k_memory = list(layout.k_memory)
+    k_memory = list(getattr(layout, "k_memory", ()))
     k_inner = k_memory[k_memory.index("blocks") + 1 :]
     halves = _runs(k_inner, sizes, {**picks, "kv": range(1)}, itemsize) + _runs(
         inner, sizes, {**picks, "kv": range(1, 2)}, itemsize

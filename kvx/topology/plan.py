@@ -13,10 +13,10 @@ once, from one of the ranks holding it) and block sizes differing in either dire
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvx.specs import KVLayout
 from kvx.topology.errors import TopologyError
 from kvx.topology.heads import check_tp_heads, head_holders, physical_head_range
 
@@ -167,8 +167,15 @@ class TransferPlan:
         return spans
 
 
-def check_compatible(local: KVGeometry, remote: KVGeometry) -> None:
-    """Raise `TopologyError` unless a local engine can read the remote engine's KV cache."""
+def check_compatible(
+    local: KVGeometry,
+    remote: KVGeometry,
+    layouts: tuple[KVLayout, KVLayout] | None = None,
+) -> None:
+    """Raise `TopologyError` unless a local engine can read the remote engine's KV cache.
+
+    `layouts`, the (local, remote) layout objects the geometries name (found by the caller in
+    its registry), are checked against `is_mla` too; without them only the shapes are."""
     if local.is_mla != remote.is_mla:
         raise TopologyError(
             f"is_mla differs (local {local.is_mla}, remote {remote.is_mla}): an MLA latent "
@@ -186,25 +193,22 @@ def check_compatible(local: KVGeometry, remote: KVGeometry) -> None:
             f"block sizes must divide one another: local block_size={lb}, remote "
             f"block_size={rb}; pick sizes such as {min(lb, rb)} and {2 * min(lb, rb)}"
         )
-    for side, geo in (("local", local), ("remote", remote)):
-        _check_layout(side, geo.layout, geo.is_mla)
+    if layouts is not None:
+        for side, geo, layout in (("local", local, layouts[0]), ("remote", remote, layouts[1])):
+            check_layout(geo, layout, side)
 
 
-@functools.lru_cache(maxsize=64)
-def _check_layout(side: str, name: str, is_mla: bool) -> None:
-    from kvx.errors import RegistryError
-    from kvx.registry import get_registry
-
-    try:
-        layout = get_registry().load_layout(name)
-    except RegistryError as exc:
-        raise TopologyError(f"{side} layout: {exc}") from None
-    if is_mla and layout.tp_dim is not None:
+def check_layout(geo: KVGeometry, layout: KVLayout, side: str = "local") -> None:
+    """Raise `TopologyError` unless `layout` (the object `geo.layout` names) fits `geo.is_mla`:
+    a heads dim for per-head caches, none for MLA."""
+    name, is_mla = geo.layout, geo.is_mla
+    heads = getattr(layout, "tp_dim", None)  # the dim TP shards (None: MLA)
+    if is_mla and heads is not None:
         raise TopologyError(
             f"{side} layout {name!r} has a heads dim but is_mla=True; MLA caches need a "
             "layout without heads, such as 'MLA' or 'CROSS_MLA'"
         )
-    if not is_mla and layout.tp_dim is None:
+    if not is_mla and heads is None:
         raise TopologyError(
             f"{side} layout {name!r} has no heads dim (an MLA layout) but is_mla=False; "
             "use an attention layout such as 'HND' or set is_mla=True"

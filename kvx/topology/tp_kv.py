@@ -1,16 +1,16 @@
 """`TpKVTopology`: a local TP rank's view of its own and remote engines' TP and block sizes.
 
 Method names and results match vLLM's legacy `TpKVTopology` (NIXL connector utils), with the
-engine's attention backend replaced by a registered kvx layout name. vLLM's assertions are
+engine's attention backend replaced by a kvx layout object. vLLM's assertions are
 `TopologyError`s saying what would work. For the de-duplicated, any-direction transfer plan
 kvx adds on top, see `kvx.topology.plan`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from kvx.specs import KVLayout
 from kvx.topology.errors import TopologyError
 from kvx.topology.heads import is_kv_replicated as _replicated
 from kvx.topology.heads import physical_head_range
@@ -38,10 +38,9 @@ class TpKVTopology:
     total_num_kv_heads: int
     engine_id: str
     remote_block_size: dict[str, int]
-    layout: str = "HND"
-    """A registered kvx layout name (stands in for vLLM's attention backend)."""
+    layout: KVLayout
+    """The local KV cache's layout object (stands in for vLLM's attention backend)."""
     is_mamba: bool = False
-    _layout: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("remote_tp_size", "remote_block_size"):
@@ -52,13 +51,11 @@ class TpKVTopology:
                 )
         if not 0 <= self.tp_rank < self.tp_size:
             raise TopologyError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
-        from kvx.errors import RegistryError
-        from kvx.registry import get_registry
-
-        try:
-            self._layout = get_registry().load_layout(self.layout)
-        except RegistryError as exc:
-            raise TopologyError(f"TpKVTopology.layout: {exc}") from None
+        if not isinstance(self.layout, KVLayout):
+            raise TopologyError(
+                f"TpKVTopology.layout must be a layout object (e.g. a kvx.layouts.Layout), "
+                f"got {self.layout!r}"
+            )
 
     # -- the local engine ----------------------------------------------------------------------
 
@@ -76,13 +73,13 @@ class TpKVTopology:
         hybrid Mamba models), matching vLLM's probe of the backend's KV cache shape."""
         if self.is_mamba:
             return True
-        shape = [d for d in self._layout.shape if d != "layers"]
+        shape = [d for d in self.layout.shape if d != "layers"]
         return not self.is_mla and shape[0] == "blocks"
 
     @property
     def cross_layers_blocks(self) -> bool:
         """True if one tensor holds every layer."""
-        return bool(self._layout.is_cross_layer)
+        return "layers" in self.layout.memory
 
     @property
     def split_k_and_v(self) -> bool:
@@ -106,7 +103,7 @@ class TpKVTopology:
             tp_size=self.remote_tp_size[engine_id],
             num_kv_heads=self.total_num_kv_heads,
             block_size=self.remote_block_size[engine_id],
-            layout=self.layout if layout is None else layout,
+            layout=self.layout.name if layout is None else layout,
             is_mla=self.is_mla,
         )
 

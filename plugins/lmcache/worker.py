@@ -78,7 +78,7 @@ class LMCacheWorker(ConnectorWorker[LMCacheMetadata]):
             raise ValueError("LMCacheConnectorV1 on kvx copies K/V layouts; MLA is not supported")
         self.options = options
         self.ctx = ctx
-        self.layout = get_layout(ctx.cache.layout)
+        self.layout = get_layout(ctx.cache.layout, ctx.registry)
         self.block_size = ctx.cache.block_size
         self.chunk = options.chunk_size
         self.stats = LMCacheStats()

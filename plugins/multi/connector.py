@@ -23,9 +23,9 @@ from kvx import (
     KVConnectorWorkerMetadata,
     KVTransferConfig,
     KVTransferResults,
+    PluginRegistry,
     SupportsHMA,
     create_connector,
-    get_registry,
     supports_hma,
 )
 from kvx.plugins.multi.metadata import MultiKVConnectorMetadata, MultiKVConnectorWorkerMetadata
@@ -44,12 +44,30 @@ _ANY_CHILD = frozenset(
 )
 
 
-def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
-    """The children's configs (validated and normalised when the parent config was)."""
+def child_configs(
+    config: KVTransferConfig, registry: PluginRegistry | None = None
+) -> list[KVTransferConfig]:
+    """The children's configs, inheriting the parent's engine id and role (vLLM semantics);
+    each validated against `registry` when given."""
+    inherited = {"engine_id": config.engine_id, "kv_role": config.kv_role}
     return [
-        KVTransferConfig.from_dict(child)
+        KVTransferConfig.from_dict({**inherited, **child}, registry=registry)
         for child in config.kv_connector_extra_config.get("connectors", [])
     ]
+
+
+def _registry(registry: PluginRegistry | None, ctx: kvx.EngineContext | None = None) -> Any:
+    """The registry children are resolved in: the one given, else the engine context's, else
+    (only for class-level calls made without either) the process-wide one.
+
+    TODO(issue 30): the contract's class-level methods (`claims_for`, `fault_wait_s`,
+    `requires_piecewise_for_cudagraph`, `build_kv_connector_stats`) carry no registry, so a
+    composite asked at class level without `registry=` falls back to the global default."""
+    if registry is not None:
+        return registry
+    if ctx is not None and ctx.registry is not None:
+        return ctx.registry
+    return kvx.get_registry()
 
 
 class MultiConnector(KVConnectorBase_V1, SupportsHMA):
@@ -61,7 +79,8 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         self, config: KVTransferConfig, role: KVConnectorRole, ctx: kvx.EngineContext
     ) -> None:
         super().__init__(config, role, ctx)
-        self.child_configs = child_configs(config)
+        registry = _registry(None, ctx)
+        self.child_configs = child_configs(config, registry)
         if not self.child_configs:
             raise ValueError(
                 "MultiConnector needs at least one child in kv_connector_extra_config.connectors"
@@ -69,7 +88,7 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         self.children: list[KVConnectorBase_V1] = []
         try:
             for child in self.child_configs:
-                self.children.append(create_connector(child, role, ctx))
+                self.children.append(create_connector(child, role, ctx, registry=registry))
         except Exception:
             self.shutdown()
             raise
@@ -81,9 +100,13 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ class level
 
     @classmethod
-    def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
-        registry = get_registry()
-        claims = [registry.resolve_connector_class(c).claims_for(c) for c in child_configs(config)]
+    def claims_for(
+        cls, config: KVTransferConfig, *, registry: PluginRegistry | None = None
+    ) -> frozenset[Capability]:
+        found = _registry(registry)
+        claims = [
+            found.resolve_connector_class(c).claims_for(c) for c in child_configs(config, found)
+        ]
         if not claims:
             return frozenset()
         union = frozenset().union(*claims) & _ANY_CHILD
@@ -91,22 +114,26 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         return union | shared
 
     @classmethod
-    def fault_wait_s(cls, config: KVTransferConfig) -> float:
+    def fault_wait_s(
+        cls, config: KVTransferConfig, *, registry: PluginRegistry | None = None
+    ) -> float:
         """The longest wait of any child."""
-        registry = get_registry()
-        waits = [registry.resolve_connector_class(c).fault_wait_s(c) for c in child_configs(config)]
+        found = _registry(registry)
+        waits = [
+            found.resolve_connector_class(c).fault_wait_s(c) for c in child_configs(config, found)
+        ]
         return max(waits, default=0.0)
 
     @classmethod
     def get_required_kvcache_layout(
         cls, config: KVTransferConfig, ctx: kvx.EngineContext | None = None
     ) -> str | None:
-        registry = get_registry()
+        found = _registry(None, ctx)
         layouts = {
             layout
-            for child in child_configs(config)
+            for child in child_configs(config, found)
             if (
-                layout := registry.resolve_connector_class(child).get_required_kvcache_layout(
+                layout := found.resolve_connector_class(child).get_required_kvcache_layout(
                     child, ctx
                 )
             )
@@ -120,21 +147,29 @@ class MultiConnector(KVConnectorBase_V1, SupportsHMA):
         return layouts.pop() if layouts else None
 
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        registry = get_registry()
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: dict[str, Any], *, registry: PluginRegistry | None = None
+    ) -> bool:
+        found = _registry(registry)
+        children = [
+            KVTransferConfig.from_dict({"kv_role": "kv_both", **c}, registry=found)
+            for c in extra_config.get("connectors", [])
+        ]
         return any(
-            registry.resolve_connector_class(child).requires_piecewise_for_cudagraph(
+            found.resolve_connector_class(child).requires_piecewise_for_cudagraph(
                 child.kv_connector_extra_config
             )
-            for child in (KVTransferConfig.from_dict(c) for c in extra_config.get("connectors", []))
+            for child in children
         )
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        registry = get_registry()
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None, *, registry: PluginRegistry | None = None
+    ) -> KVConnectorStats:
+        found = _registry(registry)
         rebuilt = {}
         for name, sub in (data or {}).items():
-            stats = registry.load_connector_class(name).build_kv_connector_stats(sub)
+            stats = found.load_connector_class(name).build_kv_connector_stats(sub)
             if stats is not None:
                 rebuilt[name] = stats
         return MultiKVConnectorStats(data=rebuilt)

@@ -23,7 +23,7 @@ from kvx.plugins.nixl.handshake import (
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.regions import heads_outermost_in_block
 from kvx.plugins.nixl.side_channel import fetch_payload
-from kvx.topology import KVGeometry, TopologyError, TransferPlan, plan_reads
+from kvx.topology import KVGeometry, TopologyError, TransferPlan, check_layout, plan_reads
 from kvx.wire import WireError, decode
 
 logger = logging.getLogger(__name__)
@@ -159,10 +159,11 @@ def check_agent_metadata(local: LocalView, meta: AgentMetadata) -> None:
     or addresses that overflow. Every count we later build descriptors from is checked here."""
     who = f"engine {meta.engine_id} (pp_rank={meta.pp_rank}, tp_rank={meta.tp_rank})"
     try:
-        get_layout(meta.layout)
+        layout = get_layout(meta.layout)
         geometry = KVGeometry(
             meta.tp_size, meta.num_kv_heads, meta.block_size, meta.layout, meta.is_mla
         )
+        check_layout(geometry, layout, "remote")
         heads = len(geometry.heads_of(meta.tp_rank))
     except (TopologyError, ValueError, LookupError) as exc:
         raise HandshakeError(f"{who}: its geometry is not usable: {exc}") from None

@@ -67,7 +67,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self.name, options.backends, options.num_threads, side_channel_address(options).host
         )
         cache = ctx.cache
-        self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
+        self.layout = get_layout("MLA" if cache.use_mla else cache.layout, ctx.registry)
         self.geometry = KVGeometry(
             p.tp_size, cache.num_kv_heads, cache.block_size, self.layout.name, cache.use_mla
         )

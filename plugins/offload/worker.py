@@ -68,7 +68,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         disk_url: str | None = None,
         inline_bytes: int = 0,
     ) -> None:
-        self.layout = get_layout("MLA" if ctx.cache.use_mla else ctx.cache.layout)
+        self.layout = get_layout("MLA" if ctx.cache.use_mla else ctx.cache.layout, ctx.registry)
         self.dim = self.layout.blocks_dim
         self.per_chunk = blocks_per_chunk
         self.num_slots = num_slots

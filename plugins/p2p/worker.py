@@ -60,7 +60,7 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
     def __init__(self, options: P2pConfig, config: kvx.KVTransferConfig, ctx: kvx.EngineContext):
         self.options, self.config, self.ctx = options, config, ctx
         cache, p = ctx.cache, ctx.parallel
-        self.layout = get_layout("MLA" if cache.use_mla else cache.layout)
+        self.layout = get_layout("MLA" if cache.use_mla else cache.layout, ctx.registry)
         self.geometry = Geometry(
             p.tp_size,
             p.pp_size,

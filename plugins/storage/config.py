@@ -107,10 +107,6 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
             redis_problem = _redis_url_problem(url)
             if redis_problem is not None:
                 raise ValueError(f"storage_url: {kvx.redact_url(url)!r}: {redis_problem}")
-        try:
-            kvx.get_registry().storage_backend_for_url(url)
-        except kvx.RegistryError as exc:
-            raise ValueError(f"storage_url: {exc}") from None
         if self.redis_ttl_s is not None and scheme not in REDIS_SCHEMES:
             raise ValueError(
                 f"redis_ttl_s: only redis:// storage expires keys; storage_url is {url!r}"
@@ -159,6 +155,14 @@ class SharedStorageConfig(msgspec.Struct, forbid_unknown_fields=True):
             if missing is not None:
                 notes.append(kvx.ConfigProblem("storage_url", f"needs a package to run: {missing}"))
         return notes
+
+    def registry_checks(self, registry: kvx.PluginRegistry) -> list[kvx.ConfigProblem]:
+        """Config validation against `registry`: the URL's scheme has a backend there."""
+        try:
+            registry.storage_backend_for_url(self.url)
+        except kvx.RegistryError as exc:
+            return [kvx.ConfigProblem("storage_url", str(exc))]
+        return []
 
     def config_checks(self) -> list[kvx.ConfigProblem]:
         """`kvx validate --check`: open the store (creating a local directory) and close it."""

@@ -66,7 +66,9 @@ class SharedStorageConnector(RoleSplitConnector[StorageScheduler, StorageWorker]
     def _open(self) -> tuple[SharedStorageConfig, Geometry, StorageBackend]:
         options: SharedStorageConfig = self.options
         geometry = Geometry.of(self.engine_context, options.namespace, options.storage_block_size)
-        backend = open_storage_backend(options.url, options.backend_options())
+        backend = open_storage_backend(
+            options.url, options.backend_options(), self.engine_context.registry
+        )
         return options, geometry, backend
 
 

@@ -88,7 +88,7 @@ class StorageWorker(ConnectorWorker[StorageMetadata]):
         self.backend = backend
         self.verify = verify_checksums or mac_key is not None
         self.mac_key = mac_key  # values carry a keyed MAC instead of a checksum
-        self.layout = get_layout("MLA" if geometry.mla else ctx.cache.layout)
+        self.layout = get_layout("MLA" if geometry.mla else ctx.cache.layout, ctx.registry)
         if self.layout.is_cross_layer:
             raise ValueError(
                 f"SharedStorageConnector takes per-layer KV tensors; layout {self.layout.name!r} "

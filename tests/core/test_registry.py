@@ -48,7 +48,8 @@ def test_entry_point_discovery_names_source_distribution(plugin_registry: Regist
     assert echo.plugin == "kvx_test_plugin"
     assert echo.spec.summary == "does nothing, answers every hook"
     assert plugin_registry.layout("TEST_LAYOUT").source == "kvx-test-plugin 0.0.1"
-    assert plugin_registry.load_layout("TEST_LAYOUT") == "test-layout-object"
+    with pytest.raises(RegistryError, match="resolves to str, which is not a layout"):
+        plugin_registry.get_layout("TEST_LAYOUT")  # its target was imported, then refused
     assert plugin_registry.load_transform("test_identity")(5) == 5
     backend = plugin_registry.storage_backend_for_url("testmem://bucket/key")
     assert backend.name == "testmem"
@@ -241,7 +242,8 @@ def test_create_connector_builds_each_role(plugin_registry: Registry) -> None:
         assert type(connector).__name__ == "EchoConnector"
         assert connector.role is role
         assert connector.kv_transfer_config is config
-        assert connector.engine_context is CTX
+        assert connector.engine_context == CTX  # the engine's context, carrying the registry
+        assert connector.engine_context.registry is plugin_registry
 
 
 def test_create_connector_validates_programmatic_configs(plugin_registry: Registry) -> None:

@@ -168,7 +168,7 @@ def test_get_layout_by_name_with_did_you_mean() -> None:
     assert get_layout("HND") is HND
     assert get_layout(HND) is HND
     with pytest.raises(
-        ValueError, match=r"unknown layout 'CPU_PACK' \(did you mean 'CPU_PACKED'\?\)"
+        ValueError, match=r"unknown layout 'CPU_PACK' \(did you mean \"CPU_PACKED\"\?\)"
     ):
         get_layout("CPU_PACK")
     with pytest.raises(TypeError, match="name or a Layout"):
@@ -179,7 +179,7 @@ def test_layouts_and_transforms_are_discoverable_through_the_registry() -> None:
     registry = get_registry()
     assert set(BUILTIN_LAYOUTS) <= set(registry.layouts())
     for name, layout in BUILTIN_LAYOUTS.items():
-        assert registry.load_layout(name) is layout
+        assert registry.get_layout(name) is layout
         assert registry.layouts()[name].spec.summary == layout.summary
     transforms = {
         "convert_blocks": convert_blocks,

@@ -36,7 +36,7 @@ def test_runs_hold_exactly_the_selected_elements(name: str) -> None:
     head_choices = [None, range(1)] if mla else [None, range(0, 2), range(1, 3), range(3, 4)]
     for heads, tokens in itertools.product(head_choices, [None, range(0, 8), range(2, 5)]):
         runs = block_byte_runs(
-            name, num_heads=h_total, block_size=n, head_size=d, itemsize=4, heads=heads,
+            layout, num_heads=h_total, block_size=n, head_size=d, itemsize=4, heads=heads,
             tokens=tokens,
         )  # fmt: skip
         hs = heads or range(h_total)
@@ -51,7 +51,7 @@ def test_runs_hold_exactly_the_selected_elements(name: str) -> None:
                 name, heads, tokens,
             )  # fmt: skip
     if name == "HND":
-        one = block_byte_runs(name, num_heads=4, block_size=n, head_size=d, itemsize=2,
+        one = block_byte_runs(layout, num_heads=4, block_size=n, head_size=d, itemsize=2,
                               heads=range(2, 4))  # fmt: skip
         assert one == [(2 * n * d * 2, 2 * n * d * 2)]  # one contiguous run per K/V region
 
@@ -59,7 +59,9 @@ def test_runs_hold_exactly_the_selected_elements(name: str) -> None:
 def test_bad_selection() -> None:
     with pytest.raises(TopologyError, match="heads must be a non-empty range"):
         block_byte_runs(
-            "HND", num_heads=2, block_size=4, head_size=2, itemsize=2, heads=range(1, 3)
+            get_layout("HND"), num_heads=2, block_size=4, head_size=2, itemsize=2, heads=range(1, 3)
         )
     with pytest.raises(TopologyError, match="no heads dim"):
-        block_byte_runs("MLA", num_heads=1, block_size=4, head_size=2, itemsize=2, heads=range(2))
+        block_byte_runs(
+            get_layout("MLA"), num_heads=1, block_size=4, head_size=2, itemsize=2, heads=range(2)
+        )

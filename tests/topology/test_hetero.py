@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from kvx.layouts import get_layout
 from kvx.topology import HeteroTPTransferConfig, KVGeometry, TpKVTopology, plan_reads
 
 
@@ -106,5 +107,13 @@ def test_fa_targets_match_transfer_plans_and_legacy_offsets() -> None:
             if c.tp_ratio > 0:
                 share = c.d_physical_heads
                 assert c.fa_rank_offset(share) == plan.reads[0].remote_head_offset
-                t = TpKVTopology(rank, {"D": d_tp, "P": p_tp}, False, k, "D", {"D": 16, "P": 16})
+                t = TpKVTopology(
+                    rank,
+                    {"D": d_tp, "P": p_tp},
+                    False,
+                    k,
+                    "D",
+                    {"D": 16, "P": 16},
+                    get_layout("HND"),
+                )
                 assert c.fa_read_targets == t.get_target_remote_ranks(p_tp)

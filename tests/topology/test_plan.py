@@ -9,11 +9,13 @@ import random
 import pytest
 import torch
 
+from kvx.layouts import get_layout
 from kvx.topology import (
     BlockSpan,
     HeadRead,
     KVGeometry,
     TopologyError,
+    check_compatible,
     plan_reads,
     readers_per_remote_rank,
 )
@@ -179,18 +181,31 @@ def test_any_tp_pair_whose_heads_split() -> None:
         (KVGeometry(2, 8, 16), KVGeometry(2, 4, 16), "num_kv_heads differs"),
         (KVGeometry(2, 8, 16), KVGeometry(2, 8, 24), "block sizes must divide"),
         (KVGeometry(2, 8, 16), KVGeometry(2, 1, 16, "MLA", is_mla=True), "is_mla differs"),
-        (KVGeometry(2, 8, 16, "MLA"), KVGeometry(2, 8, 16), "has no heads dim"),
-        (
-            KVGeometry(2, 1, 16, "HND", is_mla=True),
-            KVGeometry(2, 1, 16, "MLA", is_mla=True),
-            "has a heads dim",
-        ),
-        (KVGeometry(2, 8, 16, "NOPE"), KVGeometry(2, 8, 16), "local layout"),
     ],
 )
 def test_impossible_pairs_say_why(local: KVGeometry, remote: KVGeometry, match: str) -> None:
     with pytest.raises(TopologyError, match=match):
         plan_reads(local, remote, 0)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "match"),
+    [
+        (KVGeometry(2, 8, 16, "MLA"), KVGeometry(2, 8, 16), "local layout 'MLA' has no heads dim"),
+        (
+            KVGeometry(2, 1, 16, "HND", is_mla=True),
+            KVGeometry(2, 1, 16, "MLA", is_mla=True),
+            "local layout 'HND' has a heads dim",
+        ),
+        (KVGeometry(2, 8, 16), KVGeometry(2, 8, 16, "MLA"), "remote layout 'MLA' has no heads"),
+    ],
+)
+def test_layouts_that_do_not_fit_say_why(local: KVGeometry, remote: KVGeometry, match: str) -> None:
+    """Layouts are checked as objects the caller found (topology looks up no names)."""
+    layouts = (get_layout(local.layout), get_layout(remote.layout))
+    check_compatible(local, remote)  # the shapes alone fit
+    with pytest.raises(TopologyError, match=match):
+        check_compatible(local, remote, layouts)
 
 
 @pytest.mark.parametrize(

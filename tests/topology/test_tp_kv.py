@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from kvx.layouts import get_layout
 from kvx.topology import KVGeometry, TopologyError, TpKVTopology, plan_reads
 
 
@@ -21,7 +22,7 @@ def topo(
         total_num_kv_heads=k,
         engine_id="D",
         remote_block_size={"D": block[0], "P": block[1]},
-        layout=str(kw.pop("layout", "MLA" if mla else "HND")),
+        layout=get_layout(str(kw.pop("layout", "MLA" if mla else "HND"))),
         is_mamba=bool(kw.pop("is_mamba", False)),
     )
 
@@ -111,11 +112,11 @@ def test_bad_input_says_why() -> None:
     with pytest.raises(TopologyError, match="TP size 4 and remote TP size 3 must divide"):
         topo(4, 3, 12).tp_ratio(3)
     with pytest.raises(TopologyError, match="must include the local engine"):
-        TpKVTopology(0, {"P": 2}, False, 4, "D", {"D": 16})
+        TpKVTopology(0, {"P": 2}, False, 4, "D", {"D": 16}, get_layout("HND"))
     with pytest.raises(TopologyError, match=r"tp_rank must be in \[0, 2\)"):
         topo(2, 2, 4, 2)
-    with pytest.raises(TopologyError, match="layout"):
-        topo(2, 2, 4, layout="NOPE")
+    with pytest.raises(TopologyError, match="layout must be a layout object"):
+        TpKVTopology(0, {"D": 2}, False, 4, "D", {"D": 16}, "HND")  # type: ignore[arg-type]
 
 
 def test_agrees_with_transfer_plans() -> None:

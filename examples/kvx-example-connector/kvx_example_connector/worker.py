@@ -34,7 +34,7 @@ class ExamplePDWorker(ConnectorWorker[ExamplePDMetadata]):
         self.engine_id = str(config.engine_id)
         self.rank = f"pp{ctx.parallel.pp_rank}_tp{ctx.parallel.tp_rank}"
         cache = ctx.cache
-        self.dim = kvx.get_layout("MLA" if cache.use_mla else cache.layout).blocks_dim
+        self.dim = kvx.get_layout("MLA" if cache.use_mla else cache.layout, ctx.registry).blocks_dim
         self._caches: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-example")
         self._saving: dict[str, Future[None]] = {}
