@@ -492,7 +492,10 @@ def mooncake_env() -> dict[str, str]:
 
 class MooncakeMaster:
     """`mooncake_master` (from the mooncake-transfer-engine-non-cuda wheel) with its HTTP
-    metadata server, every port on 127.0.0.1. `url` is the storage URL of a client."""
+    metadata server, every port on 127.0.0.1. `url` is the storage URL of a client.
+    `add_holder()` starts a `mooncake_client` process contributing memory to the store (a
+    storage node: values put by clients that contribute none live there and outlive them);
+    `kill_holder(i)` SIGKILLs one."""
 
     def __init__(self) -> None:
         try:
@@ -507,7 +510,11 @@ class MooncakeMaster:
         for _ in range(3):
             ports.append(_cluster_port(ports))
         meta, rpc, metrics = ports
+        self.rpc = f"127.0.0.1:{rpc}"
+        self.metadata = f"http://127.0.0.1:{meta}/metadata"
+        self.holders: list[subprocess.Popen[bytes]] = []
         self.dir = Path(tempfile.mkdtemp(prefix="kvx-mooncake-"))
+        self.metrics_port = metrics
         self.proc = subprocess.Popen(
             [
                 str(binary),
@@ -531,9 +538,56 @@ class MooncakeMaster:
                     self.stop()
                     raise RuntimeError(f"mooncake_master did not start: {log!r}") from None
                 time.sleep(0.1)
-        self.url = f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{meta}/metadata"
+        self.url = f"mooncake://{self.rpc}?metadata={self.metadata}"
+
+    def add_holder(self, segment_mib: int = 256) -> int:
+        """Start a `mooncake_client` contributing `segment_mib` to the store and wait until
+        the master counts its segment; its index for `kill_holder`."""
+        import mooncake
+
+        binary = Path(mooncake.__file__).parent / "mooncake_client"
+        index = len(self.holders)
+        before = self._mounted_bytes()
+        port = _cluster_port([])
+        proc = subprocess.Popen(
+            [
+                *(str(binary), "-host=127.0.0.1", f"-port={port}", "-protocol=tcp"),
+                *(f"-global_segment_size={segment_mib}MB", "-local_buffer_size=16MB"),
+                *(f"-master_server_address={self.rpc}", f"-metadata_server={self.metadata}"),
+            ],
+            stdout=(self.dir / f"holder{index}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env=mooncake_env(),
+        )
+        self.holders.append(proc)
+        started = time.monotonic()
+        while self._mounted_bytes() < before + (segment_mib << 20) // 2:
+            if proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
+                log = (self.dir / f"holder{index}.log").read_bytes()[-800:]
+                raise RuntimeError(f"mooncake_client {index} did not mount its segment: {log!r}")
+            time.sleep(0.1)
+        return index
+
+    def _mounted_bytes(self) -> int:
+        """The store's total segment capacity, from the master's metrics."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes"):
+                return int(float(line.split()[-1]))
+        return 0
+
+    def kill_holder(self, index: int) -> None:
+        proc = self.holders[index]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
 
     def stop(self) -> None:
+        for index in range(len(self.holders)):
+            self.kill_holder(index)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
