@@ -600,6 +600,17 @@ class MooncakeMaster:
         self.stop()
 
 
+def own_network_namespace() -> list[str]:
+    """A command prefix running its command in a new network namespace with only loopback
+    up (`unshare -n`, needs root or user namespaces), or [] where that is not possible:
+    Mooncake 0.3.13's listeners bind every interface whatever they are told."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return []
+    prefix = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30, check=False)
+    return prefix if probe.returncode == 0 else []
+
+
 def _main() -> None:
     """`python tests/helpers/kvx_test_clusters.py [redis|valkey]`: start a cluster, print its
     URL, keep it until Ctrl-C (the docs' recipe)."""

@@ -116,7 +116,10 @@ class MooncakeBackend(StorageBackend):
         out: list[bytes | None] = []
         for key in keys:
             data = self.store.get(KEY_PREFIX + key)
-            out.append(bytes(data[: max_bytes + 1]) if data else None)
+            if not data:
+                out.append(None)
+            else:  # no copy unless too long (a copy cost 0.7x the raw client's CPU on gets)
+                out.append(data if len(data) <= max_bytes + 1 else bytes(data[: max_bytes + 1]))
         return out
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
