@@ -137,11 +137,10 @@ STORE_CLAIMS = {  # test_redis_cluster.py's set: the store-reuse scenarios
     "stored_layout_conversion",
     "roles_store_reuse",
 }
-STORE_PD = {  # tests/conformance/test_store_teeth.py's P/D-through-the-store set, + P killed
+STORE_PD = {  # tests/conformance/test_store_teeth.py's P/D-through-the-store set
     "pd_long_prompts",
     "pd_prefix_hit_on_decode",
     "pd_block_multiple",
-    "store_pd_prefill_killed",
     "clean_shutdown",
     "matrix",
 }
@@ -150,9 +149,8 @@ STORE_PD = {  # tests/conformance/test_store_teeth.py's P/D-through-the-store se
 @pytest.mark.timeout(900)
 def test_conformance_on_mooncake_with_pd_through_the_store(held_master: MooncakeMaster) -> None:
     """The store-reuse scenarios, and P/D through the store with P and D in separate
-    processes (P killed too), the leak check and one matrix cell: the engines contribute no
-    memory, the storage node holds every value (so they outlive the process that saved
-    them)."""
+    processes, the leak check and one matrix cell: the engines contribute no memory, the
+    storage node holds every value (so they outlive the process that saved them)."""
     started = time.monotonic()
     results = run_suite(
         {
