@@ -14,7 +14,7 @@ import pytest
 from kvx_test_clusters import mooncake_env, own_network_namespace
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1200)  # the conformance case runs engines in processes of their own
 def test_mooncake_cases_pass() -> None:
     cases = Path(__file__).with_name("mooncake_cases.py")
     command = [sys.executable, "-m", "pytest", str(cases), "-q", "-p", "no:cacheprovider"]
@@ -27,7 +27,7 @@ def test_mooncake_cases_pass() -> None:
         command,
         capture_output=True,
         text=True,
-        timeout=380,
+        timeout=1180,
         env=mooncake_env(),
         cwd=Path(__file__).resolve().parents[2],
         check=False,
