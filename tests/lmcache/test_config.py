@@ -48,6 +48,8 @@ def test_lmcache_options_pass_through() -> None:
         ({"chunk_sise": 16}, ["chunk_sise", "chunk_size"]),
         ({"remote_url": "fs:///tmp/x"}, ["remote_url", "fs:///tmp/x", "redis://host:port"]),
         ({"remote_url": "redis://127.0.0.1"}, ["remote_url", "lm://host:port"]),
+        ({"remote_url": "redis://a:1,b:2"}, ["remote_url", "redis-cluster://host:port"]),
+        ({"remote_url": "redis-cluster://a:1,b:99999"}, ["remote_url", "99999", "1-65535"]),
         ({"local_disk": "/tmp/x"}, ["max_local_disk_size"]),
         ({"local_cpu": False}, ["no LMCache backend"]),
         ({"chunk_size": 0}, ["chunk_size", ">= 1"]),
@@ -58,3 +60,10 @@ def test_bad_options_name_the_key(extra: dict[str, Any], words: list[str]) -> No
     message = _error(extra)
     for word in words:
         assert word in message, message
+
+
+def test_a_redis_cluster_url_names_one_or_more_nodes() -> None:
+    for url in ("redis-cluster://127.0.0.1:7000", "redis-cluster://h1:7000,h2:7001,h3:7002"):
+        options = _config({"remote_url": url}).extra_config_as(LMCacheConfig)
+        assert options.lmcache_options()["remote_url"] == url
+        assert options.medium() == "REDIS-CLUSTER"

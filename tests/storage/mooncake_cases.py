@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from kvx_failover import request_values, run_requests
 from kvx_test_clusters import MooncakeMaster
 
 import kvx
 from kvx import StorageBackend
+from kvx.conformance import run_suite
+from kvx.conformance.options import SuiteOptions
+from kvx.conformance.runner import PASSED
 from kvx.conformance.storage_backend import StorageBackendTests
 from kvx.plugins.storage.backends.base import BackendOptions
 
@@ -97,3 +102,111 @@ def test_the_connector_loads_byte_exact_through_mooncake(
 def test_a_url_without_metadata_is_refused(master: MooncakeMaster) -> None:
     with pytest.raises(kvx.ConfigError, match="has no metadata"):
         kvx.open_storage_backend(master.url.split("?")[0], BackendOptions())
+
+
+@pytest.fixture(scope="session")
+def held_master() -> Iterator[MooncakeMaster]:
+    """A master with one `mooncake_client` storage node holding the values."""
+    with MooncakeMaster() as m:
+        m.add_holder(256)
+        yield m
+
+
+def test_values_of_a_client_without_a_segment_outlive_it(held_master: MooncakeMaster) -> None:
+    """`segment_mib=0`: the client contributes no memory, its values live in the storage
+    node and are read after it closed (as P/D through the store needs)."""
+    url = held_master.url + "&segment_mib=0&buffer_mib=16"
+    writer = kvx.open_storage_backend(url, BackendOptions())
+    values = [(f"gone/{i}", os.urandom(50_000 + i)) for i in range(8)]
+    try:
+        writer.put_many(values)
+    finally:
+        writer.close()
+    reader = kvx.open_storage_backend(url, BackendOptions())
+    try:
+        assert reader.get_many([k for k, _ in values], 1 << 20) == [v for _, v in values]
+    finally:
+        reader.close()
+
+
+STORE_CLAIMS = {  # test_redis_cluster.py's set: the store-reuse scenarios
+    "idempotent_matching",
+    "store_and_reuse",
+    "stored_hetero_tp",
+    "stored_block_size_mismatch",
+    "stored_layout_conversion",
+    "roles_store_reuse",
+}
+STORE_PD = {  # tests/conformance/test_store_teeth.py's P/D-through-the-store set
+    "pd_long_prompts",
+    "pd_prefix_hit_on_decode",
+    "pd_block_multiple",
+    "clean_shutdown",
+    "matrix",
+}
+
+
+@pytest.mark.timeout(900)
+def test_conformance_on_mooncake_with_pd_through_the_store(held_master: MooncakeMaster) -> None:
+    """The store-reuse scenarios, and P/D through the store with P and D in separate
+    processes, the leak check and one matrix cell: the engines contribute no memory, the
+    storage node holds every value (so they outlive the process that saved them)."""
+    started = time.monotonic()
+    results = run_suite(
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_connector_extra_config": {
+                "storage_url": held_master.url + "&segment_mib=0&buffer_mib=16"
+            },
+        },
+        only=sorted(STORE_CLAIMS | STORE_PD),
+        options=SuiteOptions(
+            fault_timeout_s=20, stall_timeout_s=10, dtypes=("float32",), block_sizes=(16,)
+        ),
+        on_result=lambda r: print(f"  {r.name}: {r.outcome} {r.message[:300]}", flush=True),
+    )
+    print(f"\nMooncake: {len(results)} scenarios in {time.monotonic() - started:.0f}s")
+    assert sorted((r.name, r.outcome, r.message) for r in results) == sorted(
+        (name, PASSED, "") for name in STORE_CLAIMS | STORE_PD
+    )
+
+
+REQUESTS = 64
+KEYS_PER_REQUEST = 8
+
+
+@pytest.mark.timeout(300)
+def test_losing_a_storage_node_mid_run_costs_misses_never_wrong_bytes() -> None:
+    """Two storage nodes, every value on both (`replicas=2`): 64 requests, 4 at a time, load
+    their 8 values each (a miss or error recomputes and saves them again); one node is
+    SIGKILLed after a few. Reads that pick the dead node's copy miss until the master drops
+    it (its client TTL); every request completes, no byte is wrong, and then every request
+    loads again from the node left."""
+    with MooncakeMaster() as m:
+        m.add_holder(128)
+        m.add_holder(128)
+        b = kvx.open_storage_backend(
+            m.url + "&segment_mib=0&buffer_mib=16&replicas=2", BackendOptions()
+        )
+        try:
+            prefix = f"fo-{os.urandom(4).hex()}"
+            truth = [request_values(KEYS_PER_REQUEST, f"{prefix}/r{r}") for r in range(REQUESTS)]
+            for items in truth:
+                b.put_vectored(items)
+            killed = time.monotonic()
+            during = run_requests(b, truth, (OSError,), kill=lambda: m.kill_holder(0), pace_s=0.3)
+            run_s = time.monotonic() - killed
+            run_requests(b, truth, (OSError,))  # recomputes whatever the loss cost
+            again = run_requests(b, truth, (OSError,))
+        finally:
+            b.close()
+    print(
+        f"\nMooncake, 2 storage nodes, replicas=2, {REQUESTS} requests, a node killed after "
+        f"request 8 ({run_s:.1f}s for the run): {during.line()}; then {again.loaded}/{REQUESTS} "
+        f"loaded, wrong bytes {again.wrong_bytes}"
+    )
+    for run in (during, again):
+        assert run.wrong_bytes == 0
+        assert len(run.outcomes) == REQUESTS and set(run.outcomes) <= {"loaded", "recomputed"}
+    assert during.recomputed > 0, "the loss was not seen: the test did not test failover"
+    assert again.outcomes == ["loaded"] * REQUESTS

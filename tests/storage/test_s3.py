@@ -5,7 +5,9 @@ and the conformance suite. Every byte is checked."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +15,8 @@ from typing import Any
 
 import pytest
 import s3fs
-from kvx_test_clusters import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedS3
+from kvx_failover import request_values, run_requests
+from kvx_test_clusters import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedCluster, SeaweedS3
 
 import kvx
 from kvx import ConfigError, KVTransferConfig, StorageBackend
@@ -193,3 +196,58 @@ def test_conformance_on_seaweedfs_s3(s3_env: SeaweedS3) -> None:
     )
     assert not {r.name: r.message for r in results if r.outcome == FAILED}
     assert {r.name for r in results if r.outcome == PASSED} == CLAIMED
+
+
+REQUESTS = 64
+KEYS_PER_REQUEST = 8
+
+
+@pytest.mark.timeout(300)
+def test_killing_a_volume_server_then_the_leader_master_costs_no_wrong_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 3-master / 3-volume-server cluster, every volume on two servers: 64 requests, 4 at a
+    time, load their 8 values each (a miss or error recomputes and saves them again); a volume
+    server holding values is SIGKILLed after a few, then in a second run the raft leader
+    master. Every request completes, no byte is wrong, and after both kills every request
+    loads again."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
+    with SeaweedCluster() as cluster:
+        b = kvx.open_storage_backend(fresh_url(cluster), options(cluster))
+        try:
+            prefix = f"fo-{os.urandom(4).hex()}"
+            truth = [request_values(KEYS_PER_REQUEST, f"{prefix}/r{r}") for r in range(REQUESTS)]
+            for items in truth:  # each request's KV was saved once before
+                b.put_vectored(items)
+            victim = "volume1"
+            held = sum(f.stat().st_size for f in (cluster.dir / victim).glob("*.dat"))
+            assert held > 0, "the volume server to kill holds nothing: nothing would be tested"
+            volume = run_requests(
+                b, truth, (OSError,), kill=lambda: cluster.kill(victim), pace_s=0.3
+            )
+            leader = cluster.leader()
+            master = run_requests(
+                b, truth, (OSError,), kill=lambda: cluster.kill(leader), pace_s=0.3
+            )
+            started = time.monotonic()
+            new_leader = leader
+            while new_leader == leader:  # a new leader is elected among the two masters left
+                assert time.monotonic() - started < 60, f"no master replaced {leader} in 60s"
+                time.sleep(0.5)
+                with contextlib.suppress(RuntimeError):
+                    new_leader = cluster.leader()
+            run_requests(b, truth, (OSError,))  # recomputes whatever a kill lost
+            again = run_requests(b, truth, (OSError,))
+        finally:
+            b.close()
+    print(
+        f"\nSeaweedFS 3 masters + 3 volume servers (replication 001), {REQUESTS} requests each "
+        f"run:\n  {victim} killed ({held >> 10} KiB of volumes on it): {volume.line()}\n"
+        f"  leader {leader} killed ({new_leader} elected): {master.line()}\n"
+        f"  then {again.loaded}/{REQUESTS} loaded, wrong bytes {again.wrong_bytes}"
+    )
+    for run in (volume, master, again):
+        assert run.wrong_bytes == 0
+        assert len(run.outcomes) == REQUESTS and set(run.outcomes) <= {"loaded", "recomputed"}
+    assert again.outcomes == ["loaded"] * REQUESTS
