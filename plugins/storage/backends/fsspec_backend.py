@@ -41,6 +41,7 @@ S3_PART_BYTES = 16 << 20
 
 NOT_REGULAR = "not a regular file (a FIFO, device or socket is never read)"
 A_LINK = "a symbolic link (values that are links are never followed)"
+LINKED_OUT = "its directory leads out of the store through a symbolic link (never followed)"
 
 
 def open_regular(path: str) -> int:
@@ -154,6 +155,7 @@ class FsspecBackend(StorageBackend):
         path = self._path(key)
         try:
             if self.local:
+                self._check_inside(path)
                 with open(open_regular(path), "rb", buffering=0) as raw:
                     where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key, path)
                     if where is None:
@@ -193,6 +195,7 @@ class FsspecBackend(StorageBackend):
                 copy_into(parts, data)
             return None if data is None else len(data)
         try:
+            self._check_inside(path)
             fd = open_regular(path)
         except FileNotFoundError:
             return None
@@ -315,7 +318,23 @@ class FsspecBackend(StorageBackend):
         value moves in one `preadv` and nothing is hashed."""
         native = self._native()
         paths = [self._path(key) for key in keys]
-        out: list[tuple[int | None, int | None]] = []
+        linked = [i for i, path in enumerate(paths) if self._linked_out(path)]
+        if linked:  # read the others; those are misses (logged)
+            out = [(None, None)] * len(keys)
+            kept = [i for i in range(len(keys)) if i not in set(linked)]
+            got = self.get_blocks_hashed(
+                [keys[i] for i in kept],
+                [seeds[i] for i in kept],
+                skip,
+                [heads[i] for i in kept],
+                regions,
+                [blocks[i] for i in kept],
+                checksum,
+            )
+            for i, result in zip(kept, got, strict=True):
+                out[i] = result
+            return out
+        out = []
         for path, (size, digest, error) in zip(
             paths,
             native.read_blocks(
@@ -350,6 +369,29 @@ class FsspecBackend(StorageBackend):
         if self.local:  # a stat each, without fsspec's path handling (~5x the cost)
             return [os.path.exists(self._path(key)) for key in keys]
         return [bool(self.fs.exists(self._path(key))) for key in keys]
+
+    def _linked_out(self, path: str) -> bool:
+        """Whether the directory of local value `path` resolves out of the store (logged)."""
+        try:
+            self._check_inside(path)
+        except OSError as exc:
+            logger.warning("kvx storage: cannot read %s: %s", path, exc.strerror)
+            return True
+        return False
+
+    def _check_inside(self, path: str) -> None:
+        """Refuse (OSError ELOOP) a local value whose directory resolves out of the store's
+        real path through a symbolic link: links planted in the store move no KV into it.
+        A directory is checked once per backend (saves check theirs the same way)."""
+        directory = path.rsplit("/", 1)[0]
+        if directory in self._dirs:
+            return
+        real = os.path.realpath(directory)
+        if real != self._real_root and not real.startswith(self._real_root + "/"):
+            raise OSError(errno.ELOOP, LINKED_OUT, path)
+        if os.path.isdir(real):  # not yet created ones are checked again next time
+            with self._dirs_lock:
+                self._dirs.add(directory)
 
     def _makedirs(self, directory: str) -> None:
         if directory in self._dirs:
