@@ -318,10 +318,10 @@ class FsspecBackend(StorageBackend):
         value moves in one `preadv` and nothing is hashed."""
         native = self._native()
         paths = [self._path(key) for key in keys]
-        linked = [i for i, path in enumerate(paths) if self._linked_out(path)]
-        if linked:  # read the others; those are misses (logged)
-            out = [(None, None)] * len(keys)
-            kept = [i for i in range(len(keys)) if i not in set(linked)]
+        refused = {i for i, path in enumerate(paths) if self._linked_out(path)}
+        if refused:  # read the others; those are misses (logged)
+            out: list[tuple[int | None, int | None]] = [(None, None)] * len(keys)
+            kept = [i for i in range(len(keys)) if i not in refused]
             got = self.get_blocks_hashed(
                 [keys[i] for i in kept],
                 [seeds[i] for i in kept],
