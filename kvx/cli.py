@@ -29,6 +29,7 @@ from kvx.checks import (
     redacted,
 )
 from kvx.cli_list import cmd_list
+from kvx.completion import SHELLS, script
 from kvx.config import KVTransferConfig
 from kvx.contract import CONTRACT_VERSION
 from kvx.dotted import merge_dotted_args
@@ -89,6 +90,11 @@ shapes: """
 needs transformers and tokenizers (installed with vLLM); builds offline, no model hub
 """
 )
+COMPLETION_EXAMPLES = """examples:
+  kvx completion bash > ~/.local/share/bash-completion/completions/kvx
+  echo 'source <(kvx completion zsh)' >> ~/.zshrc
+  kvx completion fish > ~/.config/fish/completions/kvx.fish
+"""
 PROXY_EXAMPLES = """examples:
   kvx proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
@@ -250,6 +256,16 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
     p_tiny.add_argument("--seed", type=int, default=0, metavar="N", help="weight seed (default: 0)")
     p_tiny.set_defaults(func=_cmd_tiny_model)
 
+    p_completion = add_command(
+        "completion",
+        "print a shell completion script (bash, zsh or fish)",
+        "Print a completion script for kvx's commands and flags. Load it in your shell's "
+        "start-up file.",
+        COMPLETION_EXAMPLES,
+    )
+    p_completion.add_argument("shell", choices=SHELLS, help="the shell: bash, zsh or fish")
+    p_completion.set_defaults(func=_cmd_completion)
+
     from kvx.proxy import cli as proxy_cli  # flags only: the proxy extra is imported on start
 
     p_proxy = sub.add_parser(
@@ -336,6 +352,11 @@ def _cmd_tiny_model(args: argparse.Namespace, out: Console, err: Console) -> int
         return EXIT_USAGE
     path = build_tiny_model(args.shape, Path(args.out), seed=args.seed, positions=args.positions)
     out.print(f"{TINY_SHAPES[args.shape][2]} -> {path}", markup=False, highlight=False)
+    return EXIT_OK
+
+
+def _cmd_completion(args: argparse.Namespace, out: Console, err: Console) -> int:
+    sys.stdout.write(script(args.shell, _parser_for(get_registry())))
     return EXIT_OK
 
 

@@ -19,6 +19,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any, TypeVar
 
 import msgspec
@@ -30,6 +31,9 @@ __all__ = [
     "MAC_BYTES",
     "ReplayGuard",
     "WireError",
+    "curve_client",
+    "curve_keys",
+    "curve_server",
     "decode",
     "decode_sealed",
     "encode",
@@ -183,3 +187,62 @@ def recv_frames(socket: Any, max_frames: int) -> tuple[list[Any], int]:
             frames.append(frame)
         if not frame.more:
             return frames, count
+
+
+CURVE_INFO = b"kvx-zmq-curve-v1"
+"""Derivation label of the CURVE keys (a change of it is a wire-incompatible change)."""
+ZAP_DOMAIN = b"kvx"
+
+
+@lru_cache(maxsize=8)
+def curve_keys(secret: str, role: str) -> tuple[bytes, bytes]:
+    """The ZMQ CURVE key pair (public, secret; Z85) of `role` ("server" or "client") derived
+    from the shared secret: HMAC-SHA256(secret, label + role) is the 32-byte secret key. Every
+    holder of the secret derives the same keys, so both ends of kvx agree without exchanging any."""
+    import zmq
+    from zmq.utils import z85
+
+    raw = hmac.new(
+        secret.encode("utf-8", "surrogatepass"), CURVE_INFO + b"/" + role.encode(), hashlib.sha256
+    ).digest()
+    private = z85.encode(raw)
+    return zmq.curve_public(private), private
+
+
+class _Allow:
+    """ZAP credentials provider: only the client key derived from the secret passes."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.client_public)
+
+
+def curve_server(socket: Any, secret: str) -> Any:
+    """Make a (not yet bound) ZMQ socket a CURVE server that admits only clients holding
+    `secret`: a peer without it fails the handshake, so libzmq queues none of its messages.
+    Starts and returns a ZAP authenticator on the socket's context (one per context); the
+    caller stops it (`.stop()`) after closing its sockets."""
+    import zmq
+    from zmq.auth.thread import ThreadAuthenticator
+
+    server_public, server_secret = curve_keys(secret, "server")
+    auth = ThreadAuthenticator(socket.context)
+    auth.start()
+    auth.configure_curve_callback(ZAP_DOMAIN.decode(), _Allow(curve_keys(secret, "client")[0]))
+    socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, server_public)
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    return auth
+
+
+def curve_client(socket: Any, secret: str) -> None:
+    """Make a (not yet connected) ZMQ socket a CURVE client of a `curve_server` with `secret`."""
+    import zmq
+
+    client_public, client_secret = curve_keys(secret, "client")
+    socket.setsockopt(zmq.CURVE_SERVERKEY, curve_keys(secret, "server")[0])
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, client_public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, client_secret)

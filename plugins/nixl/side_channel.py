@@ -23,7 +23,16 @@ from kvx.plugins.nixl.handshake import (
     HandshakeRequest,
     rank_bytes,
 )
-from kvx.wire import ReplayGuard, WireError, decode_sealed, encode, recv_frames, seal
+from kvx.wire import (
+    ReplayGuard,
+    WireError,
+    curve_client,
+    curve_server,
+    decode_sealed,
+    encode,
+    recv_frames,
+    seal,
+)
 
 logger = logging.getLogger(__name__)
 GET_META = "get_meta_msg"
@@ -32,6 +41,10 @@ WARN_EVERY_S = 10.0
 """Refused requests are logged at most this often."""
 REFUSAL_MAX = 512
 """Longest refusal text a reply carries (and D shows)."""
+HANDSHAKE_HINT = (
+    " (is P up, and does it have the same shared_secret, or none if D has none? A peer with "
+    "another secret cannot complete the ZMQ handshake, which looks like no reply)"
+)
 
 
 class SideChannelServer:
@@ -54,7 +67,10 @@ class SideChannelServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        # with a secret, a peer without it fails the ZMQ handshake: libzmq queues nothing of
+        # it; libzmq checks the size of a CURVE message's box (33 bytes more than its content)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + (64 if secret else 0))
+        self._auth = curve_server(self._socket, secret) if secret is not None else None
         try:
             if port:
                 self._socket.bind(f"tcp://{host}:{port}")
@@ -62,6 +78,8 @@ class SideChannelServer:
                 port = self._socket.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
             self._socket.close()
+            if self._auth is not None:
+                self._auth.stop()
             self._context.term()
             where = "side_channel_port" if port else "side_channel_host"
             raise ConfigError(
@@ -145,6 +163,8 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join()
         self._socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
 
 
@@ -180,11 +200,13 @@ def fetch_payload(
         socket.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
         socket.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
         socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        if secret is not None:
+            curve_client(socket, secret)
         socket.connect(f"tcp://{host}:{port}")
         socket.send(request)
         data = socket.recv()
     except zmq.Again:
-        raise HandshakeError(f"{where}: no reply within {timeout_s:g}s") from None
+        raise HandshakeError(f"{where}: no reply within {timeout_s:g}s{HANDSHAKE_HINT}") from None
     except zmq.ZMQError as exc:
         raise HandshakeError(f"{where}: {exc}") from None
     finally:

@@ -29,7 +29,7 @@ from kvx.plugins.p2p.messages import (
     seal_request,
 )
 from kvx.plugins.p2p.planes import DataPlane, PlaneError
-from kvx.wire import WireError
+from kvx.wire import WireError, curve_client
 
 CONNECT_S = 5.0
 """How long first contact waits for a TCP connection before the peer counts as down."""
@@ -102,6 +102,8 @@ class Connections:
                 sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
                 identity = os.urandom(16)
                 sock.setsockopt(zmq.IDENTITY, identity)
+                if self.secret is not None:
+                    curve_client(sock, self.secret)
                 sock.connect(f"tcp://{address}")
                 peer = Peer(address, sock, identity, threading.Lock())
                 self._peers[address] = peer
@@ -177,7 +179,9 @@ class Connections:
                 if waited >= timeout_s:
                     raise TransferError(
                         f"{what}: no reply from {peer.address} within {timeout_s:.1f}s "
-                        "(is it running? is its listener thread getting CPU?)"
+                        "(is it running? is its listener thread getting CPU? does it have the "
+                        "same shared_secret? a peer with another one cannot complete the ZMQ "
+                        "handshake)"
                     )
                 gone = _refused(peer.address, timeout_s - waited)
                 if gone is not None:

@@ -39,7 +39,7 @@ from kvx.plugins.p2p.messages import (
 )
 from kvx.plugins.p2p.planes import DataPlane, PlaneError
 from kvx.plugins.p2p.tensors import gather, has_heads, meta_problem, physical
-from kvx.wire import ReplayGuard, WireError, recv_frames
+from kvx.wire import ReplayGuard, WireError, curve_server, recv_frames
 
 logger = logging.getLogger(__name__)
 POLL_MS = 100
@@ -83,6 +83,8 @@ class Listener:
         router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, max(max_tensor_bytes, MAX_CONTROL_BYTES) + 64)
+        # with a secret, a peer without it fails the ZMQ handshake: libzmq queues nothing of it
+        self._auth = curve_server(router, secret) if secret is not None else None
         address = format_address(host, port)
         try:
             if port == 0:
@@ -94,6 +96,8 @@ class Listener:
                 router.bind(f"tcp://{address}")
         except zmq.ZMQError as exc:
             router.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             raise OSError(
                 f"P2P worker {name}: cannot listen on {address} ({exc}); kv_port + rank "
                 "must be free on kv_ip"
@@ -106,6 +110,8 @@ class Listener:
         self._stop.set()
         self.thread.join(timeout=5)
         self._router.close(0)
+        if self._auth is not None:
+            self._auth.stop()
 
     def _serve(self) -> None:
         leave_compute_cores()

@@ -118,3 +118,33 @@ def test_a_shard_directory_linked_out_of_the_store_receives_no_save(tmp_path: Pa
     os.symlink(store / "inside", store / "ns2")  # a link that stays in the store is fine
     backend.put_many([("ns2/c", b"value")])
     assert (store / "inside" / "c").read_bytes() == b"value"
+
+
+def test_a_shard_directory_linked_out_of_the_store_is_not_read(tmp_path: Path, caplog) -> None:
+    """The read side of the policy: a D that never saved into a shard directory planted as a
+    link out of the store loads nothing through it (native and Python readers); a directory
+    link that stays inside the store is read."""
+    caplog.set_level(logging.WARNING)
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    theirs = LocalFileBackend(f"file://{outside}", BackendOptions())
+    cache = bytearray(range(256))
+    table = [(cache, 0, 64, 128), (cache, 64, 64, 128)]
+    theirs.put_blocks_hashed(["ns/v"], [b""], b"p" * 56, table, [0])
+    backend = LocalFileBackend(f"file://{store}", BackendOptions())
+    backend.put_blocks_hashed(["own/v"], [b""], b"p" * 56, table, [0])
+    os.symlink(outside / "ns", store / "ns")
+    os.symlink(store / "own", store / "alias")  # stays inside the store
+    keys = ["ns/v", "alias/v"]
+    dst = bytearray(256)
+    heads = [bytearray(64) for _ in keys]
+    out = backend.get_blocks_hashed(
+        keys, [b""] * 2, (56, 64), heads, [(dst, *r) for _, *r in table], [0, 1]
+    )
+    assert [size for size, _ in out] == [None, SIZE]
+    assert dst[:128] == bytes(128) and dst[128:] == cache[:128]  # only the inside one read
+    assert backend.get_many(keys, 1 << 20)[0] is None
+    assert backend.get_many(keys, 1 << 20)[1] is not None
+    buffers = [[memoryview(bytearray(SIZE))] for _ in keys]
+    assert backend.get_vectored(keys, buffers) == [None, SIZE]
+    assert buffers[0][0].tobytes() == bytes(SIZE)
+    assert caplog.text.count("leads out of the store through a symbolic link") >= 3

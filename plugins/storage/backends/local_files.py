@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 NOT_REGULAR = "not a regular file (a FIFO, device or socket is never read)"
 A_LINK = "a symbolic link (values that are links are never followed)"
+LINKED_OUT = "its directory leads out of the store through a symbolic link (never followed)"
 SEGMENT_VALUES = 256
 """Values per segment file at most (a write call's batch is split into segments of this many)."""
 
@@ -126,6 +127,7 @@ class LocalFileBackend(kvx.SupportsHashedIO, StorageBackend):
     def _get(self, key: str, max_bytes: int) -> bytes | None:
         path = self._path(key)
         try:
+            self._check_inside(path)
             with open(open_regular(path), "rb", buffering=0) as raw:
                 where = locate(raw.fileno(), os.fstat(raw.fileno()).st_size, key, path)
                 if where is None:
@@ -150,6 +152,7 @@ class LocalFileBackend(kvx.SupportsHashedIO, StorageBackend):
         total = sum(part.nbytes for part in parts)
         path = self._path(key)
         try:
+            self._check_inside(path)
             fd = open_regular(path)
         except FileNotFoundError:
             return None
@@ -269,7 +272,23 @@ class LocalFileBackend(kvx.SupportsHashedIO, StorageBackend):
             return super().get_blocks_hashed(keys, seeds, skip, heads, regions, blocks, checksum)
         native: Any = _fileio
         paths = [self._path(key) for key in keys]
-        out: list[tuple[int | None, int | None]] = []
+        refused = {i for i, path in enumerate(paths) if self._linked_out(path)}
+        if refused:  # read the others; those are misses (logged)
+            out: list[tuple[int | None, int | None]] = [(None, None)] * len(keys)
+            kept = [i for i in range(len(keys)) if i not in refused]
+            got = self.get_blocks_hashed(
+                [keys[i] for i in kept],
+                [seeds[i] for i in kept],
+                skip,
+                [heads[i] for i in kept],
+                regions,
+                [blocks[i] for i in kept],
+                checksum,
+            )
+            for i, result in zip(kept, got, strict=True):
+                out[i] = result
+            return out
+        out = []
         for path, (size, digest, error) in zip(
             paths,
             native.read_blocks(
@@ -295,6 +314,29 @@ class LocalFileBackend(kvx.SupportsHashedIO, StorageBackend):
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(key)) for key in keys]  # a stat, no fsspec path logic
+
+    def _linked_out(self, path: str) -> bool:
+        """Whether the directory of value `path` resolves out of the store (logged)."""
+        try:
+            self._check_inside(path)
+        except OSError as exc:
+            logger.warning("kvx storage: cannot read %s: %s", path, exc.strerror)
+            return True
+        return False
+
+    def _check_inside(self, path: str) -> None:
+        """Refuse (OSError ELOOP) a value whose directory resolves out of the store's real path
+        through a symbolic link: links planted in the store move no KV into it. A directory is
+        checked once per backend (saves check theirs the same way)."""
+        directory = path.rsplit("/", 1)[0]
+        if directory in self._dirs:
+            return
+        real = os.path.realpath(directory)
+        if real != self._real_root and not real.startswith(self._real_root + "/"):
+            raise OSError(errno.ELOOP, LINKED_OUT, path)
+        if os.path.isdir(real):  # not yet created ones are checked again next time
+            with self._dirs_lock:
+                self._dirs.add(directory)
 
     def _makedirs(self, directory: str) -> None:
         if directory in self._dirs:
