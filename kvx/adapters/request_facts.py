@@ -105,6 +105,7 @@ class RequestFacts:
         self._clock = clock
         self._live: dict[str, _Entry] = {}
         self._handoffs: dict[str, tuple[float, Any, dict[str, Any]]] = {}
+        self._in_step: set[str] = set()  # in-step loads scheduled, not yet reported
 
     def _entry(self, req_id: str) -> _Entry:
         entry = self._live.get(req_id)
@@ -146,6 +147,7 @@ class RequestFacts:
                 self._settle(load, "loaded", now)
             else:
                 load.scheduled = True
+                self._in_step.add(req_id)
 
     def output(
         self,
@@ -179,10 +181,11 @@ class RequestFacts:
             load = self._load(req_id)
             if load is not None and load.outcome is None and req_id not in failed:
                 self._settle(load, "loaded", now)
-        for entry in self._live.values():
-            load = entry.load
-            if load is not None and load.scheduled and load.outcome is None:
+        for req_id in self._in_step:
+            load = self._load(req_id)
+            if load is not None and load.outcome is None:
                 self._settle(load, "loaded", now)
+        self._in_step.clear()
 
     def _load(self, req_id: str) -> _Load | None:
         entry = self._live.get(req_id)
@@ -198,6 +201,7 @@ class RequestFacts:
         """`params` (the connector's answer for this request) with this leg's facts added, and
         the facts logged; the request is forgotten."""
         entry = self._live.pop(request.request_id, None) or _Entry(self._clock())
+        self._in_step.discard(request.request_id)
         now = self._clock()
         incoming = request.kv_transfer_params or {}
         leg = "prefill" if incoming.get("do_remote_decode") else "decode"
