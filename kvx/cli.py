@@ -61,6 +61,7 @@ VALIDATE_EXAMPLES = """examples:
   kvx validate --kv-transfer-config '{"kv_connector": "SharedStorageConnector",
       "kv_connector_extra_config": {"storage_url": "file:///tmp/kvx-kv"}}'
   kvx validate --kv-transfer-config @my-config.json --check   # also open the store, bind ports
+  kvx validate --kv-transfer-config @my-config.yaml            # YAML files too (.yaml, .yml)
   kvx validate --kv-transfer-config.kv_connector=NixlConnector \
       --kv-transfer-config.kv_role=kv_both     # vLLM's dot notation, merged into the JSON
 
@@ -172,7 +173,8 @@ def _build_parser(registry: Registry) -> argparse.ArgumentParser:
         "--kv-transfer-config",
         required=True,
         metavar="JSON|@FILE",
-        help="the config as a JSON object, or @path to a JSON file (required)",
+        help="the config as a JSON object, or @path to a JSON or YAML (.yaml, .yml) file "
+        "(required)",
     )
     p_val.add_argument(
         "--check",

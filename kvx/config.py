@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar
 import msgspec
 
 from kvx import schema
+from kvx.config_yaml import YAML_SUFFIXES, parse_yaml
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
 
 T = TypeVar("T")
@@ -176,7 +177,8 @@ class KVTransferConfig:
 
     @classmethod
     def from_cli(cls, arg: str, **kwargs: Any) -> KVTransferConfig:
-        """Parse a `--kv-transfer-config` value: a JSON object, or `@path/to/file.json`."""
+        """Parse a `--kv-transfer-config` value: a JSON object, or `@path/to/file.json` (or
+        `.yaml`/`.yml`)."""
         return cls.from_dict(load_cli_arg(arg), **kwargs)
 
 
@@ -184,7 +186,8 @@ CONFIG_KEYS: tuple[str, ...] = tuple(f.name for f in fields(KVTransferConfig))
 
 
 def load_cli_arg(arg: str) -> Any:
-    """The JSON value of a `--kv-transfer-config` argument (`'{...}'` or `'@file.json'`)."""
+    """The JSON value of a `--kv-transfer-config` argument: `'{...}'`, `'@file.json'`, or
+    `'@file.yaml'` (`.yaml`/`.yml`: YAML holding the same keys and values)."""
     if arg.startswith("@"):
         path = Path(arg[1:])
         try:
@@ -209,6 +212,8 @@ def load_cli_arg(arg: str) -> Any:
                     )
                 ]
             ) from None
+        if path.suffix.lower() in YAML_SUFFIXES:
+            return parse_yaml(text, str(path), MAX_JSON_DEPTH)
         return parse_json(text)
     return parse_json(arg)
 

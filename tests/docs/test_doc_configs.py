@@ -17,25 +17,32 @@ from pathlib import Path
 import pytest
 
 from kvx.cli import main as kvx_main
+from kvx.config import MAX_JSON_DEPTH
+from kvx.config_yaml import parse_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KVX = Path(sys.executable).parent / "kvx"
 LOCAL_MARKER = "<!-- kvx: local -->"
-JSON_BLOCK = re.compile(r"^```json\n(.*?)^```", re.MULTILINE | re.DOTALL)
+CONFIG_BLOCK = re.compile(r"^```(json|yaml)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def doc_configs() -> list[tuple[str, str, bool]]:
-    """(where, JSON text, marked local) of every JSON block naming a `kv_connector`."""
+    """(where, JSON text, marked local) of every JSON or YAML block naming a `kv_connector`
+    (a YAML block as the JSON kvx reads from it)."""
     found = []
     for path in sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]):
         text = path.read_text()
-        for match in JSON_BLOCK.finditer(text):
-            if '"kv_connector"' not in match.group(1):
+        for match in CONFIG_BLOCK.finditer(text):
+            language, block = match.groups()
+            names = '"kv_connector"' in block if language == "json" else "kv_connector:" in block
+            if not names:
                 continue
             line = text.count("\n", 0, match.start()) + 1
             before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
             where = f"{path.relative_to(ROOT)}:{line}"
-            found.append((where, match.group(1), before.strip() == LOCAL_MARKER))
+            if language == "yaml":
+                block = json.dumps(parse_yaml(block, where, MAX_JSON_DEPTH))
+            found.append((where, block, before.strip() == LOCAL_MARKER))
     return found
 
 
