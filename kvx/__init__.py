@@ -71,6 +71,7 @@ from kvx.storage import (
     copy_into,
     supports_hashed_io,
 )
+from kvx.storage_listing import StoredEntry, SupportsListing, supports_listing
 from kvx.types import (
     NULL_BLOCK,
     BlockIds,
@@ -151,8 +152,10 @@ __all__ = [
     "StorageBackendOptions",
     "StorageBackendSpec",
     "StorageRegionTable",
+    "StoredEntry",
     "SupportsHMA",
     "SupportsHashedIO",
+    "SupportsListing",
     "TrackedRequest",
     "TransferFigures",
     "TransformSpec",
@@ -175,6 +178,7 @@ __all__ = [
     "skipped_blocks",
     "supports_hashed_io",
     "supports_hma",
+    "supports_listing",
     "url_problem",
     "user_cache_dir",
     "yield_req_data",

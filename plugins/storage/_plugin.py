@@ -40,3 +40,11 @@ kvx_storage_backends = kvx.provides(
         requires=("mooncake",),
     ),
 )
+
+kvx_cli_commands = kvx.provides(
+    kvx.CommandSpec(
+        "store",
+        "kvx.plugins.storage.store_cli:run",
+        summary="list, inspect and evict stored KV (kvx store ls|info|evict URL)",
+    )
+)

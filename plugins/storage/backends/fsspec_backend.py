@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import fsspec
 
+import kvx
 from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend, copy_into
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ _ATOMIC_PUT = frozenset({"memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfs
 S3_PART_BYTES = 16 << 20
 
 
-class FsspecBackend(StorageBackend):
+class FsspecBackend(kvx.SupportsListing, StorageBackend):
     """Values are objects (files) `<root>/<key>` of the URL's fsspec filesystem: put in one
     request where a put is atomic (object stores, memory), else written to a temporary name
     and moved into place. A group of values (`group_bytes`) is one call's worth."""
@@ -106,6 +107,25 @@ class FsspecBackend(StorageBackend):
             self.fs.makedirs(directory, exist_ok=True)
             self._dirs.add(directory)
 
+    def list_keys(self, prefix: str = "") -> Iterator[kvx.StoredEntry]:
+        """`SupportsListing.list_keys`: the filesystem's `find` under the root."""
+        if not self.fs.exists(self.root):
+            return
+        for path, info in sorted(self.fs.find(self.root, detail=True).items()):
+            key = path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
+            if ".tmp-" in key or not key.startswith(prefix):
+                continue
+            yield kvx.StoredEntry(key, int(info.get("size") or 0), _modified(info))
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """`SupportsListing.delete_many`: remove each key's object."""
+        removed = 0
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._path(key))
+                removed += 1
+        return removed
+
     def close(self) -> None:
         """Nothing to release: fsspec filesystems hold no per-backend connections here."""
 
@@ -118,3 +138,14 @@ def _joined(parts: Sequence[bytes | memoryview]) -> bytes:
     if len(parts) == 1 and isinstance(parts[0], bytes):
         return parts[0]
     return b"".join(parts)
+
+
+def _modified(info: dict[str, object]) -> float | None:
+    """When a `find` entry was last written (Unix seconds), if its filesystem says."""
+    for name in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(name)
+        if isinstance(value, int | float):
+            return float(value)
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+    return None

@@ -11,7 +11,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from types import ModuleType
 from typing import Any
@@ -58,7 +58,7 @@ def open_regular(path: str) -> int:
     raise OSError(errno.EINVAL, NOT_REGULAR, path)
 
 
-class LocalFileBackend(kvx.SupportsHashedIO, StorageBackend):
+class LocalFileBackend(kvx.SupportsHashedIO, kvx.SupportsListing, StorageBackend):
     """Values are files `<root>/<key>` under a private directory (0700), each written to a
     temporary name and renamed into place (`os.replace`): plain `os` calls, since fsspec's
     file objects cost more than writing a block does. Whole blocks move in native code
@@ -355,6 +355,37 @@ class LocalFileBackend(kvx.SupportsHashedIO, StorageBackend):
     def _discard(self, path: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+    def list_keys(self, prefix: str = "") -> Iterator[kvx.StoredEntry]:
+        """`SupportsListing.list_keys`: the files under the root (temporary ones and symbolic
+        links skipped); a value in a segment file has its own size, not the segment's."""
+        for directory, dirs, files in os.walk(self.root):
+            dirs.sort()
+            for name in sorted(files):
+                path = f"{directory}/{name}"
+                key = path[len(self.root) + 1 :]
+                if ".tmp-" in name or not key.startswith(prefix):
+                    continue
+                try:
+                    with open(open_regular(path), "rb", buffering=0) as raw:
+                        info = os.fstat(raw.fileno())
+                        where = locate(raw.fileno(), info.st_size, key, path)
+                except OSError:  # removed meanwhile, a link, unreadable
+                    continue
+                size = info.st_size if where is None else where.size
+                yield kvx.StoredEntry(key, size, info.st_mtime)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """`SupportsListing.delete_many`: unlink each key's file (a segment file's other keys
+        stay readable through their own links)."""
+        removed = 0
+        for key in keys:
+            path = self._path(key)
+            self._check_inside(path)  # no key removes a file outside the store
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+        return removed
 
     def close(self) -> None:
         """Nothing to release: no connections or threads."""

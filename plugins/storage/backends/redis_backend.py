@@ -60,7 +60,7 @@ def _cluster_db_message(url: str, db: int) -> str:
     )
 
 
-class RedisBackend(StorageBackend):
+class RedisBackend(kvx.SupportsListing, StorageBackend):
     """A pipelined key -> bytes store on a Redis server (values up to 512 MB, optional TTL)."""
 
     def __init__(self, url: str, options: BackendOptions) -> None:
@@ -311,6 +311,36 @@ class RedisBackend(StorageBackend):
             pipe.exists(KEY_PREFIX + key)
         return [bool(n) for n in pipe.execute()]
 
+    def list_keys(self, prefix: str = "") -> Iterator[kvx.StoredEntry]:
+        """`SupportsListing.list_keys`: SCAN (every master of a cluster), then STRLEN in
+        batches. Redis keeps no write time: `modified` is None."""
+        pattern = KEY_PREFIX + _glob_escaped(prefix) + "*"
+        batch: list[bytes] = []
+        for name in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(name)
+            if len(batch) == 1000:
+                yield from self._sized(batch)
+                batch = []
+        yield from self._sized(batch)
+
+    def _sized(self, names: list[bytes]) -> Iterator[kvx.StoredEntry]:
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+        for name, size in zip(names, pipe.execute(), strict=True):
+            if size:  # expired or removed since the SCAN
+                key = name.decode("utf-8", "replace")[len(KEY_PREFIX) :]
+                yield kvx.StoredEntry(key, int(size))
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """`SupportsListing.delete_many`: UNLINK each key."""
+        if not keys:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.unlink(KEY_PREFIX + key)
+        return sum(int(n) for n in pipe.execute())
+
     def ttl(self, key: str) -> int:
         """Seconds until `key` expires (-1: never, -2: absent), for checks and tests."""
         return int(self.client.ttl(KEY_PREFIX + key))
@@ -322,3 +352,8 @@ class RedisBackend(StorageBackend):
         for conn in idle:
             conn.close()
         self.client.close()
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` matched literally by a Redis SCAN MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -85,8 +85,24 @@ def identity(x: Any) -> Any:
     return x
 
 
-class TestBackend:
-    pass
+class TestBackend(kvx.StorageBackend):
+    """A third-party backend with the four plain calls only (no listing): a dict."""
+
+    def __init__(self, url: str, options: kvx.StorageBackendOptions) -> None:
+        super().__init__(url, options)
+        self.values: dict[str, bytes] = {}
+
+    def put_many(self, items: Any) -> None:
+        self.values.update((key, bytes(value)) for key, value in items)
+
+    def get_many(self, keys: Any, max_bytes: int) -> list[bytes | None]:
+        return [self.values.get(key) for key in keys]
+
+    def exists_many(self, keys: Any) -> list[bool]:
+        return [key in self.values for key in keys]
+
+    def close(self) -> None:
+        self.values.clear()
 
 
 CALLS: dict[str, list[tuple[str, object]]] = {}
