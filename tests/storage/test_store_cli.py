@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -176,3 +178,22 @@ def test_a_backend_that_cannot_list_is_refused(
     code, _, err = kvx_store(capsys, "ls", "testmem://somewhere")
     assert code == 2 and "URL 'testmem://somewhere': this store" in err, err
     assert "cannot list keys" in err and "kvx.SupportsListing" in err
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "connectors" / "shared-storage.md"
+
+
+def test_the_docs_commands_run_as_written(tmp_path: Path, make_rig: MakeRig) -> None:
+    text = DOC.read_text()
+    block = text.split("<!-- kvx: store -->\n```bash\n", 1)[1].split("```", 1)[0]
+    store = tmp_path / "kvx-kv"
+    url = f"file://{store}"
+    make_rig(url).prefill("p", prompt(50, seed=6))
+    script = "set -euo pipefail\n" + block.replace("/tmp/kvx-kv", str(store))  # its own store
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=50, env=env, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "checksum:     ok (" in result.stdout and "would remove 0 values" in result.stderr
+    assert "3 values" in result.stderr and "Traceback" not in result.stderr
