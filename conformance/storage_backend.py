@@ -14,6 +14,7 @@ store) may be reused. See docs/writing-a-storage-backend.md.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -167,6 +168,25 @@ class StorageBackendTests:
             assert digest == int.from_bytes(head[24:], "little")  # the checksum it stored
         assert torch.equal(out[0], blocks[3]) and torch.equal(out[2], blocks[1])
         assert not out[1].any() and not out[3].any()
+
+    def test_listing_and_deleting_where_declared(self, backend: StorageBackend, ns: str) -> None:
+        """`kvx.SupportsListing` (what `kvx store` needs): keys by prefix with their sizes and
+        write times, and deletes that touch nothing else. Skipped where not declared."""
+        if not kvx.supports_listing(backend):
+            pytest.skip(f"{type(backend).__name__} does not declare kvx.SupportsListing")
+        lister: Any = backend
+        values = {f"{ns}/a/1": VALUE, f"{ns}/a/2.l0-4.h0-2": b"two", f"{ns}/ab": b"three"}
+        backend.put_many(list(values.items()))
+        started = time.time()
+        listed = {e.key: e for e in lister.list_keys(f"{ns}/")}
+        assert {k: e.size for k, e in listed.items()} == {k: len(v) for k, v in values.items()}
+        for entry in listed.values():
+            assert entry.modified is None or abs(entry.modified - started) < 300
+        assert sorted(e.key for e in lister.list_keys(f"{ns}/a/")) == sorted(values)[:2]
+        assert list(lister.list_keys(f"{ns}-absent/")) == []
+        assert lister.delete_many([f"{ns}/a/1", f"{ns}/absent"]) == 1
+        assert backend.exists_many(sorted(values)) == [False, True, True]
+        assert backend.get_many(sorted(values)[1:], len(VALUE)) == [b"two", b"three"]
 
 
 class _Defaults(kvx.SupportsHashedIO, StorageBackend):

@@ -118,11 +118,15 @@ class FsspecBackend(kvx.SupportsListing, StorageBackend):
             yield kvx.StoredEntry(key, int(info.get("size") or 0), _modified(info))
 
     def delete_many(self, keys: Sequence[str]) -> int:
-        """`SupportsListing.delete_many`: remove each key's object."""
+        """`SupportsListing.delete_many`: remove each key's object (object stores delete an
+        absent key without an error, so each is looked up first)."""
         removed = 0
         for key in keys:
+            path = self._path(key)
+            if not self.fs.exists(path):
+                continue
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self._path(key))
+                self.fs.rm_file(path)
                 removed += 1
         return removed
 
