@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   kvx store info file:///tmp/kvx-kv KEY        # KEY as ls prints it
   kvx store evict file:///tmp/kvx-kv --older-than 2h --dry-run
   kvx store evict redis://127.0.0.1:6379/0 --prefix my-model-float16-k8d128/
+  kvx store ls s3://bucket/kv --storage-options '{"endpoint_url": "http://127.0.0.1:8333"}'
 
 DURATION: a number with a unit s, m, h, d or w (90s, 30m, 2h, 7d).
 """
@@ -49,6 +50,17 @@ def duration(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
+def storage_options(text: str) -> dict[str, Any]:
+    """argparse type of --storage-options: a JSON object (fsspec's keyword arguments)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r} is not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text[:60]!r} is not allowed: use a JSON object")
+    return value
+
+
 def parser(prog: str) -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog=prog,
@@ -57,15 +69,28 @@ def parser(prog: str) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage-options",
+        type=storage_options,
+        metavar="JSON",
+        help="the store's fsspec options, as the connector's storage_options (an S3 endpoint...)",
+    )
     sub = top.add_subparsers(dest="action", metavar="ACTION", required=True)
-    p_ls = sub.add_parser("ls", help="list stored values: key, size, namespace, age")
+    p_ls = sub.add_parser(
+        "ls", parents=[common], help="list stored values: key, size, namespace, age"
+    )
     p_ls.add_argument("url", metavar="URL", help="the store's storage_url")
     p_ls.add_argument("--prefix", default="", metavar="P", help="only keys starting with P")
     p_ls.add_argument("--json", action="store_true", help="print JSON lines, one per value")
-    p_info = sub.add_parser("info", help="a stored value's header, and whether its checksum holds")
+    p_info = sub.add_parser(
+        "info", parents=[common], help="a stored value's header, and whether its checksum holds"
+    )
     p_info.add_argument("url", metavar="URL", help="the store's storage_url")
     p_info.add_argument("key", metavar="KEY", help="the key, as `ls` prints it")
-    p_evict = sub.add_parser("evict", help="remove stored values by age or key prefix")
+    p_evict = sub.add_parser(
+        "evict", parents=[common], help="remove stored values by age or key prefix"
+    )
     p_evict.add_argument("url", metavar="URL", help="the store's storage_url")
     p_evict.add_argument(
         "--older-than",
@@ -92,7 +117,7 @@ def run(prog: str, argv: Sequence[str]) -> int:
             raise UsageError(
                 "evict needs a filter: --older-than, --prefix, or --all for everything"
             )
-        backend = _open(args.url)
+        backend = _open(args.url, args.storage_options)
         try:
             return int(globals()[f"_cmd_{args.action}"](backend, args))
         finally:
@@ -102,7 +127,7 @@ def run(prog: str, argv: Sequence[str]) -> int:
         return EXIT_USAGE
 
 
-def _open(url: str) -> Any:
+def _open(url: str, options: dict[str, Any] | None) -> Any:
     """The backend at `url`, able to list; a `UsageError` naming the URL otherwise."""
     shown = kvx.redact_url(url)
     if url.startswith(("file://", "local://")):
@@ -110,7 +135,7 @@ def _open(url: str) -> Any:
         if not os.path.isdir(path):  # opening would create it: nothing is stored there
             raise UsageError(f"URL {shown!r}: no store there ({path} is not a directory)")
     try:
-        backend = kvx.open_storage_backend(url, kvx.StorageBackendOptions())
+        backend = kvx.open_storage_backend(url, kvx.StorageBackendOptions(storage_options=options))
     except (kvx.ConfigError, kvx.RegistryError, TypeError) as exc:  # TypeError: not a backend
         raise UsageError(f"URL {shown!r}: {_problems(exc)}") from None
     if not kvx.supports_listing(backend):

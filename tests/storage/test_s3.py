@@ -6,6 +6,7 @@ and the conformance suite. Every byte is checked."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -251,3 +252,30 @@ def test_killing_a_volume_server_then_the_leader_master_costs_no_wrong_bytes(
         assert run.wrong_bytes == 0
         assert len(run.outcomes) == REQUESTS and set(run.outcomes) <= {"loaded", "recomputed"}
     assert again.outcomes == ["loaded"] * REQUESTS
+
+
+def test_kvx_store_lists_and_evicts_an_s3_store(
+    s3_env: SeaweedS3, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvx store --storage-options` reaches an S3 store at its own endpoint."""
+    from kvx.cli import main
+
+    url = fresh_url(s3_env)
+    backend = kvx.open_storage_backend(url, options(s3_env))
+    backend.put_many([("ns/b16/ab/old", b"x" * 100), ("keep", b"kept bytes")])
+    flags = ["--storage-options", json.dumps(s3_env.storage_options())]
+    assert main(["store", "ls", url, "--json", *flags]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(r["key"], r["size"], r["namespace"]) for r in rows} == {
+        ("ns/b16/ab/old", 100, "ns"),
+        ("keep", 10, None),
+    }
+    assert all(r["age_s"] is not None and r["age_s"] < 300 for r in rows)
+    assert main(["store", "evict", url, "--prefix", "ns/", *flags]) == 0
+    assert "removed 1 of 1 values, 100 bytes" in capsys.readouterr().err
+    fresh = kvx.open_storage_backend(url, options(s3_env))
+    assert fresh.get_many(["ns/b16/ab/old", "keep"], 100) == [None, b"kept bytes"]
+    assert main(["store", "ls", url, "--storage-options", "[1]"]) == 2
+    assert "'[1]' is not allowed: use a JSON object" in capsys.readouterr().err
+    backend.close()
+    fresh.close()
