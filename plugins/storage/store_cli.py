@@ -119,7 +119,8 @@ def run(prog: str, argv: Sequence[str]) -> int:
             )
         backend = _open(args.url, args.storage_options)
         try:
-            return int(globals()[f"_cmd_{args.action}"](backend, args))
+            action = {"ls": _cmd_ls, "info": _cmd_info, "evict": _cmd_evict}[args.action]
+            return action(backend, args)
         finally:
             backend.close()
     except UsageError as exc:
