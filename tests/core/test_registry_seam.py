@@ -95,7 +95,7 @@ def _registries(connector: kvx.KVConnectorBase_V1) -> Iterator[object]:
 CONNECTORS = sorted(_configs(Path("/")))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # LMCache's start alone takes minutes on a loaded machine
 @pytest.mark.parametrize("name", CONNECTORS)
 def test_engine_builds_every_connector_from_its_registry_only(
     name: str, fresh: Registry, no_global: None, tmp_path: Path
