@@ -137,6 +137,8 @@ pytest-vllm: venv-vllm system-deps
 pytest-lmcache: venv-vllm system-deps
 	@[ ! -e $(VENV)/bin/redis-server ] || ln -sf $(abspath $(VENV))/bin/redis-server $(abspath $(VENV))/bin/redis-cli $(VLLM_VENV)/bin/
 	$(VLLM_PY) -m pytest tests/lmcache
+	@# the registry-seam case of LMCache (installed only here; tests/core runs the others)
+	$(VLLM_PY) -m pytest tests/core/test_registry_seam.py -k LMCacheConnectorV1
 
 test: lint typecheck pytest pytest-vllm pytest-lmcache
 

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from kvx.plugins.storage.backends import local_files
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_lmcache
 from measured_run import Finished, run_measured
@@ -127,7 +129,7 @@ def shapes(quick: bool, huge: bool = False) -> Iterator[Shape]:
 def per_value_files(case: StorageCase) -> None:
     """Make the producer's backend write one file per value (the layout before segments)."""
     backend: Any = case.producer.worker.backend  # type: ignore[attr-defined]
-    native = backend._native()
+    native: Any = local_files._fileio
 
     def write(paths: list[str], keys: list[str], seeds: list[bytes], prefix: bytes,
               regions: Any, blocks: list[int]) -> list[int]:  # fmt: skip

@@ -53,6 +53,7 @@ from kvx.adapters.vllm_config import (
     KVX_CONNECTOR_KEY,
     check_connector_name,
     engine_context,
+    hybrid_capable,
     kvx_transfer_config,
     load_kvx_class,
 )
@@ -452,13 +453,11 @@ def connector_class(reference: str) -> type[KvxConnector]:
 
     The class is vLLM's `SupportsHMA` when the kvx connector implements `kvx.SupportsHMA`, so
     vLLM keeps its hybrid KV cache allocator on (several KV cache groups); otherwise vLLM turns
-    the allocator off for it, as for any connector without HMA support."""
+    the allocator off for it, as for any connector without HMA support (and for kvx's
+    MultiConnector, whose support depends on its children's config)."""
     if reference not in _BOUND:
         check_connector_name(reference, "kv_connector")
-        try:
-            hybrid = kvx.supports_hma(load_kvx_class(reference))
-        except (LookupError, ImportError):  # not loadable: refused when vLLM checks the config
-            hybrid = False
+        hybrid = hybrid_capable(reference)
         _BOUND[reference] = type(
             PLUGIN_PREFIX + reference,
             (KvxConnector, SupportsHMA) if hybrid else (KvxConnector,),

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvx.adapters import vllm_lookup as lookup
 from kvx.config import KVTransferConfig
-from kvx.contract import KVConnectorBase_V1
+from kvx.contract import KVConnectorBase_V1, supports_hma
 from kvx.errors import ConfigError, ConfigProblem, RegistryError, quote, quoted_list
 from kvx.loading import install_hint, missing_requirements
 from kvx.registry import Registry, get_registry, load_module_path_class
@@ -117,6 +117,24 @@ def load_kvx_class(reference: str, registry: Registry | None = None) -> type[KVC
     module = lookup.import_module(module_path, "module")
     lookup.class_in(module, module_path, name, "class")
     return load_module_path_class(module_path, name)
+
+
+def hybrid_capable(reference: str) -> bool:
+    """True if the kvx connector `reference` implements `SupportsHMA` whatever its config: not
+    for a composite (MultiConnector), whose support depends on its children, nor for a
+    reference that does not load (refused later, when vLLM checks the config). A
+    `"pkg.module:Class"` counts only once its module is imported: this runs inside vLLM's
+    class lookup, which must not import an author's module first."""
+    registry = get_registry()
+    name, module_path = lookup.split_target(reference)
+    if module_path is not None and module_path not in sys.modules:
+        return False
+    try:
+        cls = load_kvx_class(reference, registry)
+        composite = module_path is None and registry.connector(name).spec.child_configs_key
+    except (LookupError, ImportError):
+        return False
+    return supports_hma(cls) and not composite
 
 
 def kvx_transfer_config(vllm_transfer_config: Any, kvx_name: str | None) -> KVTransferConfig:

@@ -2,10 +2,12 @@
 
 An LMCache engine lives as long as its process, as in vLLM (one engine per worker process):
 kvx engines of one process with the same LMCache options and the same shard (model, world
-size, rank, KV shape) share one, and an engine whose last user shut down is kept while it holds
-a local tier (its CPU or disk chunks are the cache a restarted kvx engine finds) - at most
-`MAX_IDLE` such, the oldest destroyed first - and destroyed at process exit. Engines without a
-local tier are destroyed when their last user shuts down.
+size, rank, KV shape) share one, and an engine whose last user shut down is kept while only its
+local tier holds the chunks (its CPU or disk chunks are the cache a restarted kvx engine in the
+process finds) - at most `MAX_IDLE` such, the oldest destroyed first - and destroyed at process
+exit. Engines with a remote tier (the chunks outlive them there) are destroyed when their last
+user shuts down, and once no engine is left, LMCache's process-wide pin monitor thread is
+stopped too (LMCache's own destroy leaves it running).
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def acquire_engine(
         pooled = _pool.pop(key, None)
         if pooled is None:
             instance, engine = build_engine(options, ctx, layout, tensors)
-            keep = options.local_cpu or options.local_disk is not None
+            local = options.local_cpu or options.local_disk is not None
+            keep = local and options.remote_url is None
             pooled = _Pooled(instance, engine, keep)
         pooled.users += 1
         _pool[key] = pooled  # most recently used last
@@ -108,6 +111,20 @@ def release_engine(key: str) -> None:
             doomed.append(_pool.pop(old).instance)
     for instance in doomed:
         destroy_engine(instance)
+    if doomed:
+        _stop_process_threads()
+
+
+def _stop_process_threads() -> None:
+    """Once this process has no LMCache engine left, stop the pin monitor LMCache starts once
+    per process (`PinMonitor`, a periodic thread `LMCacheEngineBuilder.destroy` leaves behind);
+    the next engine built starts a new one."""
+    with _lock:
+        if _pool:
+            return
+        from lmcache.v1.pin_monitor import PinMonitor
+
+        PinMonitor.DestroyInstance()
 
 
 def _quiet_lmcache_logging() -> None:
@@ -209,17 +226,31 @@ def _unblock_remote_close(instance: str) -> None:
         executor.shutdown = shutdown
 
 
+def _close_stopped_loop(manager: Any) -> None:
+    """LMCache's storage manager stops its event loop's thread at close but never closes the
+    loop, whose selector and wake-up socket pair stay open (three descriptors per engine):
+    close it once its thread has ended."""
+    loop = getattr(manager, "loop", None)
+    thread = getattr(manager, "thread", None)
+    if loop is None or loop.is_closed() or loop.is_running():
+        return
+    if thread is None or not thread.is_alive():
+        loop.close()
+
+
 def destroy_engine(instance: str, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
     """Destroy the engine in a helper thread and wait at most `timeout_s` (LMCache's remote
     backends' teardown is unblocked first, see `_unblock_remote_close`; the bound covers
     anything else that hangs). Returns whether it finished; if not, the thread is left behind
     (a daemon) and a warning names it."""
     _unblock_remote_close(instance)
+    manager = getattr(LMCacheEngineBuilder.get(instance), "storage_manager", None)
     done = threading.Event()
 
     def run() -> None:
         try:
             LMCacheEngineBuilder.destroy(instance)
+            _close_stopped_loop(manager)
         except Exception as exc:
             logger.warning("kvx lmcache: destroying %s failed: %s: %s", instance, type(exc), exc)
         finally:

@@ -1,11 +1,14 @@
 """LMCacheConnectorV1 passes the conformance suite's claimed scenarios over real LMCache, with
-each backend: local CPU, local disk, redis:// (and layer-wise on local CPU)."""
+each backend: local CPU, local disk, redis:// (and layer-wise on local CPU), and with LMCache's
+exact defaults."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
+from kvx_test_clusters import ClusterProcesses
 
 from kvx import Capability, KVTransferConfig
 from kvx.conformance import run_suite
@@ -22,44 +25,63 @@ CLAIMED = {
     "stats_and_events_shape_stored",
     "window_store_reuse",
     "matrix",
+    "clean_shutdown",
 }
-# clean_shutdown runs for every connector: LMCache's own process-wide threads outlive the
-# connector's shutdown, and with its Redis backend its connections stay open too (known gaps
-# of LMCache's, recorded here so that a change either way is noticed).
-LEAKS = ("stats-logger-thread", "PinMonitor-thread", "storage-manager-event-loop")
-OPEN_FDS = "file descriptors still open after shutdown"
+# An engine whose chunks only its local tier (CPU, disk) holds is kept after the connector's
+# shutdown, as the process's cache a later engine of the process finds (LMCache's local tiers
+# live inside its engine; in vLLM that engine lives as long as the worker process). Its
+# threads are that cache's, the only ones clean_shutdown may find left.
+KEPT = ("stats-logger-thread", "PinMonitor-thread", "storage-manager-event-loop")
 
 
-def _suite(extra: dict[str, Any]) -> None:
+def _suite(extra: dict[str, Any], kept: bool = False) -> None:
     results = run_suite(
         {"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {**BASE, **extra}},
         fault_timeout_s=20,
     )
     failed = {r.name: r.message for r in results if r.outcome == FAILED}
-    assert set(failed) <= {"clean_shutdown"}, failed
-    leaked = failed.get("clean_shutdown", "threads still running after shutdown")
-    if leaked.endswith(OPEN_FDS):
-        assert "remote_url" in extra, leaked  # only with LMCache's Redis
-    else:
+    if kept and "clean_shutdown" in failed:
+        leaked = failed.pop("clean_shutdown")
         assert leaked.startswith("threads still running after shutdown"), leaked
-        assert any(name in leaked for name in LEAKS) or not failed, leaked
-    assert {r.name for r in results if r.outcome == PASSED} | set(failed) >= CLAIMED
+        assert set(re.findall(r"'([^']+)'", leaked)) <= set(KEPT), leaked
+    assert not failed, failed
+    passed = {r.name for r in results if r.outcome == PASSED}
+    assert passed >= CLAIMED - ({"clean_shutdown"} if kept else set()), passed
 
 
 def test_suite_on_local_cpu() -> None:
-    _suite({})
+    _suite({}, kept=True)
 
 
 def test_suite_on_local_disk() -> None:
-    _suite({"local_cpu": False, "local_disk": "file://{tmp}/lmcache", "max_local_disk_size": 0.1})
+    _suite(
+        {"local_cpu": False, "local_disk": "file://{tmp}/lmcache", "max_local_disk_size": 0.1},
+        kept=True,
+    )
 
 
 def test_suite_on_redis(redis_url: str) -> None:
+    """With a remote tier the engine is destroyed at shutdown: no thread, socket or event
+    loop of LMCache's outlives it (clean_shutdown passes)."""
     _suite({"local_cpu": False, "remote_url": redis_url})
 
 
+def test_suite_on_redis_with_local_cpu(redis_url: str) -> None:
+    """LMCache's default local CPU tier in front of the remote one: destroyed at shutdown too
+    (LMCache 0.5.6's destroy hangs with both unless kvx unblocks it, see engine.py)."""
+    _suite({"remote_url": redis_url})
+
+
+def test_suite_on_a_redis_cluster() -> None:
+    """LMCache's own `redis-cluster://` connector on a real 3 masters + 3 replicas cluster,
+    the URL naming every master."""
+    with ClusterProcesses("redis") as cluster:
+        nodes = ",".join(f"127.0.0.1:{port}" for port in cluster.ports[:3])
+        _suite({"remote_url": f"redis-cluster://{nodes}"})
+
+
 def test_suite_layerwise() -> None:
-    _suite({"use_layerwise": True})
+    _suite({"use_layerwise": True}, kept=True)
 
 
 def test_claims() -> None:

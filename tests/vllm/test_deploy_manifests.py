@@ -4,7 +4,9 @@ Deployment's selector matches its pod labels, each Service selects a Deployment 
 named port its containers declare, every host a container names is a Service of the set, every
 `--kv-transfer-config` passes kvx's validation as vLLM would run it, the proxy's flags parse as
 `kvx proxy` parses them, and the container image the pods use is the one the Containerfile's
-build line tags. In .venv-vllm because it has PyYAML (the core venv does not)."""
+build line tags, and every object validates strictly (no unknown field) against Kubernetes' own
+published schema (kubernetes-validate, offline). In .venv-vllm because it has PyYAML (the core
+venv does not)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -55,6 +58,24 @@ def test_required_fields_and_api_versions(obj: dict[str, Any]) -> None:
     assert set(obj) >= REQUIRED, obj.keys()
     assert obj["apiVersion"] == API[obj["kind"]]
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["metadata"]["name"])
+
+
+K8S_VERSION = "1.30"  # an API version clusters run today; the objects use only stable APIs
+
+
+@pytest.mark.parametrize(
+    "obj", OBJECTS, ids=[f"{o['kind']}/{o['metadata']['name']}" for o in OBJECTS]
+)
+def test_validates_strictly_against_the_kubernetes_schema(obj: dict[str, Any]) -> None:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_schema_check_refuses_a_misspelt_field() -> None:
+    """The check above has teeth: a container field with a typo is refused."""
+    deployment = json.loads(json.dumps(next(iter(DEPLOYMENTS.values()))))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolice"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
