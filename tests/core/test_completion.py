@@ -4,7 +4,6 @@ and their flags in bash (run here); zsh loads the same through bashcompinit, fis
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -32,7 +31,6 @@ def complete(script: str, *words: str) -> list[str]:
     return run.stdout.split()
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="NOT RUN: no bash")
 def test_bash_completes_commands_and_each_commands_flags(capsys) -> None:
     assert main(["completion", "bash"]) == 0
     script = capsys.readouterr().out

@@ -22,6 +22,19 @@ import redis
 START_TIMEOUT_S = 60.0
 
 
+STORE_REUSE_SCENARIOS = frozenset(
+    {  # what a distributed store's conformance runs claim (tests/storage/test_engine.py's set,
+        # less the file-corruption scenario)
+        "idempotent_matching",
+        "store_and_reuse",
+        "stored_hetero_tp",
+        "stored_block_size_mismatch",
+        "stored_layout_conversion",
+        "roles_store_reuse",
+    }
+)
+
+
 class MissingBinaryError(RuntimeError):
     """A server binary a cluster needs is not installed."""
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from kvx_failover import request_values, run_requests
-from kvx_test_clusters import MooncakeMaster
+from kvx_test_clusters import STORE_REUSE_SCENARIOS, MooncakeMaster
 
 import kvx
 from kvx import StorageBackend
@@ -129,14 +129,7 @@ def test_values_of_a_client_without_a_segment_outlive_it(held_master: MooncakeMa
         reader.close()
 
 
-STORE_CLAIMS = {  # test_redis_cluster.py's set: the store-reuse scenarios
-    "idempotent_matching",
-    "store_and_reuse",
-    "stored_hetero_tp",
-    "stored_block_size_mismatch",
-    "stored_layout_conversion",
-    "roles_store_reuse",
-}
+STORE_CLAIMS = STORE_REUSE_SCENARIOS
 STORE_PD = {  # tests/conformance/test_store_teeth.py's P/D-through-the-store set
     "pd_long_prompts",
     "pd_prefix_hit_on_decode",

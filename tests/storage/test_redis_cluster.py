@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
-from kvx_test_clusters import ClusterProcesses
+from kvx_test_clusters import STORE_REUSE_SCENARIOS, ClusterProcesses
 
 import kvx
 from kvx import ConfigError, StorageBackend
@@ -304,14 +304,7 @@ def test_killing_a_master_mid_run_costs_misses_never_wrong_bytes(flavour: str) -
         assert again == ["loaded"] * REQUESTS
 
 
-CLAIMED = {  # tests/storage/test_engine.py's set, less the file-corruption scenario
-    "idempotent_matching",
-    "store_and_reuse",
-    "stored_hetero_tp",
-    "stored_block_size_mismatch",
-    "stored_layout_conversion",
-    "roles_store_reuse",
-}
+CLAIMED = STORE_REUSE_SCENARIOS
 
 
 @pytest.mark.timeout(400)
