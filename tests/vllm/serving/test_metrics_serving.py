@@ -307,5 +307,5 @@ def _assert_moved(before: Samples, after: Samples, name: str, by: float, **label
 def test_every_dashboard_query_matches_the_scrapes_above() -> None:
     """Runs after the two deployments: their scrapes hold every series the dashboard uses."""
     if {"nixl", "store"} != PASSED:
-        pytest.skip(f"needs both deployments of this module to pass; passed: {sorted(PASSED)}")
+        pytest.fail(f"needs both deployments of this module to pass; passed: {sorted(PASSED)}")
     assert not dashboard.problems(SCRAPED), "\n".join(dashboard.problems(SCRAPED))
