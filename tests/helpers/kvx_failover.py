@@ -34,12 +34,14 @@ class FailoverCounts:
     wrong_bytes: int = 0
     outcomes: list[str] = field(default_factory=list)
     last_error_after_kill_s: float = 0.0
+    last_failure_after_kill_s: float = 0.0  # a miss or an error: the outage as requests saw it
 
     def line(self) -> str:
         return (
             f"{self.loaded} loaded, {self.recomputed} recomputed ({self.misses} misses, "
             f"{self.errors} store errors, the last {self.last_error_after_kill_s:.2f}s after "
-            f"the kill), wrong bytes: {self.wrong_bytes}"
+            f"the kill; the last failed request ended {self.last_failure_after_kill_s:.2f}s "
+            f"after it), wrong bytes: {self.wrong_bytes}"
         )
 
 
@@ -91,6 +93,8 @@ def run_requests(
             with lock:
                 counts.recomputed += 1
                 counts.misses += sizes is not None
+                if killed_at:
+                    counts.last_failure_after_kill_s = time.monotonic() - killed_at[0]
             with contextlib.suppress(*errors):
                 backend.put_vectored(items)
             outcome = "recomputed"

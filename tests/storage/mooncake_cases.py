@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from kvx_failover import request_values, run_requests
+from kvx_mooncake_ha import MooncakeHA
 from kvx_test_clusters import STORE_REUSE_SCENARIOS, MooncakeMaster
 
 import kvx
@@ -102,6 +103,11 @@ def test_the_connector_loads_byte_exact_through_mooncake(
 def test_a_url_without_metadata_is_refused(master: MooncakeMaster) -> None:
     with pytest.raises(kvx.ConfigError, match="has no metadata"):
         kvx.open_storage_backend(master.url.split("?")[0], BackendOptions())
+
+
+def test_an_unknown_ha_backend_is_refused(master: MooncakeMaster) -> None:
+    with pytest.raises(kvx.ConfigError, match="ha='zookeeper': use etcd"):
+        kvx.open_storage_backend(master.url + "&ha=zookeeper", BackendOptions())
 
 
 @pytest.fixture(scope="session")
@@ -202,4 +208,47 @@ def test_losing_a_storage_node_mid_run_costs_misses_never_wrong_bytes() -> None:
         assert run.wrong_bytes == 0
         assert len(run.outcomes) == REQUESTS and set(run.outcomes) <= {"loaded", "recomputed"}
     assert during.recomputed > 0, "the loss was not seen: the test did not test failover"
+    assert again.outcomes == ["loaded"] * REQUESTS
+
+
+@pytest.mark.timeout(300)
+def test_killing_the_leading_master_mid_run_costs_an_outage_never_wrong_bytes() -> None:
+    """An HA master (etcd, two masters with `-enable_ha -enable_oplog`) and one storage node:
+    64 requests, 4 at a time, load their 8 values each (a miss or error recomputes and saves
+    them again); the leading master is SIGKILLed after a few. The standby restores the
+    objects from the op log and takes over; requests during the outage miss, none is wrong,
+    all complete, and then every request loads again."""
+    with MooncakeHA() as ha:
+        ha.add_holder(128)
+        b = kvx.open_storage_backend(ha.url + "&segment_mib=0&buffer_mib=16", BackendOptions())
+        try:
+            prefix = f"ha-{os.urandom(4).hex()}"
+            truth = [request_values(KEYS_PER_REQUEST, f"{prefix}/r{r}") for r in range(REQUESTS)]
+            for items in truth:
+                b.put_vectored(items)
+            assert run_requests(b, truth, (OSError,)).outcomes == ["loaded"] * REQUESTS
+            old = ha.leader()
+            assert old is not None
+            killed = time.monotonic()
+            during = run_requests(
+                b, truth, (OSError,), kill=lambda: ha.kill_master(old), pace_s=0.5
+            )
+            run_s = time.monotonic() - killed
+            new = ha.leader()
+            again = run_requests(b, truth, (OSError,))
+        finally:
+            closing = time.monotonic()
+            b.close()
+            close_s = time.monotonic() - closing
+    print(
+        f"\nMooncake HA master, {REQUESTS} requests, the leader (master {old}) killed after "
+        f"request 8 ({run_s:.1f}s for the run, master {new} leads after): {during.line()}; "
+        f"then {again.loaded}/{REQUESTS} loaded, wrong bytes {again.wrong_bytes}; the "
+        f"client closed in {close_s:.1f}s"
+    )
+    assert new is not None and new != old
+    for run in (during, again):
+        assert run.wrong_bytes == 0
+        assert len(run.outcomes) == REQUESTS and set(run.outcomes) <= {"loaded", "recomputed"}
+    assert during.recomputed > 0, "the outage was not seen: the test did not test failover"
     assert again.outcomes == ["loaded"] * REQUESTS

@@ -10,7 +10,9 @@ Query parameters: `metadata` (required: the master's HTTP metadata server,
 `http://host:port/metadata`, or `etcd://host:port`), `segment_mib` (default 512; 0 for
 none), `buffer_mib` (64), `replicas` (1: copies of each value, on
 different clients), `local_hostname` (127.0.0.1: the address this client advertises; it is
-also exported as `MC_TCP_BIND_ADDRESS` unless set). Mooncake 0.3.13's TCP transport and RPC
+also exported as `MC_TCP_BIND_ADDRESS` unless set), `ha` (`etcd`: the URL's HOST:PORT is
+then the etcd in which masters run with `-enable_ha` elect their leader, and the client
+follows whichever master leads). Mooncake 0.3.13's TCP transport and RPC
 listeners (and the master's HTTP metadata server) still listen on every interface (seen with
 `ss`): run the engines and the master in a network namespace or behind a firewall; the
 tests run them in a namespace with only loopback.
@@ -31,7 +33,8 @@ from urllib.parse import parse_qs, urlsplit
 from kvx.plugins.storage.backends.base import BackendOptions, StorageBackend
 
 KEY_PREFIX = "kvx/"
-PARAMS = ("metadata", "segment_mib", "buffer_mib", "replicas", "local_hostname")
+PARAMS = ("metadata", "segment_mib", "buffer_mib", "replicas", "local_hostname", "ha")
+HA_BACKENDS = ("etcd",)
 
 
 def _store_class() -> Any:
@@ -87,8 +90,16 @@ class MooncakeBackend(StorageBackend):
         self.replicas = _int_param(params, "replicas", 1, 1, 16)
         local = params.get("local_hostname", "127.0.0.1")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local)
+        ha = params.get("ha")
+        if ha is not None and ha not in HA_BACKENDS:
+            raise ValueError(
+                f"storage_url parameter ha={ha!r}: use {' or '.join(HA_BACKENDS)} (the URL's "
+                "HOST:PORT then names it), or leave it out for one master at HOST:PORT"
+            )
         self.store = _store_class()()
         master = f"{parts.hostname}:{parts.port}"
+        if ha is not None:  # Mooncake's client finds the leading master through etcd
+            master = f"{ha}://{master}"
         rc = self.store.setup(local, metadata, segment, buffer, "tcp", "", master)
         if rc != 0:
             raise ConnectionError(
