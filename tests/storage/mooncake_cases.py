@@ -100,6 +100,25 @@ def test_the_connector_loads_byte_exact_through_mooncake(
     consumer.check(tokens, loaded.block_ids, 64)
 
 
+def test_a_load_larger_than_the_buffer_pool_is_read_in_batches(master: MooncakeMaster) -> None:
+    """`get_vectored` reads values in place in the client's buffer pool (4 MiB here): 12 MiB
+    of values arrive in batches that fit it, every byte where it belongs."""
+    backend = kvx.open_storage_backend(
+        master.url + "&segment_mib=64&buffer_mib=4", BackendOptions()
+    )
+    try:
+        values = [(f"pool/{i}", os.urandom((1 << 20) + i)) for i in range(12)]
+        backend.put_vectored([(k, [v[:100], v[100:]]) for k, v in values])
+        into = [
+            [memoryview(bytearray(100)), memoryview(bytearray(len(v) - 100))] for _, v in values
+        ]
+        sizes = backend.get_vectored([k for k, _ in values], into)
+        assert sizes == [len(v) for _, v in values]
+        assert [bytes(a) + bytes(b) for a, b in into] == [v for _, v in values]
+    finally:
+        backend.close()
+
+
 def test_a_url_without_metadata_is_refused(master: MooncakeMaster) -> None:
     with pytest.raises(kvx.ConfigError, match="has no metadata"):
         kvx.open_storage_backend(master.url.split("?")[0], BackendOptions())
