@@ -37,7 +37,13 @@ def idempotent_matching(h: Harness) -> None:
     # A connector without P/D hand-off is not given P/D roles: kv_both on both engines.
     roles = PD_ROLES if Capability.REMOTE_PREFILL in h.claims else ("kv_both", "kv_both")
     with h.pair(roles=roles) as pair:
-        report = pair.run({"seed": h.prompts([40])["req-0"]}, 2)
+        report = pair.run(
+            {"seed": h.prompts([40])["req-0"]},
+            2,
+            timeout_s=h.fault_timeout_s * 3,
+            stall_s=h.options.stall_timeout_s,
+            progress=h.progress,
+        )
         params = report.results["seed"].kv_transfer_params
         config = pair.decode_config
         assert config.kv_transfer_config is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvx import Capability
-from kvx.conformance.harness import Harness, run_engine
+from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import check, scenario
 
 BOTH = "kv_both on every engine"
@@ -49,9 +49,9 @@ def mla_stored_hetero_tp(h: Harness) -> None:
         expected = h.baseline(prompts, 4, **MLA)
         where = f"stored at TP {store}, loaded at TP {load}"
         with h.engine("kv_both", tp_size=store, **MLA) as first:
-            check(run_engine(first, prompts, 4) == expected, f"{where}: storing engine differs")
+            check(h.run_engine(first, prompts, 4) == expected, f"{where}: storing engine differs")
         with h.engine("kv_both", tp_size=load, **MLA) as second:
-            got = run_engine(second, prompts, 4)  # checks every KV byte after every step
+            got = h.run_engine(second, prompts, 4)  # checks every KV byte after every step
             check(got == expected, f"{where}: outputs after loading differ: {got} != {expected}")
             check(second.stats()["external_tokens"] > 0, f"{where}: nothing was loaded")
 
@@ -67,11 +67,11 @@ def mla_offload_and_reload(h: Harness) -> None:
     fillers = h.prompts([100, 90, 110, 95], seed=531, name="filler")
     expected = h.baseline(target, 4, **MLA) | h.baseline(fillers, 40, **MLA)
     with h.engine("kv_both", num_blocks=24, max_num_batched_tokens=128, **MLA) as engine:
-        got = run_engine(engine, target, 4)
-        got |= run_engine(engine, fillers, 40)  # pushes the targets' blocks out of the engine
+        got = h.run_engine(engine, target, 4)
+        got |= h.run_engine(engine, fillers, 40)  # pushes the targets' blocks out of the engine
         before = engine.stats()["external_tokens"]
         again = {f"{rid}-again": prompt for rid, prompt in target.items()}
-        got |= run_engine(engine, again, 4)
+        got |= h.run_engine(engine, again, 4)
         loaded = engine.stats()["external_tokens"] - before
     want = expected | {f"{rid}-again": expected[rid] for rid in target}
     check(got == want, f"outputs differ: {got} != {want}")

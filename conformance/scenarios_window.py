@@ -10,7 +10,7 @@ the window's blocks, and the tokens equal a single engine's with the same window
 from __future__ import annotations
 
 from kvx import Capability
-from kvx.conformance.harness import Harness, run_engine
+from kvx.conformance.harness import Harness
 from kvx.conformance.scenario import check, scenario
 
 WINDOW = 32  # tokens: two 16-token blocks of the suite's engines
@@ -43,9 +43,9 @@ def window_store_reuse(h: Harness) -> None:
     prompts = h.prompts([100, 75, 130, 48], seed=62)
     expected = h.baseline(prompts, 4, sliding_window=WINDOW)
     with h.engine("kv_both", sliding_window=WINDOW) as engine:
-        first = run_engine(engine, prompts, 4)
+        first = h.run_engine(engine, prompts, 4)
     with h.engine("kv_both", sliding_window=WINDOW) as engine:
-        again = run_engine(engine, prompts, 4)
+        again = h.run_engine(engine, prompts, 4)
         check(
             engine.stats()["external_tokens"] > 0,
             "a fresh engine loaded nothing of prompts another engine had run",
@@ -67,10 +67,10 @@ def window_offload(h: Harness) -> None:
     expected = h.baseline(target, 4, sliding_window=WINDOW)
     expected |= h.baseline(fillers, 8, sliding_window=WINDOW)
     with h.engine("kv_both", sliding_window=WINDOW, num_blocks=40) as engine:
-        got = run_engine(engine, target, 4)
-        got |= run_engine(engine, fillers, 8)  # pushes the targets' blocks out of the engine
+        got = h.run_engine(engine, target, 4)
+        got |= h.run_engine(engine, fillers, 8)  # pushes the targets' blocks out of the engine
         before = engine.stats()["external_tokens"]
-        again = run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        again = h.run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
         check(
             engine.stats()["external_tokens"] > before,
             "nothing was loaded back from the offload tier for prompts it stored",

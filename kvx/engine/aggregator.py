@@ -5,7 +5,8 @@ once every worker has reported it, possibly in different steps; invalid blocks a
 and worker metadata are merged with `aggregate`; events are concatenated; a failed receive is
 held back until the same request is reported finished-receiving. A worker that reports the same
 request twice before every worker has reported it is recorded in `violations`: it is still counted
-(as vLLM counts reports), so the request looks finished early.
+(as vLLM counts reports), so the request looks finished early. A failed receive missing from
+the same worker's finished receives is recorded too, then counted as finished.
 """
 
 from __future__ import annotations
@@ -75,8 +76,19 @@ class KVOutputAggregator:
             self._count(
                 "finished_sending", self._send_remaining, out.finished_sending, sending, rank
             )
+            unfinished = out.failed_recving - (out.finished_recving or set())
+            if unfinished:
+                self.violations.append(
+                    f"rule failed-is-finished: worker {rank} reported {sorted(unfinished)} in "
+                    "failed_recving but not in finished_recving (a failed receive is a finished "
+                    "one too: only finished_recving ends a load); counted as finished"
+                )
             self._count(
-                "finished_recving", self._recv_remaining, out.finished_recving, recving, rank
+                "finished_recving",
+                self._recv_remaining,
+                (out.finished_recving or set()) | out.failed_recving,
+                recving,
+                rank,
             )
             self._failed_pending |= out.failed_recving
             merged.invalid_block_ids |= out.invalid_block_ids

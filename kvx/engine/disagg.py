@@ -228,18 +228,23 @@ class DisaggregatedPair:
         on_finished: Callable[[RequestResult], None] | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> DisaggReport:
-        """Send every prompt through P then D; return tokens, stats and KV mismatches."""
+        """Send every prompt through P then D; return tokens, stats and KV mismatches. The
+        baseline is computed after the run, so a stalled connector fails without waiting for
+        it."""
         start = time.perf_counter()
-        baseline = baseline_tokens(
-            replace(self.decode_config, tp_size=1, pp_size=1), prompts, max_tokens
-        )
         self.on_finished = on_finished
         for rid, prompt in prompts.items():
-            self.submit(rid, prompt, max_tokens, baseline[rid])
+            self.submit(rid, prompt, max_tokens)
         self.run_until_finished(
             timeout_s=timeout_s, check_kv=check_kv, stall_s=stall_s, progress=progress
         )
-        return self.report(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        baseline = baseline_tokens(
+            replace(self.decode_config, tp_size=1, pp_size=1), prompts, max_tokens
+        )
+        for rid in prompts:
+            self.results[rid].baseline = baseline[rid]
+        return self.report(elapsed)
 
     @property
     def violations(self) -> list[str]:

@@ -66,7 +66,7 @@ def connector_forward(
 def _collect(connector: KVConnectorBase_V1, finished: set[str], output: KVConnectorOutput) -> None:
     results = connector.get_transfer_results(set(finished))
     output.finished_sending = results.finished_sending or None
-    output.finished_recving = (results.finished_recving | results.failed_recving) or None
+    output.finished_recving = set(results.finished_recving) or None
     output.failed_recving = set(results.failed_recving)
     output.invalid_block_ids = set(connector.get_block_ids_with_load_errors())
     output.kv_connector_stats = connector.get_kv_connector_stats()

@@ -12,8 +12,9 @@ It also records contract violations instead of hiding them (`take_violations`, t
 docs/contract.md): a request named in `finished_sending` / `finished_recving` that the engine
 does not hold for that transfer (unknown, or reported twice), a connector acting against its
 `kv_role` (a pure producer offering tokens to load, a pure consumer holding blocks to send or
-offering KV to others), and a synchronous load offering every token of a request (vLLM asserts
-that one is left to compute; the engine records it, then carries on loading one token less).
+offering KV to others), a matched-token count outside the prompt or an asynchronous load of
+nothing, and a synchronous load offering every token of a request (vLLM asserts on these; the
+engine records each, then carries on with the nearest valid answer).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
 from kvx.engine.block_pool import BlockPool, block_hashes
 from kvx.engine.finished_ids import unheld_finished_ids
 from kvx.engine.load_errors import failed_loads
+from kvx.engine.match_rules import checked_match
 from kvx.engine.request_state import RequestState
 from kvx.types import (
     NULL_BLOCK,
@@ -236,12 +238,11 @@ class Scheduler:
                     state.asked_later = n_ext_or_none is None
                     if n_ext_or_none is None:
                         continue
-                    n_ext = n_ext_or_none
-                    if n_ext and self.config.kv_role == "kv_producer":
-                        self._violate(
-                            f"role kv_producer: get_num_new_matched_tokens offered {n_ext} "
-                            f"tokens to load for request {req_id}; a pure producer never loads"
-                        )
+                    n_ext, load_async, problems = checked_match(
+                        self.config.kv_role, req, n_local, n_ext_or_none, load_async
+                    )
+                    for problem in problems:
+                        self._violate(problem)
             if load_async and n_ext > 0:
                 if not self._allocate(state, hits, n_local + n_ext):
                     return
@@ -252,14 +253,6 @@ class Scheduler:
                 self.stats["prefix_hit_tokens"] += n_local
                 self._count_external(n_local, n_ext)
                 continue
-            if n_local + n_ext >= req.num_tokens:  # at least one token must be computed
-                self._violate(
-                    f"rule one-token-computed: get_num_new_matched_tokens offered {n_ext} "
-                    f"tokens to load for request {req_id} with {n_local} of its "
-                    f"{req.num_tokens} tokens computed locally: offered all {req.num_tokens} "
-                    "prompt tokens; at least one must be computed (vLLM asserts on this)"
-                )
-                n_ext = max(0, req.num_tokens - 1 - n_local)
             num_computed = n_local + n_ext
             num_new = min(req.num_tokens - num_computed, budget)
             if promoted:

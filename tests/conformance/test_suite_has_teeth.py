@@ -62,6 +62,9 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
         ("SendsALock", "pd_short_prompt", "cannot be sent to a worker process"),
         ("WritesNullBlock", "window_pd", "the null block (no request's; a write through"),
         ("SlicesLatent", "mla_pd", "differ"),
+        ("RoundsUpToBlocks", "pd_short_prompt", "rule matched-tokens-in-range: "),
+        ("AsyncEvenForNothing", "pd_short_prompt", "rule async-load-has-tokens: "),
+        ("FailsOnlyInFailed", "pd_short_prompt", "rule failed-is-finished: worker 0 reported"),
     ],
 )
 def test_broken_connector_fails_the_suite(

@@ -218,21 +218,32 @@ def test_events_are_concatenated_and_workers_counted() -> None:
 
 def test_failed_recving_waits_until_finished_recving_from_every_worker() -> None:
     agg = KVOutputAggregator(2)
-    first = agg.aggregate(
-        [out(finished_recving={"r"}, failed_recving={"r"}), out(failed_recving={"q"})]
-    )
+    both = {"finished_recving": {"q"}, "failed_recving": {"q"}}
+    first = agg.aggregate([out(finished_recving={"r"}, failed_recving={"r"}), out(**both)])
     assert first is not None
     assert first.finished_recving is None and first.failed_recving == set()
     second = agg.aggregate([out(finished_recving={"q"}), out(finished_recving={"r"})])
     assert second is not None
-    assert second.finished_recving == {"r"} and second.failed_recving == {"r"}
-    third = agg.aggregate([out(), out(finished_recving={"q"})])
-    assert third is not None
-    assert third.finished_recving == {"q"} and third.failed_recving == {"q"}
+    assert second.finished_recving == {"q", "r"} and second.failed_recving == {"q", "r"}
     # nothing is left pending: a later success of the same id is not reported as failed
-    fourth = agg.aggregate([out(finished_recving={"r"}), out(finished_recving={"r"})])
-    assert fourth is not None
-    assert fourth.finished_recving == {"r"} and fourth.failed_recving == set()
+    third = agg.aggregate([out(finished_recving={"r"}), out(finished_recving={"r"})])
+    assert third is not None
+    assert third.finished_recving == {"r"} and third.failed_recving == set()
+    assert agg.violations == []
+
+
+def test_a_failed_receive_missing_from_finished_is_recorded_then_counted_finished() -> None:
+    """Rule failed-is-finished: a worker's failed receive is one of its finished receives too;
+    the aggregator records the breach (never repairs it silently) and counts it finished."""
+    agg = KVOutputAggregator(1)
+    merged = agg.aggregate([out(failed_recving={"q"})])
+    assert merged is not None
+    assert merged.finished_recving == {"q"} and merged.failed_recving == {"q"}
+    (violation,) = agg.violations
+    assert violation.startswith(
+        "rule failed-is-finished: worker 0 reported ['q'] in failed_recving but not in "
+        "finished_recving"
+    ), violation
 
 
 def test_none_outputs_of_other_ranks_are_skipped() -> None:

@@ -83,6 +83,15 @@ class NeverFreesWorker(ExamplePDWorker):
         return set(), recving
 
 
+class NeverFinishesWorker(ExamplePDWorker):
+    """Never reports a finished send or a finished receive: P holds its blocks and D waits
+    for its loads forever."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        super().get_finished(finished_req_ids)
+        return set(), set()
+
+
 class WritesOtherHeadsWorker(ExamplePDWorker):
     """Loads the right blocks but puts each head's KV into the next head's place."""
 
@@ -213,6 +222,53 @@ class WritesNullBlock(ExamplePDConnector):
         super().update_state_after_alloc(request, every, num_external_tokens)
 
 
+class RoundsUpToBlocks(ExamplePDConnector):
+    """Offers whole blocks: a prompt's missing tokens rounded up to the block size, past the
+    prompt's end."""
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        size = self.scheduler.block_size
+        return (-(-count // size) * size if count else count), load_async
+
+
+class AsyncEvenForNothing(ExamplePDConnector):
+    """Answers every request asynchronously, also when it has nothing to load: (0, True)."""
+
+    def get_num_new_matched_tokens(
+        self, request: kvx.Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return count, True
+
+
+class FailsOnlyInFailed(ExamplePDConnector):
+    """Reports every receive in failed_recving alone, not in finished_recving."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> kvx.KVTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        failed = results.finished_recving | results.failed_recving
+        return kvx.KVTransferResults(results.finished_sending, set(), failed)
+
+
+class ClaimsEverythingNeverFinishes(ExamplePDConnector):
+    """Claims every capability, so every scenario runs, and holds every finished request's
+    blocks (unless a pure consumer) for a send it never reports, as its workers never report
+    a receive either. The false claims never matter: each scenario stalls at its first
+    finished request or load, before any byte is compared."""
+
+    capabilities = frozenset(kvx.Capability)
+    worker_type = NeverFinishesWorker
+
+    def request_finished(
+        self, request: kvx.Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        _, params = super().request_finished(request, block_ids)
+        return self._kv_transfer_config.is_kv_producer, params
+
+
 class ClaimsMla(ExamplePDConnector):
     """The example connector claiming MLA: its workers copy whole blocks of whatever layout
     the cache has, the MLA latent included, so it must pass the `mla_*` P/D scenarios (the
@@ -317,6 +373,7 @@ BROKEN_WORKERS = (
     SwapsBlocksWorker,
     FinishesEarlyWorker,
     NeverFreesWorker,
+    NeverFinishesWorker,
     WritesOtherHeadsWorker,
     LeaksThreadWorker,
     AssumesContiguousWorker,

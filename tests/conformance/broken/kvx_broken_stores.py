@@ -23,13 +23,14 @@ LEAKED: list[Any] = []  # what LeaksAtShutdown left open; the test closes it aft
 
 
 class NeverFinishesStore(SharedStorageConnector):
-    """Holds every finished request's blocks for a save it never reports finished."""
+    """Holds every finished request's blocks for a save it never reports finished (unless a
+    pure consumer, which saves nothing)."""
 
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         super().request_finished(request, block_ids)
-        return True, None
+        return self._kv_transfer_config.is_kv_producer, None
 
 
 class _PlanBreaker(StorageScheduler):
