@@ -34,6 +34,7 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.groups import GroupScheduler, GroupsMetadata, GroupWorker, split_by_group
 from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
 from kvx.hookimpls import hookimpl, provides, provides_connector
 from kvx.loading import install_hint
@@ -115,6 +116,9 @@ __all__ = [
     "CopyBlocksOp",
     "EngineContext",
     "ForwardContext",
+    "GroupScheduler",
+    "GroupWorker",
+    "GroupsMetadata",
     "KVCacheBlocks",
     "KVCacheEvent",
     "KVCacheSpec",
@@ -176,6 +180,7 @@ __all__ = [
     "redact_url",
     "resolve_secret",
     "skipped_blocks",
+    "split_by_group",
     "supports_hashed_io",
     "supports_hma",
     "supports_listing",
