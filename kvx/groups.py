@@ -79,7 +79,7 @@ def group_contexts(ctx: EngineContext) -> list[EngineContext]:
     ]
 
 
-def one_group(out: SchedulerOutput, group: int) -> SchedulerOutput:
+def one_group_output(out: SchedulerOutput, group: int) -> SchedulerOutput:
     """`out` with only `group`'s block tables (as group 0)."""
     cached = out.scheduled_cached_reqs
     return replace(
@@ -136,7 +136,7 @@ class GroupScheduler(ConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GroupsMetadata:
         return GroupsMetadata(
             tuple(
-                half.build_connector_meta(one_group(scheduler_output, g))
+                half.build_connector_meta(one_group_output(scheduler_output, g))
                 for g, half in enumerate(self.halves)
             )
         )
