@@ -98,3 +98,21 @@ def window_pd_prefill_hit(h: Harness) -> None:
             f"D loaded nothing of the second prompts ({report.decode_stats}); the scenario "
             "needs a load",
         )
+
+
+@scenario(
+    "window_pd_chunked_prefill",
+    "sliding window: P prefills in chunks, its leading blocks freed (and reused by other "
+    "requests) before the prompt is done; D still gets only the window's blocks, P's own",
+    (Capability.REMOTE_PREFILL,),
+    group="pd",
+)
+def window_pd_chunked_prefill(h: Harness) -> None:
+    # a 24-token budget: each prompt's first blocks leave P's window while it still prefills,
+    # and the engine does not tell the connector of a running request's freed blocks
+    with h.pair(sliding_window=WINDOW, max_num_batched_tokens=24) as pair:
+        report = h.run_pair(pair, h.prompts([100, 75, 130, 48], seed=67))
+        check(
+            report.decode_stats["external_tokens"] > 0,
+            f"D loaded nothing ({report.decode_stats}); the scenario needs a load",
+        )

@@ -34,6 +34,13 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from kvx.groups import (
+    GroupScheduler,
+    GroupsMetadata,
+    GroupWorker,
+    one_group_output,
+    split_by_group,
+)
 from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
 from kvx.hookimpls import hookimpl, provides, provides_connector
 from kvx.loading import install_hint
@@ -115,6 +122,9 @@ __all__ = [
     "CopyBlocksOp",
     "EngineContext",
     "ForwardContext",
+    "GroupScheduler",
+    "GroupWorker",
+    "GroupsMetadata",
     "KVCacheBlocks",
     "KVCacheEvent",
     "KVCacheSpec",
@@ -169,6 +179,7 @@ __all__ = [
     "install_hint",
     "load_cli_arg",
     "make_private_dirs",
+    "one_group_output",
     "open_storage_backend",
     "path_problem",
     "provides",
@@ -176,6 +187,7 @@ __all__ = [
     "redact_url",
     "resolve_secret",
     "skipped_blocks",
+    "split_by_group",
     "supports_hashed_io",
     "supports_hma",
     "supports_listing",

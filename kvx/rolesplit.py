@@ -246,8 +246,10 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def _metadata(self) -> Any:
         """This step's bound metadata, checked to be the connector's `metadata_type`."""
+        from kvx.groups import GroupsMetadata  # groups builds on this module
+
         meta = self._get_connector_metadata()
-        if not isinstance(meta, self.metadata_type):
+        if not isinstance(meta, (self.metadata_type, GroupsMetadata)):
             raise TypeError(
                 f"{type(self).__name__} expects {self.metadata_type.__name__} as connector "
                 f"metadata, got {type(meta).__name__}"
@@ -279,6 +281,21 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`kvx.SupportsHMA`'s method, for a subclass that claims it: the scheduler half's own
+        (a `kvx.groups.GroupScheduler`), or `request_finished` with an engine's one table."""
+        own = getattr(self.scheduler, "request_finished_all_groups", None)
+        if own is not None:
+            return own(request, block_ids)
+        if len(block_ids) != 1:
+            raise ValueError(
+                f"{type(self).__name__}: {len(block_ids)} KV-cache groups, but its scheduler "
+                "half handles one (build it per group: kvx.groups.split_by_group)"
+            )
+        return self.scheduler.request_finished(request, block_ids[0])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.scheduler.take_events()

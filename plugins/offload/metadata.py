@@ -10,24 +10,37 @@ from kvx import KVConnectorWorkerMetadata, LoadsAndStores
 @dataclass
 class LoadSpec:
     """Copy CPU chunk slots into engine blocks: `gpu_blocks[i]` <- slot `slots[i]`, block
-    `offsets[i]` within that chunk."""
+    `offsets[i]` within that chunk. With several KV-cache groups, `gpu_blocks` is group 0's
+    and `group_blocks[g - 1]` group g's (same positions); -1: that group needs no KV there
+    (outside its sliding window), nothing is written."""
 
     req_id: str
     gpu_blocks: list[int]
     slots: list[int]  # -1: the chunk is on disk under `disk_keys[i]`
     offsets: list[int]
     disk_keys: list[str] = field(default_factory=list)
+    group_blocks: list[list[int]] = field(default_factory=list)
+
+    def tables(self) -> list[list[int]]:
+        """Each group's engine blocks, in group order."""
+        return [self.gpu_blocks, *self.group_blocks]
 
 
 @dataclass
 class StoreSpec:
     """Copy whole chunks out: chunk `keys[j]` is the engine blocks
-    `gpu_blocks[j * blocks_per_chunk:(j + 1) * blocks_per_chunk]` into slot `slots[j]`."""
+    `gpu_blocks[j * blocks_per_chunk:(j + 1) * blocks_per_chunk]` into slot `slots[j]`
+    (group 0's blocks; with several KV-cache groups, `group_blocks[g - 1]` group g's)."""
 
     req_id: str
     keys: list[str]
     slots: list[int]
     gpu_blocks: list[int]
+    group_blocks: list[list[int]] = field(default_factory=list)
+
+    def tables(self) -> list[list[int]]:
+        """Each group's engine blocks, in group order."""
+        return [self.gpu_blocks, *self.group_blocks]
 
 
 @dataclass

@@ -101,8 +101,13 @@ class OffloadScheduler(ConnectorScheduler):
             self.tokens_per_chunk,
             disk_chunks,
         )
-        # Requests followed from their allocation (their state: the request itself).
+        # Requests followed from their allocation (their state: the request itself), by
+        # their group 0 table; the tables of any further KV-cache group (vLLM's hybrid
+        # allocator) in one tracker per group.
         self.requests = RequestTracker[kvx.Request]("kvx offload")
+        self.groups = [
+            RequestTracker[bool](f"kvx offload group {g}") for g in range(1, ctx.cache.num_groups)
+        ]
         self.offered_chunks: dict[str, int] = {}
         self.inflight: dict[str, set[str]] = {}  # request -> chunk keys being stored
         self.loading: dict[str, list[str]] = {}
@@ -137,12 +142,18 @@ class OffloadScheduler(ConnectorScheduler):
     ) -> None:
         req_id = request.request_id
         table = self.requests.track(req_id, blocks.get_block_ids()[0], request).block_ids
+        tables = [table] + [
+            t.track(req_id, blocks.get_block_ids()[g], True).block_ids
+            for g, t in enumerate(self.groups, 1)
+        ]
         if num_external_tokens == 0:
             return
         hashed = (blocks.num_hashed_blocks or (0,))[0]
         local = self.local_tokens.pop(req_id, hashed * self.block_size)
-        # Past the prefix hits and the null blocks outside a sliding window: never loaded into.
-        first_block = max(local // self.block_size, kvx.skipped_blocks(table))
+        # Past the prefix hits and the null blocks outside a sliding window: never loaded into
+        # (each group's own: a sliding group's table skips more than a full one's).
+        firsts = [max(local // self.block_size, kvx.skipped_blocks(t)) for t in tables]
+        first_block = min(firsts)
         last_block = math.ceil((local + num_external_tokens) / self.block_size)
         if first_block >= last_block:
             return
@@ -152,13 +163,15 @@ class OffloadScheduler(ConnectorScheduler):
         self.loading[req_id] = [keys[c] for c in chunks]
         span = range(first_block, last_block)
         slots = [where[b // self.per_chunk] for b in span]
+        targets = [[t[b] if b >= f else -1 for b in span] for t, f in zip(tables, firsts)]
         self._loads.append(
             LoadSpec(
                 req_id,
-                [table[b] for b in span],
+                targets[0],
                 [-1 if s is None else s for s in slots],
                 [b % self.per_chunk for b in span],
                 [keys[b // self.per_chunk] if s is None else "" for b, s in zip(span, slots)],
+                targets[1:],
             )
         )
         # Chunks being loaded are already stored: never offer them again.
@@ -166,11 +179,16 @@ class OffloadScheduler(ConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> OffloadMetadata:
         stores = []
+        others = [
+            {s.req_id: s.block_ids for s in t.scheduled(kvx.one_group_output(scheduler_output, g))}
+            for g, t in enumerate(self.groups, 1)
+        ]
         for step in self.requests.scheduled(scheduler_output):
             if step.resumed:
                 self.offered_chunks[step.req_id] = 0
             done = step.num_computed_tokens + step.num_scheduled_tokens
-            store = self._stores_for(step.state, step.block_ids, done)
+            tables = [step.block_ids] + [group.get(step.req_id, []) for group in others]
+            store = self._stores_for(step.state, tables, done)
             if store is not None:
                 stores.append(store)
         meta = OffloadMetadata(self._loads, stores, self._held, self._spills, self._disk_drops)
@@ -178,13 +196,16 @@ class OffloadScheduler(ConnectorScheduler):
         return meta
 
     def _stores_for(
-        self, request: kvx.Request, table: list[int], computed: int
+        self, request: kvx.Request, tables: list[list[int]], computed: int
     ) -> StoreSpec | None:
+        """The chunks `computed` tokens complete, from every group's table (`tables`)."""
         req_id = request.request_id
         keys = self.chunk_keys(request)
-        complete = min(computed // self.tokens_per_chunk, len(keys), len(table) // self.per_chunk)
-        # Chunks with a null block (outside a sliding window) hold no KV: never stored.
-        live = -(-kvx.skipped_blocks(table) // self.per_chunk)
+        whole = min(len(t) for t in tables) // self.per_chunk
+        complete = min(computed // self.tokens_per_chunk, len(keys), whole)
+        # Chunks with a null block in any group (outside a sliding window) hold no KV there:
+        # never stored.
+        live = max(-(-kvx.skipped_blocks(t) // self.per_chunk) for t in tables)
         start = max(self.offered_chunks.get(req_id, 0), live)
         if complete <= start:
             return None
@@ -194,12 +215,13 @@ class OffloadScheduler(ConnectorScheduler):
             return None
         self._spills += plan.spills
         self._disk_drops += plan.disk_drops
-        gpu_blocks = []
+        blocks: list[list[int]] = [[] for _ in tables]
         for key in plan.keys:
             c = keys.index(key, start)
-            gpu_blocks += table[c * self.per_chunk : (c + 1) * self.per_chunk]
+            for table, out in zip(tables, blocks, strict=True):
+                out += table[c * self.per_chunk : (c + 1) * self.per_chunk]
         self.inflight.setdefault(req_id, set()).update(plan.keys)
-        return StoreSpec(req_id, plan.keys, plan.slots, gpu_blocks)
+        return StoreSpec(req_id, plan.keys, plan.slots, blocks[0], blocks[1:])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -226,12 +248,20 @@ class OffloadScheduler(ConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self.requests.forget(req_id)
+        for group in self.groups:
+            group.forget(req_id)
         self.offered_chunks.pop(req_id, None)
         self.local_tokens.pop(req_id, None)
         if self.inflight.pop(req_id, set()):
             self._held.append(req_id)
             return True, None
         return False, None
+
+    def request_finished_all_groups(
+        self, request: kvx.Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Held or not as a whole: chunks hold every group's blocks."""
+        return self.request_finished(request, block_ids[0])
 
     def take_events(self) -> Iterable[kvx.KVCacheEvent]:
         return self.manager.take_events()

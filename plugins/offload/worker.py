@@ -74,8 +74,12 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self.num_slots = num_slots
         self.gpu: dict[str, torch.Tensor] = {}
         self.cpu: dict[str, torch.Tensor] = {}
-        self._to_cpu = KVBlockCopier({}, {}, "d2h")  # until the caches are registered
-        self._from_cpu = KVBlockCopier({}, {}, "h2d")
+        # per KV-cache group, block copies of its layers (none until the caches are registered)
+        groups = ctx.cache.layer_groups or (0,) * ctx.cache.num_layers
+        self.group_of = dict(zip(ctx.cache.layer_names, groups, strict=True))
+        self.num_groups = ctx.cache.num_groups
+        self._to_cpu: list[KVBlockCopier] = []
+        self._from_cpu: list[KVBlockCopier] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvx-offload")
         self._last: Future[None] | None = None  # the copy thread's last job: idle once it is done
         self.inline_bytes = inline_bytes
@@ -115,10 +119,18 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
             t.numel() // t.shape[self.dim] * t.element_size() for t in self.cpu.values()
         )
         # The same caches every step: checks, views and addresses once, not per copy.
-        self._to_cpu = KVBlockCopier(self.gpu, self.cpu, "d2h", layout=self.layout)
-        self._from_cpu = KVBlockCopier(self.cpu, self.gpu, "h2d", layout=self.layout)
+        self._to_cpu, self._from_cpu = [], []
+        for g in range(self.num_groups):
+            gpu = self._of_group(self.gpu, g)
+            cpu = self._of_group(self.cpu, g)
+            self._to_cpu.append(KVBlockCopier(gpu, cpu, "d2h", layout=self.layout))
+            self._from_cpu.append(KVBlockCopier(cpu, gpu, "h2d", layout=self.layout))
         if any(t.device.type != "cpu" for t in kv_caches.values()):
             self.inline_bytes = -1  # device copies stay off the engine's thread
+
+    def _of_group(self, caches: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
+        """The caches of one KV-cache group's layers."""
+        return {name: t for name, t in caches.items() if self.group_of.get(name, 0) == group}
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """Wait for every submitted store: preempted blocks may be overwritten next."""
@@ -135,7 +147,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         for key in meta.disk_drops:
             self._submit(self._drop_from_disk, key)
         for load in meta.loads:
-            self._load_blocks[load.req_id] = load.gpu_blocks
+            self._load_blocks[load.req_id] = [b for t in load.tables() for b in t if b >= 0]
             nbytes = -1 if min(load.slots, default=0) < 0 else len(load.slots) * self._block_bytes()
             self._loads[load.req_id] = self._run(nbytes, self._load, load)
 
@@ -143,7 +155,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         stores, self._pending_stores = self._pending_stores, []
         if not stores:
             return
-        nbytes = sum(len(s.gpu_blocks) for s in stores) * self._block_bytes()
+        nbytes = sum(len(s.slots) for s in stores) * self.per_chunk * self._block_bytes()
         if self._inline(nbytes):
             futures = [_settled(error) for error in self._store_step(stores)]
         else:
@@ -182,14 +194,14 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         so only the failing ones are reported failed. Each store's error, or None."""
         try:
             self._store(
-                [b for s in stores for b in s.gpu_blocks],
+                [[b for s in stores for b in s.tables()[g]] for g in range(self.num_groups)],
                 [slot for s in stores for slot in s.slots],
             )
         except Exception:
             errors: list[Exception | None] = []
             for store in stores:
                 try:
-                    self._store(store.gpu_blocks, store.slots)
+                    self._store(store.tables(), store.slots)
                 except Exception as exc:
                     errors.append(exc)
                 else:
@@ -205,39 +217,47 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
             else:
                 future.set_exception(error)
 
-    def _store(self, gpu_blocks: list[int], slots: list[int]) -> None:
-        """One gather/scatter pass (kvx.layouts' block copy) of `gpu_blocks` into the chunk
-        `slots`, `blocks_per_chunk` blocks per slot."""
+    def _store(self, tables: list[list[int]], slots: list[int]) -> None:
+        """One gather/scatter pass (kvx.layouts' block copy) per KV-cache group of its engine
+        blocks (`tables[g]`) into the chunk `slots`, `blocks_per_chunk` blocks per slot."""
         start = time.perf_counter()
         per = self.per_chunk
         cpu_blocks = slots if per == 1 else [s * per + o for s in slots for o in range(per)]
-        self._to_cpu(*by_source(gpu_blocks, cpu_blocks))
+        for copier, gpu_blocks in zip(self._to_cpu, tables, strict=True):
+            copier(*by_source(gpu_blocks, cpu_blocks))
         nbytes = len(cpu_blocks) * self._block_bytes()
         self.stats.count("store", nbytes, time.perf_counter() - start, len(cpu_blocks))
 
     def _load(self, load: LoadSpec) -> None:
+        """Each group's blocks of the load from their chunks; a group's -1 entries (outside
+        its sliding window) are left alone."""
         start = time.perf_counter()
         from_cpu = [i for i, slot in enumerate(load.slots) if slot >= 0]
-        if from_cpu:
-            self._from_cpu(
-                *by_source(
-                    [load.slots[i] * self.per_chunk + load.offsets[i] for i in from_cpu],
-                    [load.gpu_blocks[i] for i in from_cpu],
-                )
-            )
         by_key: dict[str, list[int]] = {}
         for i, slot in enumerate(load.slots):
             if slot < 0:
                 by_key.setdefault(load.disk_keys[i], []).append(i)
-        for key, positions in by_key.items():
-            copy_kv_blocks(
-                self._read_chunk(key),
-                self.gpu,
-                [load.offsets[i] for i in positions],
-                [load.gpu_blocks[i] for i in positions],
-                "h2d",
-                layout=self.layout,
-            )
+        for g, table in enumerate(load.tables()):
+            mine = [i for i in from_cpu if table[i] >= 0]
+            if mine:
+                self._from_cpu[g](
+                    *by_source(
+                        [load.slots[i] * self.per_chunk + load.offsets[i] for i in mine],
+                        [table[i] for i in mine],
+                    )
+                )
+            for key, positions in by_key.items():
+                mine = [i for i in positions if table[i] >= 0]
+                if not mine:
+                    continue
+                copy_kv_blocks(
+                    self._of_group(self._read_chunk(key), g),
+                    self._of_group(self.gpu, g),
+                    [load.offsets[i] for i in mine],
+                    [table[i] for i in mine],
+                    "h2d",
+                    layout=self.layout,
+                )
         blocks = len(load.slots)
         self.stats.count("load", blocks * self._block_bytes(), time.perf_counter() - start, blocks)
         self.stats.add("load_cpu_tokens", len(from_cpu) * self.block_size)

@@ -73,14 +73,16 @@ def make_worker() -> Iterator[Any]:
 def threads_of(worker: OffloadWorker) -> list[int]:
     """Record the thread of each of `worker`'s copies (the copies themselves run unchanged)."""
     seen: list[int] = []
-    for attr in ("_to_cpu", "_from_cpu"):
-        real = getattr(worker, attr)
 
-        def recording(src: list[int], dst: list[int], real: Any = real) -> None:
+    def recording(real: Any) -> Any:
+        def copy(src: list[int], dst: list[int]) -> None:
             seen.append(threading.get_ident())
             real(src, dst)
 
-        setattr(worker, attr, recording)
+        return copy
+
+    for attr in ("_to_cpu", "_from_cpu"):  # one copier per KV-cache group (one group here)
+        setattr(worker, attr, [recording(real) for real in getattr(worker, attr)])
     return seen
 
 

@@ -1,7 +1,8 @@
 """P2pNcclConnector under the conformance suite on the CPU plane, for each send type.
 
-By default a subset that keeps the suite's cost low (two or three scenarios per send type: for
-PUT_ASYNC, whose frames are views of P's blocks, P reusing freed blocks at once; for GET,
+By default a subset that keeps the suite's cost low (two to four scenarios per send type: for
+PUT_ASYNC, whose frames are views of P's blocks, P reusing freed blocks at once, also while
+a prompt longer than the window prefills in chunks; for GET,
 whose loads are asynchronous, an abort while loading; test_failures.py fails loads on
 purpose). See docs/connectors/p2p.md for what the whole suite gave;
 `KVX_P2P_FULL_SUITE=1` runs every scenario for every send type (several minutes)."""
@@ -19,7 +20,12 @@ from ._ports import free_port_range, p2p_config
 
 SUBSET = {  # in-process scenarios (test_separate_processes.py runs P and D in processes)
     "PUT": ["pd_short_prompt", "pd_prefix_hit_on_decode", "window_pd", "window_pd_prefill_hit"],
-    "PUT_ASYNC": ["pd_chunked_prefill", "clean_shutdown", "pd_prefill_block_pressure"],
+    "PUT_ASYNC": [
+        "pd_chunked_prefill",
+        "clean_shutdown",
+        "pd_prefill_block_pressure",
+        "window_pd_chunked_prefill",
+    ],
     "GET": ["abort_on_decode_while_loading", "pd_prefix_hit_on_decode", "window_pd_prefill_hit"],
 }
 FULL = os.environ.get("KVX_P2P_FULL_SUITE") == "1"

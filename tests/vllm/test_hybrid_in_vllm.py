@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
 import kvx
@@ -42,27 +43,38 @@ def scheduler_connector(llm: Any) -> Any:
 
 def test_the_adapter_class_supports_hma_exactly_when_the_kvx_connector_does() -> None:
     assert supports_hma(connector_class(RECORDER))
-    # kvx's MultiConnector implements kvx.SupportsHMA, but whether it can depends on its
-    # children's config: its class leaves vLLM's allocator off, as before
-    for name in (
-        "SharedStorageConnector",
-        "OffloadingConnector",
-        "NixlConnector",
-        "MultiConnector",
-    ):
+    # kvx's storage and offloading connectors handle groups (and need nothing but kvx to
+    # import); NIXL does not, and MultiConnector's support depends on its children's config:
+    # their classes leave vLLM's allocator off
+    for name in ("SharedStorageConnector", "OffloadingConnector"):
+        assert supports_hma(connector_class(name)), name
+    for name in ("NixlConnector", "MultiConnector"):
         assert not supports_hma(connector_class(name)), name
 
 
-def test_gemma3_keeps_two_groups_and_each_finished_request_gets_a_table_per_group(
-    harness: Any, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+@pytest.fixture(scope="module")
+def gemma(harness: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Harness of the tiny Gemma-3 (sliding and full layers), one prompt past the window."""
     model = build_tiny_model("gemma3", tmp_path_factory.mktemp("gemma3"), seed=0)
     rng = random.Random(28)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (300, 200, 90)]
-    gemma = type(harness)(model, prompts)
+    return type(harness)(model, prompts)
+
+
+@pytest.fixture(scope="module")
+def gemma_plain(gemma: Any) -> tuple[list[list[int]], Any]:
+    """Tokens of a plain engine with the allocator on, and its KV cache groups."""
     with gemma.engine(**HMA_ON) as llm:
         plain = gemma.tokens(gemma.generate(llm))
         groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return plain, groups
+
+
+def test_gemma3_keeps_two_groups_and_each_finished_request_gets_a_table_per_group(
+    gemma: Any, gemma_plain: tuple[list[list[int]], Any]
+) -> None:
+    plain, groups = gemma_plain
+    prompts = gemma.prompts
     assert len(groups) == 2
     with gemma.engine(gemma.adapter_json(RECORDER, "kv_both"), **HMA_ON) as llm:
         outputs = gemma.generate(llm)
@@ -85,6 +97,153 @@ def test_gemma3_keeps_two_groups_and_each_finished_request_gets_a_table_per_grou
         skipped[tokens] = kvx.skipped_blocks(tables[sliding])  # vLLM's null block, as kvx's
     # the window (128 tokens) left the 300-token prompt's first block, not the 90-token one's
     assert skipped[300] >= 1 and skipped[90] == 0, skipped
+
+
+NULL = 0  # vLLM's null block id
+
+
+def test_gemma3_storage_stores_then_a_fresh_engine_loads_each_group_through_its_own_table(
+    gemma: Any, gemma_plain: tuple[list[list[int]], Any], tmp_path: Path
+) -> None:
+    """SharedStorageConnector with the allocator on: each group's blocks are stored from, and
+    loaded into, that group's table; the sliding group's null entries are never read or
+    written (its block 0, filled with a pattern, keeps every byte)."""
+    plain, groups = gemma_plain
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    layers = [list(g.layer_names) for g in groups]
+    kv = gemma.adapter_json("SharedStorageConnector", "kv_both", storage_url=f"file://{tmp_path}")
+    with gemma.engine(kv, **HMA_ON) as llm:
+        bs = get_kv_transfer_group().kvx_connector.engine_context.cache.block_size
+        rec = gemma.record(llm)
+        outputs = gemma.generate(llm)
+        ids = {o.request_id: i for i, o in enumerate(outputs)}
+        positions: dict[tuple[int, int, int], int] = {}  # (group, prompt, block index) -> id
+        for meta in rec.metadata:
+            assert isinstance(meta, kvx.GroupsMetadata) and len(meta.groups) == 2
+            for g, own in enumerate(meta.groups):
+                for spec in own.stores:
+                    first = spec.block_ids_start // bs
+                    for j, block in enumerate(spec.block_ids):
+                        positions[g, _prompt(ids, spec.req_id), first + j] = block
+        caches = gemma.kv_caches(llm)
+        stored = {
+            key: {n: caches[n][b].clone() for n in layers[key[0]]} for key, b in positions.items()
+        }
+    assert gemma.tokens(outputs) == plain
+    assert {g for g, _, _ in positions} == {0, 1}
+
+    with gemma.engine(kv, **HMA_ON) as llm:
+        rec = gemma.record(llm)
+        caches = gemma.kv_caches(llm)
+        for i, cache in enumerate(caches.values()):
+            cache[NULL] = (torch.arange(cache[NULL].numel()) + 1000 * i).view_as(cache[NULL])
+        before = {name: cache[NULL].clone() for name, cache in caches.items()}
+        outputs = gemma.generate(llm)
+        ids = {o.request_id: i for i, o in enumerate(outputs)}
+        caches = gemma.kv_caches(llm)
+        for name, cache in caches.items():
+            assert torch.equal(cache[NULL], before[name]), f"{name}: the null block was written"
+        loaded = {0: 0, 1: 0}
+        starts: dict[tuple[int, int], int] = {}
+        for meta in rec.metadata:
+            for g, own in enumerate(meta.groups):
+                for spec in own.loads:
+                    i = _prompt(ids, spec.req_id)
+                    starts[g, i] = spec.start
+                    assert kvx.NULL_BLOCK not in spec.block_ids and NULL not in spec.block_ids
+                    for j, block in enumerate(spec.block_ids):
+                        want = stored[g, i, spec.start // bs + j]
+                        for name in layers[g]:
+                            ok = torch.equal(caches[name][block], want[name])
+                            assert ok, f"group {g} prompt {i} {name}: block {j} differs"
+                        loaded[g] += 1
+    assert gemma.tokens(outputs) == plain
+    assert loaded[0] > 0 and loaded[1] > 0, loaded
+    assert rec.stats["loaded_tokens"] > 0 and rec.stats.get("load_errors", 0) == 0
+    sliding = next(i for i, g in enumerate(groups) if "Sliding" in type(g.kv_cache_spec).__name__)
+    # the 300-token prompt: the full group loads from 0, the sliding one only its window
+    assert starts[1 - sliding, 0] == 0 and starts[sliding, 0] >= bs, starts
+
+
+def test_gemma3_offloading_reloads_each_group_through_its_own_table(
+    gemma: Any, gemma_plain: tuple[list[list[int]], Any]
+) -> None:
+    """OffloadingConnector with the allocator on: a chunk holds every layer, each group's
+    copied from and back into that group's blocks; the engine's KV is zeroed in between, so
+    only the loads bring it back, and block 0 (the null block) keeps every byte."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    plain, groups = gemma_plain
+    layers = [list(g.layer_names) for g in groups]
+    kv = gemma.adapter_json("OffloadingConnector", "kv_both", cpu_bytes_to_use=64 << 20)
+    with gemma.engine(kv, **HMA_ON) as llm:
+        worker = get_kv_transfer_group().kvx_connector.worker
+        rec = gemma.record(llm)
+        first = gemma.tokens(gemma.generate(llm))
+        gemma.drain(llm)  # every store acknowledged
+        caches = gemma.kv_caches(llm)
+        per = worker.per_chunk
+        stored = 0
+        for meta in rec.metadata:
+            for spec in meta.stores:
+                tables = spec.tables()
+                assert len(tables) == 2
+                for g, table in enumerate(tables):
+                    for j, block in enumerate(table):
+                        cpu = spec.slots[j // per] * per + j % per
+                        for name in layers[g]:
+                            ok = torch.equal(worker.cpu[name][cpu], caches[name][block])
+                            assert ok, f"group {g} {name}: block {block} stored wrong"
+                        stored += 1
+        assert stored > 0
+        assert llm.reset_prefix_cache()
+        for i, cache in enumerate(caches.values()):
+            cache.zero_()  # only a load can bring the prompts' KV back
+            cache[NULL] = (torch.arange(cache[NULL].numel()) + 1000 * i).view_as(cache[NULL])
+        before = {name: cache[NULL].clone() for name, cache in caches.items()}
+        rec = gemma.record(llm)
+        outputs = gemma.generate(llm)
+        for name, cache in caches.items():
+            assert torch.equal(cache[NULL], before[name]), f"{name}: the null block was written"
+        loaded = [0, 0]
+        skipped = 0
+        for meta in rec.metadata:
+            for spec in meta.loads:
+                assert min(spec.slots) >= 0  # no disk tier
+                for g, table in enumerate(spec.tables()):
+                    assert NULL not in table
+                    skipped += table.count(kvx.NULL_BLOCK)
+                    for i, block in enumerate(table):
+                        if block == kvx.NULL_BLOCK:
+                            continue
+                        cpu = spec.slots[i] * per + spec.offsets[i]
+                        for name in layers[g]:
+                            ok = torch.equal(caches[name][block], worker.cpu[name][cpu])
+                            assert ok, f"group {g} {name}: block {block} loaded wrong"
+                        loaded[g] += 1
+    assert first == plain
+    assert gemma.tokens(outputs) == plain
+    assert loaded[0] > 0 and loaded[1] > 0, loaded
+    assert skipped > 0  # the 300-token prompt's sliding group needs only its window
+    # every prompt of a whole block (or more) got a hit
+    whole = [o for o, p in zip(outputs, gemma.prompts, strict=True) if len(p) > worker.block_size]
+    assert whole and all(o.num_cached_tokens > 0 for o in whole)
+
+
+def test_nixl_with_the_allocator_forced_on_is_refused_at_start(gemma: Any) -> None:
+    """NIXL moves one table per request: vLLM refuses it with the allocator forced on (its
+    own check, naming the connector) before any KV is moved."""
+    config = gemma.adapter_json("NixlConnector", "kv_consumer", required_layout=None)
+    with pytest.raises(Exception) as refused, gemma.engine(config, **HMA_ON):
+        pass
+    text = "".join(str(e) for e in _chain(refused.value))
+    assert "NixlConnector does not support HMA" in text, text
+
+
+def _prompt(ids: dict[str, int], req_id: str) -> int:
+    """Prompt index by request id (vLLM's engine-internal id has a suffix)."""
+    return ids[req_id] if req_id in ids else ids[req_id.rsplit("-", 1)[0]]
 
 
 def test_a_mamba2_hybrid_is_refused_at_start_naming_the_shape(
