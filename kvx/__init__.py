@@ -36,6 +36,7 @@ from kvx.events import (
 )
 from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
 from kvx.hookimpls import hookimpl, provides, provides_connector
+from kvx.integrity import IntegrityError, block_digests, check_block_digests
 from kvx.loading import install_hint
 from kvx.planning import (
     LoadsAndStores,
@@ -115,6 +116,7 @@ __all__ = [
     "CopyBlocksOp",
     "EngineContext",
     "ForwardContext",
+    "IntegrityError",
     "KVCacheBlocks",
     "KVCacheEvent",
     "KVCacheSpec",
@@ -161,6 +163,8 @@ __all__ = [
     "TransformSpec",
     "WorkerAddress",
     "__version__",
+    "block_digests",
+    "check_block_digests",
     "copy_into",
     "create_connector",
     "get_layout",
