@@ -36,7 +36,12 @@ from kvx.events import (
 )
 from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
 from kvx.hookimpls import hookimpl, provides, provides_connector
-from kvx.integrity import IntegrityError, block_digests, check_block_digests
+from kvx.integrity import (
+    IntegrityError,
+    block_digests,
+    cache_block_digests,
+    check_block_digests,
+)
 from kvx.loading import install_hint
 from kvx.planning import (
     LoadsAndStores,
@@ -164,6 +169,7 @@ __all__ = [
     "WorkerAddress",
     "__version__",
     "block_digests",
+    "cache_block_digests",
     "check_block_digests",
     "copy_into",
     "create_connector",

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["IntegrityError", "block_digests", "check_block_digests"]
+__all__ = ["IntegrityError", "block_digests", "cache_block_digests", "check_block_digests"]
 
 
 class IntegrityError(ValueError):
@@ -68,6 +68,22 @@ def block_digests(segments: Sequence[Any], num_blocks: int, outer: int = 1) -> l
             if filled == per:
                 chunk, filled = chunk + 1, 0
     return [h.intdigest() for h in hashers]
+
+
+def cache_block_digests(tables: Sequence[Any], block_ids: Sequence[int]) -> list[int]:
+    """XXH3-64 of each block of `block_ids` over every table in order (e.g. one per layer):
+    a table is a uint8 tensor `[outer, num_blocks, bytes per block]` viewing a KV cache in
+    its memory order. What a connector that moves whole blocks of a paged cache (NIXL pull and
+    push) digests on both sides. A GPU table is copied to the host block by block."""
+    pieces = [[t[o] for o in range(t.shape[0])] for t in tables]
+    out = []
+    for b in block_ids:
+        hasher = xxhash.xxh3_64()
+        for outer in pieces:
+            for rows in outer:
+                hasher.update(_as_bytes(rows[b]))
+        out.append(hasher.intdigest())
+    return out
 
 
 def check_block_digests(

@@ -50,13 +50,16 @@ class HandshakeError(RuntimeError):
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """D asks for worker (`pp_rank`, `tp_rank`)'s payload; `timestamp` is D's wall clock."""
+    """D asks for worker (`pp_rank`, `tp_rank`)'s payload (`get_meta_msg`) or its block digests
+    of one request (`get_digests`); `timestamp` is D's wall clock."""
 
     kind: Annotated[str, msgspec.Meta(max_length=64)]
     pp_rank: Rank
     tp_rank: Rank
     nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
     timestamp: float
+    request_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    """P's request whose block digests `get_digests` asks for (empty for `get_meta_msg`)."""
 
 
 class Region(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -23,6 +23,7 @@ from kvx.plugins.nixl.handshake import (
     HandshakeRequest,
     rank_bytes,
 )
+from kvx.plugins.nixl.integrity import GET_DIGESTS, DigestTable
 from kvx.wire import (
     ReplayGuard,
     WireError,
@@ -91,6 +92,7 @@ class SideChannelServer:
                 ]
             ) from None
         self.host, self.port = host, port
+        self.digests = DigestTable()  # block digests of handed-off requests (verify_transfers)
         self.served = self.refused = 0
         self._quiet_until = 0.0
         self._stop = threading.Event()
@@ -138,6 +140,8 @@ class SideChannelServer:
             stale = self._replays.check(req.nonce, req.timestamp)
             if stale is not None:
                 return self._refuse(stale)
+        if req.kind == GET_DIGESTS:
+            return self.digests.answer(req, self._secret)
         if req.kind != GET_META:
             return self._refuse(f"unknown request {req.kind[:64]!r}")
         payload = self._payloads.get((req.pp_rank, req.tp_rank))

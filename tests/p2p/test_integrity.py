@@ -71,14 +71,28 @@ def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) ->
             assert result.identical, (result.tokens, result.baseline)
 
 
-@pytest.mark.timeout(60)
-def test_clean_transfers_pass_the_check() -> None:
-    kv = p2p_config("PUT_ASYNC", free_port_range(4))
-    p, d = pd_configs(BASE, kv)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("send_type", "tp", "block_sizes", "layouts"),
+    [
+        ("PUT", (1, 2), None, ("NHD", "HND")),
+        ("PUT_ASYNC", (2, 1), (16, 32), None),
+        ("GET", (2, 4), (32, 16), ("HND", "NHD")),  # D GETs a head subset of P's copy
+    ],
+)
+def test_clean_transfers_pass_the_check(
+    send_type: str,
+    tp: tuple[int, int],
+    block_sizes: tuple[int, int] | None,
+    layouts: tuple[str, str] | None,
+) -> None:
+    kv = p2p_config(send_type, free_port_range(8), verify_transfers=True)
+    p, d = pd_configs(BASE, kv, tp, block_sizes, layouts)
     with DisaggregatedPair(p, d, processes=False) as pair:
-        report = pair.run({"a": PROMPT, "b": PROMPT[:17]}, 3, timeout_s=40)
+        report = pair.run({"a": PROMPT, "b": PROMPT[:17]}, 3, timeout_s=60)
         assert report.all_identical and report.kv_mismatches == []
         assert _checksum_failures(pair) == 0
+        assert report.decode_stats["external_tokens"] >= 40 + 17 - 2  # KV moved
 
 
 def _meta(**fields: object) -> TensorMeta:
