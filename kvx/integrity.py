@@ -74,14 +74,21 @@ def cache_block_digests(tables: Sequence[Any], block_ids: Sequence[int]) -> list
     """XXH3-64 of each block of `block_ids` over every table in order (e.g. one per layer):
     a table is a uint8 tensor `[outer, num_blocks, bytes per block]` viewing a KV cache in
     its memory order. What a connector that moves whole blocks of a paged cache (NIXL pull and
-    push) digests on both sides. A GPU table is copied to the host block by block."""
-    pieces = [[t[o] for o in range(t.shape[0])] for t in tables]
+    push) digests on both sides. From a GPU only the blocks asked for are copied to the host."""
+    ids = list(block_ids)
+    arrays = []
+    for t in tables:
+        if t.device.type != "cpu":
+            t = t[:, ids].cpu()
+        arrays.append(t.numpy())
+    if arrays and tables[0].device.type != "cpu":
+        ids = list(range(len(ids)))
     out = []
-    for b in block_ids:
+    for b in ids:
         hasher = xxhash.xxh3_64()
-        for outer in pieces:
-            for rows in outer:
-                hasher.update(_as_bytes(rows[b]))
+        for array in arrays:
+            for rows in array:
+                hasher.update(rows[b].data)
         out.append(hasher.intdigest())
     return out
 

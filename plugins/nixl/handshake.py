@@ -50,16 +50,20 @@ class HandshakeError(RuntimeError):
 
 
 class HandshakeRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """D asks for worker (`pp_rank`, `tp_rank`)'s payload (`get_meta_msg`) or its block digests
-    of one request (`get_digests`); `timestamp` is D's wall clock."""
+    """D asks for worker (`pp_rank`, `tp_rank`)'s payload; `timestamp` is D's wall clock."""
 
     kind: Annotated[str, msgspec.Meta(max_length=64)]
     pp_rank: Rank
     tp_rank: Rank
     nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
     timestamp: float
-    request_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
-    """P's request whose block digests `get_digests` asks for (empty for `get_meta_msg`)."""
+
+
+class DigestRequest(HandshakeRequest, array_like=True, forbid_unknown_fields=True):
+    """D asks (`get_digests`) for worker (`pp_rank`, `tp_rank`)'s block digests of P's request
+    `request_id` (`verify_transfers`); a P without it refuses it as a bad request."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
 class Region(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -36,8 +36,8 @@ from kvx.plugins.nixl.handshake import (
     REPLY_OK,
     REPLY_REFUSED,
     REQUEST_DOMAIN,
+    DigestRequest,
     HandshakeError,
-    HandshakeRequest,
     rank_bytes,
 )
 from kvx.wire import WireError, curve_client, decode_sealed, encode, seal
@@ -88,7 +88,7 @@ class DigestTable:
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
-    def answer(self, req: HandshakeRequest, secret: str | None) -> bytes:
+    def answer(self, req: DigestRequest, secret: str | None) -> bytes:
         """The side channel's reply to a `get_digests` request (already authenticated)."""
         with self._lock:
             digests = self._items.get((req.request_id, req.pp_rank, req.tp_rank))
@@ -211,9 +211,7 @@ def fetch_digests(
     where = f"side channel tcp://{host}:{port} (digests of {request_id})"
     while True:
         nonce = os.urandom(NONCE_BYTES)
-        body = encode(
-            HandshakeRequest(GET_DIGESTS, pp_rank, tp_rank, nonce, time.time(), request_id)
-        )
+        body = encode(DigestRequest(GET_DIGESTS, pp_rank, tp_rank, nonce, time.time(), request_id))
         data = _ask(
             context, host, port, seal(secret, REQUEST_DOMAIN, body), deadline, secret, where
         )

@@ -55,7 +55,7 @@ class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_layers: Positive
 
 
-class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One (request, layer) slice of KV: `num_blocks` blocks in `layout` with `block_size`
     tokens, `num_heads` heads starting at global head `first_head`, of which the first
     `num_tokens` tokens count. `src_rank` is the sender's TP rank. The slice's first block is

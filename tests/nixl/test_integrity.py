@@ -5,13 +5,18 @@ off the same flip lands in D's cache (the injection is real; the check is what c
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from kvx.engine.disagg import DisaggregatedPair, pd_configs
 from kvx.engine.engine import EngineConfig
+from kvx.plugins.nixl.handshake import HandshakeError
+from kvx.plugins.nixl.integrity import fetch_digests
+from kvx.plugins.nixl.side_channel import SideChannelServer
 
 BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16, block_size=16, num_blocks=64)
 PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks
@@ -96,3 +101,38 @@ def test_clean_reads_pass_the_check() -> None:
         assert report.all_identical and report.kv_mismatches == []
         assert _stats(pair, "checksum") == 0
         assert _stats(pair, "transport") == 0
+
+
+@pytest.mark.timeout(30)
+def test_digests_are_served_sealed_and_a_wrong_count_is_refused() -> None:
+    """P's side channel serves a hand-off's digests to a D with the secret; D refuses a reply
+    whose count is not the request's blocks (an untrusted peer), and gives up on digests P
+    never had at its deadline."""
+    secret = "integrity-secret-0123"
+    server = SideChannelServer("127.0.0.1", 0, "hash", {}, {}, secret)
+    context = zmq.Context()
+    try:
+        server.digests.put({("r", 0, 0): [7, 8, 9]})
+
+        def fetch(key: tuple[str, int, int], count: int, wait_s: float = 5) -> list[int]:
+            deadline = time.monotonic() + wait_s
+            return fetch_digests(
+                "127.0.0.1",
+                server.port,
+                key,
+                deadline=deadline,
+                secret=secret,
+                count=count,
+                context=context,
+            )
+
+        assert fetch(("r", 0, 0), 3) == [7, 8, 9]
+        with pytest.raises(HandshakeError, match="3 digests, not 2"):
+            fetch(("r", 0, 0), 2)
+        start = time.monotonic()
+        with pytest.raises(HandshakeError, match=r"pending|no reply"):
+            fetch(("never", 0, 0), 3, wait_s=0.5)
+        assert time.monotonic() - start < 3
+    finally:
+        context.term()
+        server.close()
