@@ -1,8 +1,8 @@
 """Integrity on the wire (`verify_transfers`): P digests every block it hands off, D checks
-what landed. A byte flipped for real in P's memory after P digested it (the GET send store's
-copy D reads from) is caught: the request is recomputed or failed per
-`kv_load_failure_policy`, never decoded on wrong KV; with the check off the same flip lands in
-D's cache (so the injection is real and the check is what catches it)."""
+what landed. A byte flipped for real after P digested it (GET: the send store's copy D reads
+from; PUT: P's cache bytes between the save and the send) is caught: the request is recomputed
+or failed per `kv_load_failure_policy`, never decoded on wrong KV; with the check off the same
+flip lands in D's cache (so the injection is real and the check is what catches it)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks
 
 
 def _corrupt_after_save(pair: DisaggregatedPair, flipped: list[str]) -> None:
-    """After each P step, flip one byte of the first block P keeps for D (once)."""
+    """Flip one byte P hands off after P digested it (once): GET, in the copy P keeps for D
+    (after P's step); PUT, in the first slice's bytes between the save and the send."""
     step = pair.prefill.step
     worker = pair.prefill.engine.workers[0].connector.worker  # type: ignore[union-attr]
+    flush = worker._flush
 
     def stepped() -> tuple[list, bool]:
         out = step()
@@ -35,7 +37,15 @@ def _corrupt_after_save(pair: DisaggregatedPair, flipped: list[str]) -> None:
             flipped.append(key[1])
         return out
 
+    def flushed() -> None:
+        if not flipped and worker._outgoing:
+            meta, segments = next(iter(worker._outgoing.values()))[0]
+            segments[0][5] ^= 0x40  # the cache's bytes on the CPU plane: P's memory
+            flipped.append(meta.layer)
+        flush()
+
     pair.prefill.step = stepped  # type: ignore[method-assign]
+    worker._flush = flushed
 
 
 def _checksum_failures(pair: DisaggregatedPair) -> int:
@@ -45,10 +55,19 @@ def _checksum_failures(pair: DisaggregatedPair) -> int:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("policy", "verify"), [("recompute", True), ("fail", True), ("recompute", False)]
+    ("send_type", "policy", "verify"),
+    [
+        ("GET", "recompute", True),
+        ("GET", "fail", True),
+        ("GET", "recompute", False),
+        ("PUT", "recompute", True),
+        ("PUT", "recompute", False),
+    ],
 )
-def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) -> None:
-    kv = p2p_config("GET", free_port_range(4), verify_transfers=verify)
+def test_a_byte_flipped_after_the_digest_is_caught(
+    send_type: str, policy: str, verify: bool
+) -> None:
+    kv = p2p_config(send_type, free_port_range(4), verify_transfers=verify)
     kv["kv_load_failure_policy"] = policy
     p, d = pd_configs(BASE, kv)
     flipped: list[str] = []
@@ -57,13 +76,16 @@ def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) ->
         report = pair.run({"r": PROMPT}, 3, timeout_s=40)
         result = report.results["r"]
         assert flipped, "the injection never ran"
-        decode_mismatches = [m for m in report.kv_mismatches if "decode" in m or "D" in m]
+        d_id = str(pair.decode.engine.config.engine_id)  # type: ignore[union-attr]
+        on_d = [m for m in report.kv_mismatches if m.startswith(d_id)]
         if not verify:  # the flipped byte reached D's cache: the engine's KV check sees it
-            assert report.kv_mismatches, "the corruption did not land: the test proves nothing"
+            assert on_d, f"the corruption did not land: {report.kv_mismatches}"
             assert _checksum_failures(pair) == 0
             return
         assert _checksum_failures(pair) == 1
-        assert report.kv_mismatches == [], decode_mismatches  # every element of P and D
+        assert on_d == []  # every element of D's KV, the recomputed blocks included
+        if send_type == "GET":  # P's own cache was never touched
+            assert report.kv_mismatches == []
         if policy == "fail":
             assert result.status == "finished_error"
         else:
