@@ -140,9 +140,12 @@ class Verifier:
 
     def checkable(self, job: Any) -> bool:
         """D read whole blocks of its own rank from P (P digests its own blocks)."""
-        g, p = job.remote.geometry, self.parallel
+        local = self.parallel
         return bool(
-            job.remote.direct and g.tp_size == p.tp_size and g.pp_size == 1 and p.pp_size == 1
+            job.remote.direct
+            and job.remote.geometry.tp_size == local.tp_size
+            and job.spec.remote_pp_size == 1  # P's geometry here does not carry its PP size
+            and local.pp_size == 1
         )
 
     def hold(self, job: Any) -> bool:

@@ -89,15 +89,16 @@ def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) ->
             assert result.identical, (result.tokens, result.baseline)
 
 
-@pytest.mark.timeout(90)
-def test_clean_reads_pass_the_check() -> None:
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp", [(1, 1), (2, 2), (2, 1)])  # 2:1 reads slices: not checked
+def test_clean_reads_pass_the_check(tp: tuple[int, int]) -> None:
     kv = {
         "kv_connector": "NixlConnector",
         "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": True},
     }
-    p, d = pd_configs(BASE, kv)
+    p, d = pd_configs(BASE, kv, tp)
     with DisaggregatedPair(p, d, processes=False, timeout_s=60) as pair:
-        report = pair.run({"a": PROMPT, "b": PROMPT[:17]}, 3, timeout_s=60)
+        report = pair.run({"a": PROMPT, "b": PROMPT[:17]}, 3, timeout_s=90)
         assert report.all_identical and report.kv_mismatches == []
         assert _stats(pair, "checksum") == 0
         assert _stats(pair, "transport") == 0
