@@ -17,6 +17,7 @@ post, and P's CPU is mostly its poll loop, which scales with wall time).
 
     python benchmarks/bench_nixl.py              # 8 requests x 1024 tokens x 8 layers: 256 MiB
     python benchmarks/bench_nixl.py --quick      # 8 MiB, for CI
+    python benchmarks/bench_nixl.py --verify     # verify_transfers on: compare D's CPU
     python benchmarks/bench_nixl.py --plot out.png   # needs matplotlib (the `bench` extra)
 """
 
@@ -40,6 +41,7 @@ from kvx import (
     ForwardContext,
     KVCacheBlocks,
     KVCacheSpec,
+    KVConnectorOutput,
     KVConnectorRole,
     KVTransferConfig,
     ParallelInfo,
@@ -159,10 +161,15 @@ def prefill(shape: Shape, tp: int, conn: Connection, options: dict[str, bool]) -
                 )
                 params[rid] = sched.request_finished(req, blocks)[1]
             meta = sched.build_connector_meta(SchedulerOutput())
+            digests = None  # verify_transfers: the workers' digests, served by the scheduler
             for w in workers:
                 w.bind_connector_metadata(meta)
                 w.start_load_kv(ForwardContext())
                 w.clear_connector_metadata()
+                made = w.build_connector_worker_meta()
+                digests = made if digests is None else digests.aggregate(made or digests)
+            if digests is not None:
+                sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=digests))
             conn.send(params)
         for w in workers:
             w.get_finished(set())
@@ -382,7 +389,13 @@ def main() -> None:
         action="store_true",
         help="the connector leaves the caches on 4 KiB pages (raw NIXL reads the same caches)",
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="verify_transfers on (P digests its blocks, D checks what it read): its D CPU cost",
+    )
     args = parser.parse_args()
+    OPTIONS["verify_transfers"] = args.verify
     OPTIONS["idle_progress"] = not args.no_idle_progress
     OPTIONS["huge_pages"] = not args.no_huge_pages
     cases = [tuple(int(n) for n in case.split(":")) for case in args.cases.split(",")]

@@ -25,6 +25,7 @@ back, under the same load); the ratio of the medians is printed beside it.
 
     python benchmarks/bench_p2p.py               # 8 requests x 1024 tokens x 8 layers: 128 MiB
     python benchmarks/bench_p2p.py --quick       # 2 MiB, for CI
+    python benchmarks/bench_p2p.py --no-verify   # verify_transfers off: compare D cpu s
     python benchmarks/bench_p2p.py --plot out.png    # needs matplotlib (the `bench` extra)
 """
 
@@ -59,6 +60,7 @@ from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 
 TARGET = 0.9
 SEND_TYPE = ["PUT_ASYNC"]  # --send-type (a list: set before the prefill process starts)
+VERIFY = [True]  # verify_transfers (--no-verify: off on both sides)
 
 
 def free_ports(count: int) -> list[int]:
@@ -81,6 +83,7 @@ def worker(shape: Shape, role: str, port: int, seed: int | None) -> tuple[Any, d
         "send_type": SEND_TYPE[0],
         "data_plane": "cpu",
         "default_decode_address": f"127.0.0.1:{port}",
+        "verify_transfers": VERIFY[0],
     }
     config = KVTransferConfig.from_dict(
         {
@@ -158,9 +161,11 @@ def raw_payload(shape: Shape) -> list[torch.Tensor]:
     return out
 
 
-def prefill(shape: Shape, ports: dict[str, int], send_type: str, conn: Connection) -> None:
+def prefill(
+    shape: Shape, ports: dict[str, int], send_type: str, verify: bool, conn: Connection
+) -> None:
     """P: answers "conn", "zmq", "gloo" rounds with its CPU seconds; "stop" ends it."""
-    SEND_TYPE[0] = send_type
+    SEND_TYPE[0], VERIFY[0] = send_type, verify
     torch.set_num_threads(1)
     connector, caches = worker(shape, "kv_producer", ports["p2p"], seed=7)
     context = zmq.Context()
@@ -209,7 +214,9 @@ def run(shape: Shape, repeat: int) -> dict[str, list[tuple[float, float, float]]
     ports = dict(zip(("p2p", "zmq", "gloo"), free_ports(3)))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill, args=(shape, ports, SEND_TYPE[0], child), daemon=True)
+    proc = ctx.Process(
+        target=prefill, args=(shape, ports, SEND_TYPE[0], VERIFY[0], child), daemon=True
+    )
     proc.start()
     torch.set_num_threads(1)
     connector, caches = worker(shape, "kv_consumer", ports["p2p"], seed=None)
@@ -309,8 +316,11 @@ def worker_values(shape: Shape) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = bench_options(__doc__, "2 MiB", "median")
     parser.add_argument("--send-type", choices=("PUT", "PUT_ASYNC"), default="PUT_ASYNC")
+    parser.add_argument(
+        "--no-verify", action="store_true", help="verify_transfers off (its cost: D cpu s)"
+    )
     args = parser.parse_args()
-    SEND_TYPE[0] = args.send_type
+    SEND_TYPE[0], VERIFY[0] = args.send_type, not args.no_verify
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     shape = Shape(2, 4, 64, 16, 4, 256) if args.quick else Shape(8, 8, 64, 16, 8, 1024)
     load_before = os.getloadavg()[0]
@@ -319,7 +329,8 @@ def main() -> None:
     load = f"load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)"
     gib = shape.nbytes / (1 << 30)
     title = (
-        f"P2pNcclConnector (CPU plane, {args.send_type}) vs raw transports, "
+        f"P2pNcclConnector (CPU plane, {args.send_type}, verify_transfers "
+        f"{'off' if args.no_verify else 'on'}) vs raw transports, "
         f"{shape.nbytes >> 20} MiB"
     )
     table = Table(title=titled(title, args.quick))

@@ -43,6 +43,12 @@ from kvx.groups import (
 )
 from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
 from kvx.hookimpls import hookimpl, provides, provides_connector
+from kvx.integrity import (
+    IntegrityError,
+    block_digests,
+    cache_block_digests,
+    check_block_digests,
+)
 from kvx.loading import install_hint
 from kvx.planning import (
     LoadsAndStores,
@@ -125,6 +131,7 @@ __all__ = [
     "GroupScheduler",
     "GroupWorker",
     "GroupsMetadata",
+    "IntegrityError",
     "KVCacheBlocks",
     "KVCacheEvent",
     "KVCacheSpec",
@@ -171,6 +178,9 @@ __all__ = [
     "TransformSpec",
     "WorkerAddress",
     "__version__",
+    "block_digests",
+    "cache_block_digests",
+    "check_block_digests",
     "copy_into",
     "create_connector",
     "get_layout",

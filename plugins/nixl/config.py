@@ -42,6 +42,10 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     - `backends`: NIXL backends to instantiate; `num_threads`: backend threads (0: default).
     - `idle_progress`: P keeps NIXL progressing from a thread while it holds blocks and its
       engine does not poll (D's reads stall on an idle P otherwise).
+    - `verify_transfers`: P digests every block it hands off (XXH3-64), D checks the blocks it
+      read against them; a difference is a load error naming the blocks, under
+      `kv_load_failure_policy`. Off by default: it costs more than 10% of D's CPU per read
+      (docs/connectors/nixl.md gives the measurement). Set it on P and D.
     - `huge_pages`: move a CPU KV cache onto transparent huge pages before registering it
       (Linux `MADV_COLLAPSE`; one copy at start-up): same-machine reads then pin one page per
       2 MiB instead of per 4 KiB.
@@ -60,6 +64,7 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     idle_progress: bool = True
     huge_pages: bool = True
+    verify_transfers: bool = False  # costs more than 10% of D's CPU per read (nixl.md)
 
     def __post_init__(self) -> None:
         if self.side_channel_host is not None:

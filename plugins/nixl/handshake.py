@@ -59,6 +59,13 @@ class HandshakeRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=Tr
     timestamp: float
 
 
+class DigestRequest(HandshakeRequest, array_like=True, forbid_unknown_fields=True):
+    """D asks (`get_digests`) for worker (`pp_rank`, `tp_rank`)'s block digests of P's request
+    `request_id` (`verify_transfers`); a P without it refuses it as a bad request."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
 class Region(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One registered memory region: a layer's K or V slice (`kv` 0/1), or its whole
     blocks-first tensor (`kv` -1); blocks are `block_len` bytes apart from `base_addr`."""

@@ -19,6 +19,7 @@ from kvx.plugins.nixl.handshake import (
     compatibility_factors,
     compatibility_hash,
 )
+from kvx.plugins.nixl.integrity import NixlWorkerMeta
 from kvx.plugins.nixl.metadata import Heartbeat, NixlMetadata, RemoteRead
 from kvx.plugins.nixl.side_channel import SideChannelServer
 
@@ -61,6 +62,7 @@ class NixlScheduler(kvx.ConnectorScheduler):
         self._server: SideChannelServer | None = None
         self._recv: list[RemoteRead] = []
         self._send: dict[str, float] = {}
+        self._send_blocks: dict[str, list[int]] = {}
         self._not_processed: list[str] = []
         self._queued: dict[str, RemoteRead] = {}  # D: waiting for blocks, not yet reading
         self._next_heartbeat = 0.0
@@ -134,9 +136,17 @@ class NixlScheduler(kvx.ConnectorScheduler):
     # -- both -----------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> NixlMetadata:
-        meta = NixlMetadata(self._recv, self._send, self._not_processed, self._heartbeats())
-        self._recv, self._send, self._not_processed = [], {}, []
+        meta = NixlMetadata(
+            self._recv, self._send, self._not_processed, self._heartbeats(), self._send_blocks
+        )
+        self._recv, self._send, self._not_processed, self._send_blocks = [], {}, [], {}
         return meta
+
+    def update_connector_output(self, output: kvx.KVConnectorOutput) -> None:
+        """P: serve the block digests the workers made of this step's hand-offs."""
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, NixlWorkerMeta) and self._server is not None:
+            self._server.digests.put(meta.digests)
 
     def _heartbeats(self) -> list[Heartbeat]:
         """Every lease/6 seconds, the queued requests grouped by remote engine (vLLM's
@@ -178,6 +188,8 @@ class NixlScheduler(kvx.ConnectorScheduler):
         if not prompt_blocks or self._server is None:
             return False, None
         self._send[request.request_id] = self.options.kv_lease_duration
+        if self.options.verify_transfers:
+            self._send_blocks[request.request_id] = prompt_blocks
         parallel = self.ctx.parallel
         return True, {
             "do_remote_prefill": True,

@@ -18,11 +18,13 @@ from kvx.plugins.nixl.handshake import (
     REPLY_OK,
     REPLY_REFUSED,
     REQUEST_DOMAIN,
+    DigestRequest,
     HandshakeError,
     HandshakePayload,
     HandshakeRequest,
     rank_bytes,
 )
+from kvx.plugins.nixl.integrity import GET_DIGESTS, DigestTable
 from kvx.wire import (
     ReplayGuard,
     WireError,
@@ -91,6 +93,7 @@ class SideChannelServer:
                 ]
             ) from None
         self.host, self.port = host, port
+        self.digests = DigestTable()  # block digests of handed-off requests (verify_transfers)
         self.served = self.refused = 0
         self._quiet_until = 0.0
         self._stop = threading.Event()
@@ -128,16 +131,24 @@ class SideChannelServer:
     def _answer(self, data: bytes) -> bytes:
         """The reply to one request: `REPLY_OK` + the sealed payload, or `REPLY_REFUSED` +
         why (plain text; D shows it but trusts nothing in it)."""
+        req: HandshakeRequest
         try:
             req = decode_sealed(
                 data, HandshakeRequest, self._secret, REQUEST_DOMAIN, max_bytes=MAX_REQUEST_BYTES
             )
         except WireError as exc:
-            return self._refuse(f"bad request: {exc}")
+            try:  # verify_transfers: the one other request, with P's request id
+                req = decode_sealed(
+                    data, DigestRequest, self._secret, REQUEST_DOMAIN, max_bytes=MAX_REQUEST_BYTES
+                )
+            except WireError:
+                return self._refuse(f"bad request: {exc}")
         if self._secret is not None:
             stale = self._replays.check(req.nonce, req.timestamp)
             if stale is not None:
                 return self._refuse(stale)
+        if isinstance(req, DigestRequest) and req.kind == GET_DIGESTS:
+            return self.digests.answer(req, self._secret)
         if req.kind != GET_META:
             return self._refuse(f"unknown request {req.kind[:64]!r}")
         payload = self._payloads.get((req.pp_rank, req.tp_rank))

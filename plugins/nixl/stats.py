@@ -16,6 +16,7 @@ COUNT_KEYS = (
     "num_notifications_after_expiry",
     "num_refused_notifications",
     "num_unknown_notifications_dropped",
+    "num_checksum_failures",
 )
 GAUGE_KEYS = ("held_requests", "held_oldest_seconds")
 """P's holds at the time of the report: merged by maximum, not summed (every TP rank holds
@@ -74,6 +75,7 @@ class NixlKVConnectorStats(KVConnectorStats):
                 + d["num_failed_handshakes"],
                 "timeout": d["num_kv_expired_reqs"],
                 "refused": d["num_refused_notifications"],
+                "checksum": d["num_checksum_failures"],
             },
             held_requests=None if held is None else int(held),
             held_oldest_seconds=d.get("held_oldest_seconds"),

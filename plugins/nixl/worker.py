@@ -31,6 +31,7 @@ from kvx.plugins.nixl.handshake import (
     open_notification,
 )
 from kvx.plugins.nixl.hugepages import collapse_to_huge_pages
+from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
@@ -96,6 +97,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._lock = threading.Lock()  # every agent call; shared with the progress thread
         self._progress: IdleProgress | None = None
         self._held_reported = False
+        self._tables: list[torch.Tensor] = []  # verify_transfers: the caches block by block
+        self._digests: dict[tuple[str, int, int], list[int]] = {}  # P: to the scheduler
+        self._verifier: Verifier | None = None  # D: reads waiting for P's digests
 
     # -- registration ---------------------------------------------------------------------
 
@@ -149,6 +153,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._device,
             self._mem_type,
         )
+        if self.options.verify_transfers:
+            self._tables = layer_tables(self._caches, self.layout)
+            self._verifier = Verifier(
+                self._tables, p, self.secret, self.options.transfer_timeout_s, self._submit
+            )
         if self._producer and self.options.idle_progress:
             self._progress = IdleProgress(self.agent, self._lock)
 
@@ -209,6 +218,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._leases.hold(req_id, lease, now)
         for req_id in meta.reqs_not_processed:
             self._leases.drop(req_id)
+        p = self.ctx.parallel
+        for req_id, blocks in meta.send_blocks.items():  # before any D is told it may read
+            self._digests[(req_id, p.pp_rank, p.tp_rank)] = kvx.cache_block_digests(
+                self._tables, blocks
+            )
         for spec in meta.reqs_to_recv:
             self._enqueue(spec)
         self._progress_handshakes()
@@ -230,6 +244,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._progress_handshakes()
         self._post_reads()
         self._poll_reads()
+        if self._verifier is not None:  # D: the reads whose check against P's digests ended
+            self._verifier.finish(self._recved, self._errors, self.stats)
         self._send_done()
         self._heartbeat()
         self._poll_notifications()
@@ -239,6 +255,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_worker_meta(self) -> NixlWorkerMeta | None:
+        """P: the block digests made this step, for the scheduler's side channel to serve."""
+        if not self._digests:
+            return None
+        digests, self._digests = self._digests, {}
+        return NixlWorkerMeta(digests)
 
     # -- D: handshakes --------------------------------------------------------------------
 
@@ -258,9 +281,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._handshakes[key][1].append(spec)
             return
         assert self._view is not None, "register_kv_caches must run before loads"
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-nixl-handshake")
-        future = self._pool.submit(
+        future = self._submit(
             fetch_remote,
             self._view,
             spec,
@@ -270,6 +291,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             enforce_compat=self.options.enforce_handshake_compat,
         )
         self._handshakes[key] = (future, [spec])
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        """Run `fn` on the background pool (handshakes, P's digests), made on first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-nixl-handshake")
+        return self._pool.submit(fn, *args, **kwargs)
 
     def _progress_handshakes(self) -> None:
         for key, (future, specs) in list(self._handshakes.items()):
@@ -387,6 +414,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._done.setdefault(id(job.remote), (job.remote, []))[1].append(
             job.spec.remote_request_id
         )
+        if self._verifier is not None and self._verifier.hold(job):
+            return  # reported once P's digests are checked (`Verifier.finish`)
         if not job.spec.frees_only:
             self._recved.add(job.spec.request_id)
 
@@ -485,6 +514,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        if self._verifier is not None:
+            self._verifier.close()
+            self._verifier = None
         self._handshakes.clear()
         for job in [*self._reading.values(), *self._unposted, *self._leftovers]:
             try:

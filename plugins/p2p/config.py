@@ -36,6 +36,10 @@ class P2pConfig(msgspec.Struct, forbid_unknown_fields=True):
       refused; peers without it are refused before their bytes are decoded. Inline, or read
       when the worker starts from `{"env": "NAME"}` or `{"file": "/path"}` (`kvx.resolve_secret`).
     - `max_tensor_bytes`: the largest KV tensor a peer may send or announce.
+    - `verify_transfers`: P sends an XXH3-64 digest of every block it hands off and D checks
+      the bytes that landed against it; a difference is a load error naming the blocks, under
+      `kv_load_failure_policy`. Off by default: it costs more than 10% of D's CPU per
+      transfer (docs/connectors/p2p.md gives the measurement). Set it on P and D.
     - `nccl_num_channels`: NCCL_MIN/MAX_NCHANNELS for the pair communicators.
     - `proxy_ip` / `proxy_port` / `http_port`: xPyD service discovery (`kvx proxy`).
     """
@@ -49,6 +53,7 @@ class P2pConfig(msgspec.Struct, forbid_unknown_fields=True):
     shared_secret: Secret | None = None
     max_tensor_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 40)] = 4 << 30
     nccl_num_channels: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    verify_transfers: bool = False  # measured: +56% of D's CPU per transfer (p2p.md)
     proxy_ip: str | None = None
     proxy_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
     http_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None

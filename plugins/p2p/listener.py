@@ -12,15 +12,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
-from kvx.layouts import get_layout
+import kvx
+from kvx.layouts import Layout, get_layout
 from kvx.plugins.p2p.addresses import format_address
 from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, SendStore
+from kvx.plugins.p2p.integrity import verify, with_digests
 from kvx.plugins.p2p.messages import (
     MAX_BATCH,
     MAX_CONTROL_BYTES,
@@ -40,6 +42,9 @@ from kvx.plugins.p2p.messages import (
 from kvx.plugins.p2p.planes import DataPlane, PlaneError
 from kvx.plugins.p2p.tensors import gather, has_heads, meta_problem, physical
 from kvx.wire import ReplayGuard, WireError, curve_server, recv_frames
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 POLL_MS = 100
@@ -294,6 +299,15 @@ class Listener:
         answer(Reply(True, refused=refused))
         self.count("received_bytes", sum(meta.nbytes for meta, _, _, _ in kept))
 
+    def _corrupt(self, meta: TensorMeta, tensor: torch.Tensor, layout: Layout) -> str | None:
+        """Why P's kept copy no longer matches the digests P made of it, or None."""
+        try:
+            verify(meta, [physical(tensor, layout)], meta.request_id)
+        except kvx.IntegrityError as exc:
+            self.count("checksum_failures", 1)
+            return str(exc)
+        return None
+
     def _on_get(self, identity: bytes, get: Get, answer: Callable[..., None]) -> None:
         if get.num_heads < 1:
             why = f"{get.request_id}#{get.layer}: num_heads {get.num_heads}; at least 1 is asked"
@@ -317,7 +331,12 @@ class Listener:
             answer(Reply(False, f"heads {asked} asked, {held} held"))
             return
         tensor = item.tensor
-        if has_heads(layout) and asked != held:
+        subset = has_heads(layout) and asked != held
+        if subset:
+            problem = self._corrupt(item.meta, tensor, layout)
+            if problem is not None:  # P's copy changed since it was digested
+                answer(Reply(False, problem))
+                return
             local = range(asked.start - held.start, asked.stop - held.start)
             tensor = gather(
                 tensor, layout, list(range(item.meta.num_blocks)), local, item.meta.head_size
@@ -329,6 +348,8 @@ class Listener:
             num_heads=len(asked) if has_heads(layout) else item.meta.num_heads,
             nbytes=wire.numel(),
         )
+        if subset and meta.digests:  # the heads sent are digested anew (P's copy checked)
+            meta = with_digests(msgspec.structs.replace(meta, digests=[]), [wire])
         if self.store is not None:
             self.store.served(get.request_id, get.layer, get.readers)
         answer(Reply(True, meta=meta), self.plane.frames([wire]))

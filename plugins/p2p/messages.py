@@ -31,11 +31,14 @@ MAX_SEGMENTS = 256
 REFUSAL_CHARS = 200
 """Length of one slice's refusal in a batch reply, in UTF-8 bytes as the listener cuts it (all
 of them fit MAX_CONTROL_BYTES)."""
+MAX_DIGESTS = 6144
+"""Block digests one slice's meta may carry (6144 of them fit a control frame)."""
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "float8_e4m3fn")
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+Digest = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds at most a uint64
 
 
 class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -52,12 +55,14 @@ class Geometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_layers: Positive
 
 
-class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One (request, layer) slice of KV: `num_blocks` blocks in `layout` with `block_size`
     tokens, `num_heads` heads starting at global head `first_head`, of which the first
     `num_tokens` tokens count. `src_rank` is the sender's TP rank. The slice's first block is
     the request's block `first_block`: the blocks before it were outside P's sliding window
-    (null in its table) and are not sent."""
+    (null in its table) and are not sent. `digests`: XXH3-64 of each block's bytes as sent
+    (P's `verify_transfers`; empty when off), one per block: D checks what landed against
+    them."""
 
     request_id: Name
     layer: Name
@@ -72,10 +77,15 @@ class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
     first_block: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    digests: Annotated[list[Digest], msgspec.Meta(max_length=MAX_DIGESTS)] = []
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.digests and len(self.digests) != self.num_blocks:
+            raise ValueError(
+                f"digests: {len(self.digests)} for {self.num_blocks} blocks (one per block)"
+            )
         blocks = self.first_block + self.num_blocks
         if self.num_tokens > blocks * self.block_size:
             raise ValueError(
@@ -183,6 +193,7 @@ def open_reply(secret: str | None, nonce: bytes, frame: bytes | memoryview) -> R
 __all__ = [
     "MAX_BATCH",
     "MAX_CONTROL_BYTES",
+    "MAX_DIGESTS",
     "Envelope",
     "Geometry",
     "Get",

@@ -16,6 +16,7 @@ COUNT_KEYS = (
     "served_bytes",
     "failed_transfers",
     "failed_loads",
+    "checksum_failures",
     "refused_puts",
     "refused_messages",
     "spilled",
@@ -25,9 +26,10 @@ MB = float(1 << 20)
 
 
 class P2pKVConnectorStats(KVConnectorStats):
-    """`data`: counters (`COUNT_KEYS`), `transfer_duration` (seconds per PUT or GET) and the
-    same split by direction (`sent_duration`: PUTs, `received_duration`: GETs). Background
-    threads count through `count` (locked)."""
+    """`data`: counters (`COUNT_KEYS`; `failed_loads` counts every failed load, of which
+    `checksum_failures` are slices whose bytes differed from P's digests), `transfer_duration`
+    (seconds per PUT or GET) and the same split by direction (`sent_duration`: PUTs,
+    `received_duration`: GETs). Background threads count through `count` (locked)."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=dict(data) if data else {})
@@ -78,7 +80,8 @@ class P2pKVConnectorStats(KVConnectorStats):
             },
             seconds={"sent": list(d["sent_duration"]), "received": list(d["received_duration"])},
             failures={
-                "transport": d["failed_transfers"] + d["failed_loads"],
+                "transport": d["failed_transfers"] + d["failed_loads"] - d["checksum_failures"],
+                "checksum": d["checksum_failures"],
                 "refused": d["refused_puts"] + d["refused_messages"],
             },
         )

@@ -27,6 +27,7 @@ from kvx.plugins.p2p.affinity import leave_compute_cores
 from kvx.plugins.p2p.buffers import RecvBuffer, RecvKey, SendStore
 from kvx.plugins.p2p.config import SECRET_KEY, P2pConfig
 from kvx.plugins.p2p.engine import P2pEngine, TransferError
+from kvx.plugins.p2p.integrity import verify, with_digests
 from kvx.plugins.p2p.messages import Geometry, Get, TensorMeta
 from kvx.plugins.p2p.metadata import LoadSpec, P2pMetadata, SaveSpec
 from kvx.plugins.p2p.planes import choose_plane
@@ -198,7 +199,10 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
             local = range(len(self.heads)) if heads else None
             t = gather(kv_layer, self.layout, blocks, local, self.geometry.head_size)
             nbytes = t.numel() * t.element_size()
-            self.store.put(self._meta(spec, layer, self.heads.start, len(local or [0]), nbytes), t)
+            meta = self._meta(spec, layer, self.heads.start, len(local or [0]), nbytes)
+            if self.options.verify_transfers:
+                meta = with_digests(meta, [physical(t, self.layout)])
+            self.store.put(meta, t)
             return
         base = format_address(spec.decode_host, spec.decode_port)
         decode = self.engine.geometry_of(base)
@@ -220,6 +224,8 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                 read.num_heads if heads else 1,
                 sum(s.numel() for s in wire),
             )
+            if self.options.verify_transfers:
+                meta = with_digests(meta, wire)
             port = worker_port(spec.decode_port, stage, decode.tp_size, d)
             self._outgoing.setdefault(format_address(spec.decode_host, port), []).append(
                 (meta, wire)
@@ -420,6 +426,12 @@ class P2pWorker(kvx.ConnectorWorker[P2pMetadata]):
                     f"{layer}: the peer sent {meta.num_heads} heads of "
                     f"{meta.head_size} {meta.dtype}, which is not what was asked"
                 )
+            if self.options.verify_transfers:
+                try:
+                    verify(meta, segments, spec.request_id)
+                except kvx.IntegrityError:
+                    self.stats.count("checksum_failures")
+                    raise
             dst = range(read.local_head_offset, read.local_head_offset + read.num_heads)
             scatter(
                 segments,

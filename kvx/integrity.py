@@ -1,0 +1,120 @@
+"""Per-block digests of transferred KV: P digests its blocks at hand-off, D digests what landed
+and names the blocks that differ (a load error under `kv_load_failure_policy`).
+
+A digest is XXH3-64 (the `xxhash` package kvx's stored values are checked with) of one block's
+bytes. A connector hands the bytes in memory order as one or more segments whose concatenation
+is `[outer, num_blocks, bytes per block]` (`outer`: the memory dims before the blocks dim, e.g.
+K and V), cut anywhere: the digest of a block covers its bytes in every outer index, in order,
+so P and D agree however each side's segments were cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+__all__ = ["IntegrityError", "block_digests", "cache_block_digests", "check_block_digests"]
+
+
+class IntegrityError(ValueError):
+    """The bytes that landed are not the bytes the sender digested. `blocks` names them."""
+
+    def __init__(self, message: str, blocks: list[int]) -> None:
+        super().__init__(message)
+        self.blocks = blocks
+
+
+def _as_bytes(segment: Any) -> memoryview:
+    """A flat byte view of `segment` (a tensor, array or buffer), copied only from a GPU or
+    when a tensor is not contiguous. torch is imported here, not with kvx."""
+    if hasattr(segment, "detach"):  # a torch tensor
+        import torch
+
+        t = segment.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        segment = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(segment).cast("B")
+
+
+def block_digests(segments: Sequence[Any], num_blocks: int, outer: int = 1) -> list[int]:
+    """XXH3-64 of each of `num_blocks` blocks whose memory-order bytes are the concatenation of
+    `segments` (uint8 tensors, arrays or buffers), laid out `[outer, num_blocks, per block]`.
+
+    Raises ValueError when the bytes do not split into `outer * num_blocks` equal chunks.
+    """
+    if num_blocks <= 0 or outer <= 0:
+        return []
+    parts = [_as_bytes(s) for s in segments]
+    total = sum(p.nbytes for p in parts)
+    chunks = outer * num_blocks
+    if total % chunks:
+        raise ValueError(f"{total} bytes do not split into {outer} x {num_blocks} equal blocks")
+    per = total // chunks
+    if outer == 1 and len(parts) == 1:
+        data = parts[0]
+        return [xxhash.xxh3_64_intdigest(data[b * per : (b + 1) * per]) for b in range(num_blocks)]
+    hashers = [xxhash.xxh3_64() for _ in range(num_blocks)]
+    chunk = filled = 0
+    for part in parts:
+        pos = 0
+        while pos < part.nbytes:
+            take = min(per - filled, part.nbytes - pos)
+            hashers[chunk % num_blocks].update(part[pos : pos + take])
+            pos += take
+            filled += take
+            if filled == per:
+                chunk, filled = chunk + 1, 0
+    return [h.intdigest() for h in hashers]
+
+
+def cache_block_digests(tables: Sequence[Any], block_ids: Sequence[int]) -> list[int]:
+    """XXH3-64 of each block of `block_ids` over every table in order (e.g. one per layer):
+    a table is a uint8 tensor `[outer, num_blocks, bytes per block]` viewing a KV cache in
+    its memory order. What a connector that moves whole blocks of a paged cache (NIXL pull and
+    push) digests on both sides. From a GPU only the blocks asked for are copied to the host."""
+    ids = list(block_ids)
+    arrays = []
+    for t in tables:
+        if t.device.type != "cpu":
+            t = t[:, ids].cpu()
+        arrays.append(t.numpy())
+    if arrays and tables[0].device.type != "cpu":
+        ids = list(range(len(ids)))
+    out = []
+    for b in ids:
+        hasher = xxhash.xxh3_64()
+        for array in arrays:
+            for rows in array:
+                hasher.update(rows[b].data)
+        out.append(hasher.intdigest())
+    return out
+
+
+def check_block_digests(
+    what: str,
+    expected: Sequence[int],
+    actual: Sequence[int],
+    block_ids: Sequence[int] | None = None,
+) -> None:
+    """Raise `IntegrityError` naming `what` (e.g. the request and layer) and the blocks whose
+    digest differs; `block_ids[i]` names block i (default: its index). A peer that sent a
+    different number of digests than blocks fails every block."""
+    names = list(range(len(actual))) if block_ids is None else list(block_ids)
+    if len(names) != len(actual):
+        raise ValueError(f"{len(names)} block ids name {len(actual)} digests")
+    if len(expected) != len(actual):
+        raise IntegrityError(
+            f"{what}: the sender gave {len(expected)} block digests for {len(actual)} blocks",
+            names,
+        )
+    bad = [names[i] for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a]
+    if bad:
+        shown = ", ".join(map(str, bad[:16])) + (", ..." if len(bad) > 16 else "")
+        raise IntegrityError(
+            f"{what}: {len(bad)} of {len(actual)} blocks differ from what the sender digested "
+            f"(blocks {shown})",
+            bad,
+        )

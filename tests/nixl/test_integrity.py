@@ -1,0 +1,139 @@
+"""Integrity on the wire for NIXL pull (`verify_transfers`), real NIXL/UCX: a byte of P's KV
+flipped for real after P digested the hand-off and before D reads is caught, and the request is
+recomputed or failed per `kv_load_failure_policy`, never decoded on wrong KV; with the check
+off the same flip lands in D's cache (the injection is real; the check is what catches it)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from kvx.engine.disagg import DisaggregatedPair, pd_configs
+from kvx.engine.engine import EngineConfig
+from kvx.plugins.nixl.handshake import HandshakeError
+from kvx.plugins.nixl.integrity import fetch_digests
+from kvx.plugins.nixl.side_channel import SideChannelServer
+
+BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16, block_size=16, num_blocks=64)
+PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks
+
+
+def _flip_after_digest(pair: DisaggregatedPair, flipped: list[int]) -> None:
+    """When P's worker has taken the hand-off (and digested it, with the check on), flip one
+    byte of the request's second block in P's KV cache (once), before D reads it."""
+    engine = pair.prefill.engine  # type: ignore[union-attr]
+    scheduler = engine.scheduler_connector.scheduler
+    worker = engine.workers[0].connector.worker
+    blocks: dict[str, list[int]] = {}
+    finish, start = scheduler.request_finished, worker._start_load_kv
+
+    def finished(request: Any, block_ids: list[int]) -> Any:
+        delay, params = finish(request, block_ids)
+        if params:
+            blocks[request.request_id] = params["remote_block_ids"]
+        return delay, params
+
+    def started(meta: Any) -> None:
+        start(meta)
+        for req_id in meta.reqs_to_send:
+            if not flipped:
+                block = blocks[req_id][1]
+                layer = next(reversed(worker._caches.values()))
+                physical = layer.permute(worker.layout.stride_order)
+                rows = physical.reshape(2, physical.shape[1], -1).view(torch.uint8)
+                rows[1, block, 3] ^= 0x10  # last layer, V half, P's memory
+                flipped.append(block)
+
+    scheduler.request_finished = finished
+    worker._start_load_kv = started
+
+
+def _stats(pair: DisaggregatedPair, kind: str) -> int:
+    stats = pair.decode.engine.kv_stats  # type: ignore[union-attr]
+    return sum(s.figures().failures.get(kind, 0) for s in stats)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("policy", "verify"), [("recompute", True), ("fail", True), ("recompute", False)]
+)
+def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) -> None:
+    kv = {
+        "kv_connector": "NixlConnector",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": verify},
+    }
+    p, d = pd_configs(BASE, kv)
+    flipped: list[int] = []
+    with DisaggregatedPair(p, d, processes=False, timeout_s=60) as pair:
+        _flip_after_digest(pair, flipped)
+        report = pair.run({"r": PROMPT}, 3, timeout_s=60)
+        assert flipped, "the injection never ran"
+        d_id = str(pair.decode.engine.config.engine_id)  # type: ignore[union-attr]
+        on_d = [m for m in report.kv_mismatches if m.startswith(d_id)]
+        result = report.results["r"]
+        if not verify:  # the flipped byte reached D's cache: the engine's KV check sees it
+            assert on_d, f"the corruption did not land: {report.kv_mismatches}"
+            assert _stats(pair, "checksum") == 0
+            return
+        assert on_d == []  # every element of D's KV, the recomputed blocks included
+        assert _stats(pair, "checksum") == 1
+        if policy == "fail":
+            assert result.status == "finished_error"
+        else:
+            assert result.status == "finished_length_capped"
+            assert result.identical, (result.tokens, result.baseline)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp", [(1, 1), (2, 2), (2, 1)])  # 2:1 reads slices: not checked
+def test_clean_reads_pass_the_check(tp: tuple[int, int]) -> None:
+    kv = {
+        "kv_connector": "NixlConnector",
+        "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": True},
+    }
+    p, d = pd_configs(BASE, kv, tp)
+    with DisaggregatedPair(p, d, processes=False, timeout_s=60) as pair:
+        report = pair.run({"a": PROMPT, "b": PROMPT[:17]}, 3, timeout_s=90)
+        assert report.all_identical and report.kv_mismatches == []
+        assert _stats(pair, "checksum") == 0
+        assert _stats(pair, "transport") == 0
+
+
+@pytest.mark.timeout(30)
+def test_digests_are_served_sealed_and_a_wrong_count_is_refused() -> None:
+    """P's side channel serves a hand-off's digests to a D with the secret; D refuses a reply
+    whose count is not the request's blocks (an untrusted peer), and gives up on digests P
+    never had at its deadline."""
+    secret = "integrity-secret-0123"
+    server = SideChannelServer("127.0.0.1", 0, "hash", {}, {}, secret)
+    context = zmq.Context()
+    try:
+        server.digests.put({("r", 0, 0): [7, 8, 9]})
+
+        def fetch(key: tuple[str, int, int], count: int, wait_s: float = 5) -> list[int]:
+            deadline = time.monotonic() + wait_s
+            return fetch_digests(
+                "127.0.0.1",
+                server.port,
+                key,
+                deadline=deadline,
+                secret=secret,
+                count=count,
+                context=context,
+            )
+
+        assert fetch(("r", 0, 0), 3) == [7, 8, 9]
+        with pytest.raises(HandshakeError, match="3 digests, not 2"):
+            fetch(("r", 0, 0), 2)
+        start = time.monotonic()
+        with pytest.raises(HandshakeError, match=r"pending|no reply"):
+            fetch(("never", 0, 0), 3, wait_s=0.5)
+        assert time.monotonic() - start < 3
+    finally:
+        context.term()
+        server.close()
