@@ -35,6 +35,9 @@ from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
 from kvx.plugins.nixl.progress import IdleProgress
+from kvx.plugins.nixl.push_receiver import PushReceiver
+from kvx.plugins.nixl.push_wire import Heartbeat, Pushed, Register, Release, open_push
+from kvx.plugins.nixl.push_writer import PushWriter
 from kvx.plugins.nixl.regions import layer_regions
 from kvx.plugins.nixl.remote import (
     LocalView,
@@ -93,6 +96,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._done: dict[int, tuple[RemoteEngine, list[str]]] = {}  # reads over, P not told yet
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
         self._producer = config.is_kv_producer
+        self._consumer = config.is_kv_consumer
+        self._writer: PushWriter | None = None  # push mode, P side
+        self._receiver: PushReceiver | None = None  # push mode, D side
         self._lock = threading.Lock()  # every agent call; shared with the progress thread
         self._progress: IdleProgress | None = None
         self._held_reported = False
@@ -134,7 +140,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             p.pp_size,
             self.geometry,
             tuple(kv_caches),
-            compatibility_factors(self.ctx),
+            compatibility_factors(self.ctx, self.options.transfer_mode),
             cache.dtype,
             cache.head_size,
             num_blocks=regions[0].num_blocks,
@@ -151,6 +157,38 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         )
         if self._producer and self.options.idle_progress:
             self._progress = IdleProgress(self.agent, self._lock)
+        if self.options.transfer_mode == "push":
+            self._start_push()
+
+    def _start_push(self) -> None:
+        """Push mode: P writes into the D workers that register (`push_writer.py`), D
+        registers and waits (`push_receiver.py`); a kv_both engine does both."""
+        o, p = self.options, self.ctx.parallel
+        assert self._poster is not None and self._view is not None
+        if self._producer:
+            self._writer = PushWriter(
+                self.agent,
+                self._poster,
+                self._view,
+                self._leases,
+                self.stats,
+                secret=self.secret,
+                handshake_timeout_s=o.handshake_timeout_s,
+                transfer_timeout_s=o.transfer_timeout_s,
+                max_handshake_bytes=o.max_handshake_bytes,
+                enforce_compat=o.enforce_handshake_compat,
+            )
+        if self._consumer:
+            self._receiver = PushReceiver(
+                self.agent,
+                (self.engine_id, p.pp_rank, p.tp_rank, p.pp_size, p.tp_size),
+                self.stats,
+                secret=self.secret,
+                lease_s=o.kv_lease_duration,
+                transfer_timeout_s=o.transfer_timeout_s,
+                complete=lambda spec: self._recved.add(spec.request_id),
+                fail=self._fail,
+            )
 
     def get_handshake_metadata(self) -> kvx.AgentPayload:
         """This worker's encoded `AgentMetadata` (served by P's side channel)."""
@@ -209,6 +247,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._leases.hold(req_id, lease, now)
         for req_id in meta.reqs_not_processed:
             self._leases.drop(req_id)
+        if self._writer is not None:
+            self._writer.hold(meta.push_blocks)
+        if self._receiver is not None and meta.side_channel is not None:
+            self._receiver.side_channel = meta.side_channel
         for spec in meta.reqs_to_recv:
             self._enqueue(spec)
         self._progress_handshakes()
@@ -222,7 +264,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 beat.remote_pp_size,
             )
             remote = self._remotes.get(key)
-            if remote is not None:  # before the first handshake there is nobody to tell
+            if remote is None:  # before the first handshake there is nobody to tell
+                continue
+            if self._receiver is not None:
+                self._receiver.heartbeat(remote, beat.remote_request_ids)
+            else:
                 self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
         self._send_done()
 
@@ -233,8 +279,16 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._send_done()
         self._heartbeat()
         self._poll_notifications()
+        now = time.monotonic()
+        if self._writer is not None:
+            self._writer.poll(now)
+        if self._receiver is not None:
+            self._receiver.poll(now)
         recved, self._recved = self._recved, set()
-        return self._leases.take_finished(), recved
+        sent = self._leases.take_finished()
+        if self._writer is not None:
+            self._writer.forget(sent)
+        return sent, recved
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -297,6 +351,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- D: reads -------------------------------------------------------------------------
 
     def _start_read(self, spec: RemoteRead, remote: RemoteEngine) -> None:
+        if self._receiver is not None:  # push mode: register D's blocks, P writes them
+            self._receiver.start(spec, remote, self.geometry.block_size)
+            return
         n = spec.remote_num_tokens
         bd = self.geometry.block_size
         needed = -(-n // bd)
@@ -463,6 +520,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             notifs = self.agent.get_new_notifs()
         for sender, messages in notifs.items():
             for message in messages:
+                if self.options.transfer_mode == "push":
+                    self._on_push_message(message, str(sender), now)
+                    continue
                 try:
                     note = open_notification(self.secret, message)
                 except WireError as exc:
@@ -471,6 +531,26 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                     continue
                 self._leases.on_notification(note, now, str(sender))
         self._leases.expire(now)
+
+    def _on_push_message(self, data: bytes, sender: str, now: float) -> None:
+        try:
+            message = open_push(self.secret, data)
+        except WireError as exc:
+            logger.warning("ignoring a push message from %s: %s", sender, exc)
+            self.stats.count("num_refused_notifications")
+            return
+        if isinstance(message, Pushed) and self._receiver is not None:
+            self._receiver.on_pushed(message, sender)
+        elif isinstance(message, Register) and self._writer is not None:
+            self._writer.on_register(message, sender, now)
+        elif isinstance(message, Heartbeat):
+            self._leases.on_notification(Notification("heartbeat", message.request_ids), now)
+        elif isinstance(message, Release):
+            note = Notification("done", message.request_ids, message.count)
+            self._leases.on_notification(note, now, sender)
+        else:
+            logger.warning("ignoring a %s from %s: not this engine's role", message, sender)
+            self.stats.count("num_refused_notifications")
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -482,6 +562,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._shutdown()
 
     def _shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+        self._receiver = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
