@@ -3,7 +3,10 @@ registers the blocks a request needs with every P worker it would READ from (`Re
 tells the P workers it reads nothing from to free (`Release`), then waits for every
 registered worker's `Pushed`. The request is reported received when all wrote, and its blocks
 are load errors at once when one answers with an error, or when the WRITEs do not arrive
-within `transfer_timeout_s`. While it waits D sends heartbeats, as a pull read does.
+within `transfer_timeout_s`. While it waits D sends heartbeats, as a pull read does, but
+every `LIVENESS_S` at least: NIXL refuses a notification to a peer whose process is gone at
+once (NIXL_ERR_REMOTE_DISCONNECT), so a dead P fails its requests within that, not at the
+transfer timeout (D has no transfer of its own in flight that would fail instead).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvx.plugins.nixl.handshake import MAX_IDS_PER_NOTIFICATION
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.push_wire import (
     Heartbeat,
@@ -28,6 +32,8 @@ from kvx.plugins.nixl.remote import RankKey, RemoteEngine
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 
 logger = logging.getLogger(__name__)
+LIVENESS_S = 0.5
+"""Longest wait between two heartbeats to a P worker D waits on."""
 
 
 @dataclass
@@ -66,27 +72,19 @@ class PushReceiver:
         self.side_channel: tuple[str, int] | None = None
         self._waiting: dict[str, WaitJob] = {}
         self._next_heartbeat = 0.0
+        self.last_sent = 0.0
 
     def start(self, spec: RemoteRead, remote: RemoteEngine, block_size: int) -> None:
         """Register `spec`'s blocks with P (the handshake with `remote` is done)."""
         needed = -(-spec.remote_num_tokens // block_size)
         local = list(spec.local_block_ids[:needed])
         registered: set[RankKey] = set()
-        if local:
-            if self.side_channel is None:
-                logger.error("push: request %s: D serves no side channel", spec.request_id)
-                self._fail(spec, local)
-                return
-            if remote.geometry.block_size != block_size:
-                logger.error(
-                    "push: request %s: P's block size %d differs from D's %d (push writes "
-                    "blocks as they are; use transfer_mode pull)",
-                    spec.request_id,
-                    remote.geometry.block_size,
-                    block_size,
-                )
-                self._fail(spec, local)
-                return
+        problem = self._problem(remote, block_size) if local else None
+        if problem is not None:  # P is told to free below: nothing is registered with it
+            logger.error("push: request %s: %s", spec.request_id, problem)
+            self._fail(spec, local)
+        elif local:
+            assert self.side_channel is not None
             host, port = self.side_channel
             first = needed - len(local)
             stages = sorted({stage for stage, _ in remote.metas})
@@ -110,14 +108,24 @@ class PushReceiver:
                 )
                 job.waiting.add(agent_name(remote.agents[key]))
                 if not self._send(remote.agents[key], message):
-                    del self._waiting[spec.request_id]
-                    self._fail(spec, local)
+                    self._drop(job)
                     return
         for key, count in remote.notify.items():
             if key not in registered:
                 self._send(remote.agents[key], Release([spec.remote_request_id], count))
         if not local and not spec.frees_only:
             self._complete(spec)
+
+    def _problem(self, remote: RemoteEngine, block_size: int) -> str | None:
+        """Why D cannot register with `remote` (None: it can)."""
+        if self.side_channel is None:
+            return "D serves no side channel for P to fetch its blocks from"
+        if remote.geometry.block_size != block_size:
+            return (
+                f"P's block size {remote.geometry.block_size} differs from D's {block_size} "
+                '(push writes blocks as they are; use transfer_mode "pull", which converts)'
+            )
+        return None
 
     def on_pushed(self, message: Pushed, sender: str) -> None:
         job = self._waiting.get(message.decode_request_id)
@@ -141,29 +149,46 @@ class PushReceiver:
             self._complete(job.spec)
 
     def poll(self, now: float) -> None:
-        """Fail registrations P did not answer in time; send heartbeats while waiting."""
+        """Fail registrations P did not answer in time, or whose P is gone; send heartbeats
+        while waiting."""
         for req_id, job in list(self._waiting.items()):
             if now - job.started > self.transfer_timeout_s:
                 logger.error("push: request %s: P's WRITEs did not come in time", req_id)
-                self.stats.count("num_failed_transfers")
-                del self._waiting[req_id]
-                self._fail(job.spec, job.local_block_ids)
+                self._drop(job)
         if not self._waiting or now < self._next_heartbeat:
             return
-        self._next_heartbeat = now + self.lease_s / 6
+        self._next_heartbeat = now + min(self.lease_s / 6, LIVENESS_S)
         by_remote: dict[int, tuple[RemoteEngine, list[str]]] = {}
         for job in self._waiting.values():
             by_remote.setdefault(id(job.remote), (job.remote, []))[1].append(
                 job.spec.remote_request_id
             )
         for remote, ids in by_remote.values():
-            self.heartbeat(remote, ids)
+            gone = self.heartbeat(remote, ids)
+            for job in list(self._waiting.values()):
+                if job.waiting & gone:
+                    logger.error("push: request %s: P is unreachable", job.spec.request_id)
+                    self._drop(job)
 
-    def heartbeat(self, remote: RemoteEngine, request_ids: list[str]) -> None:
+    def heartbeat(self, remote: RemoteEngine, request_ids: list[str]) -> set[str]:
+        """Tell every worker of `remote` to keep `request_ids`; the agents that could not be
+        told (their process is gone)."""
+        gone = set()
         for key in remote.notify:
-            self._send(remote.agents[key], Heartbeat(request_ids))
+            for i in range(0, len(request_ids), MAX_IDS_PER_NOTIFICATION):
+                piece = request_ids[i : i + MAX_IDS_PER_NOTIFICATION]
+                if not self._send(remote.agents[key], Heartbeat(piece)):
+                    gone.add(agent_name(remote.agents[key]))
+        return gone
+
+    def _drop(self, job: WaitJob) -> None:
+        """End a waiting request without its KV: its blocks are load errors."""
+        self.stats.count("num_failed_transfers")
+        del self._waiting[job.spec.request_id]
+        self._fail(job.spec, job.local_block_ids)
 
     def _send(self, agent: str, message: PushMessage) -> bool:
+        self.last_sent = time.monotonic()
         try:
             self.agent.send_notif(agent, seal_push(self.secret, message))
         except Exception as exc:
@@ -171,3 +196,8 @@ class PushReceiver:
             self.stats.count("num_failed_notifications")
             return False
         return True
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits for P's WRITEs."""
+        return bool(self._waiting)

@@ -106,6 +106,7 @@ class PushWriter:
         self._targets: dict[TargetKey, Target | str] = {}  # a target, or why there is none
         self._writing: list[WriteJob] = []
         self._pool: ThreadPoolExecutor | None = None
+        self.last_sent = 0.0
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -310,7 +311,13 @@ class PushWriter:
         note = Notification("done", [reg.request_id], reg.count)
         self.leases.on_notification(note, time.monotonic(), sender)
 
+    @property
+    def busy(self) -> bool:
+        """Whether WRITEs or D handshakes are in flight."""
+        return bool(self._writing or self._fetching)
+
     def _answer(self, agent: str, message: Pushed) -> None:
+        self.last_sent = time.monotonic()
         try:
             self.agent.send_notif(agent, seal_push(self.secret, message))
         except Exception as exc:

@@ -284,6 +284,16 @@ class RemoteEngine:
                     seal_notification(secret, Notification(note.kind, piece, count)),
                 )
 
+    def release(self, agent: Any) -> None:
+        """Release the prepared lists and remove the remote agents from local `agent`."""
+        for dlist in self.dlists.values():
+            agent.release_dlist_handle(dlist)
+        for name in self.agents.values():
+            try:
+                agent.remove_remote_agent(name)
+            except Exception as exc:  # a dead peer
+                logger.warning("removing agent %s failed: %s", name, exc)
+
     def remote_dlist(self, key: RankKey, head_offset: int, num_heads: int, make: Callable) -> Any:
         """The prepared descriptor list of remote worker `key` (cached)."""
         k = (*key, head_offset, num_heads)

@@ -57,6 +57,31 @@ def test_engine_layouts_converted_on_receive() -> None:
     }
 
 
+PUSH = {"kv_connector": "NixlPushConnector", "kv_connector_extra_config": EXTRA}
+
+
+@pytest.mark.timeout(600)
+def test_push_mode_passes_every_claimed_scenario() -> None:
+    """Push mode (P WRITEs into the blocks D registered): every scenario it claims passes,
+    hetero TP (1:2, 2:1, 2:4, 4:2, replicated heads) and the P/D fault scenarios included;
+    only block size and layout conversion are not claimed (push writes blocks as they are)."""
+    results = run_suite(PUSH, fault_timeout_s=20)
+    failed = {r.name: r.message for r in results if r.outcome == FAILED}
+    assert not failed
+    outcomes = {r.name: r.outcome for r in results}
+    for name in (
+        "hetero_tp",
+        "mla_pd_hetero_tp",
+        "pd_separate_processes",
+        "prefill_killed_recompute",
+        "prefill_killed_fail",
+        "decode_killed",
+        "abort_on_decode_while_loading",
+    ):
+        assert outcomes[name] == PASSED, name
+    assert outcomes["block_size_mismatch"] == outcomes["layout_conversion"] == NOT_CLAIMED
+
+
 def test_claims_and_required_layout() -> None:
     config = KVTransferConfig.from_dict({**CONFIG, "kv_role": "kv_both"})
     assert NixlConnector.claims_for(config) == CLAIMS
