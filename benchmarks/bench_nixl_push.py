@@ -151,8 +151,9 @@ def prefill(shape: Shape, p_tp: int, d_tp: int, conn: Connection) -> None:
         KVConnectorRole.SCHEDULER, "kv_producer", engine_id, context(engine_id, shape, p_tp, 0)
     )
     serve(sched, workers)
+    d_md = conn.recv()
     for raw in raws:
-        raw.connect(conn.recv())
+        raw.connect(d_md)
     conn.send("ready")
     while True:
         if conn.poll(0):

@@ -82,6 +82,7 @@ class PushReceiver:
         problem = self._problem(remote, block_size) if local else None
         if problem is not None:  # P is told to free below: nothing is registered with it
             logger.error("push: request %s: %s", spec.request_id, problem)
+            self.stats.count("num_failed_transfers")
             self._fail(spec, local)
         elif local:
             assert self.side_channel is not None

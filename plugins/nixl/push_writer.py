@@ -139,6 +139,8 @@ class PushWriter:
                 enforce_compat=self.enforce_compat,
             )
         self._pending[(reg.request_id, sender)] = (reg, now)
+        # D wants the blocks now: a slow handshake with it must not run the lease out
+        self.leases.on_notification(Notification("heartbeat", [reg.request_id]), now)
         if len(self._pending) > MAX_EARLY:
             self._pending.popitem(last=False)
             self.stats.count("num_unknown_notifications_dropped")
@@ -169,8 +171,9 @@ class PushWriter:
         for (req_id, sender), (reg, seen) in list(self._pending.items()):
             key = (reg.engine_id, reg.host, reg.port, reg.pp_rank, reg.tp_rank, reg.tp_size)
             target = self._targets.get(key)
-            if target is None:
-                continue  # handshake under way
+            if target is None:  # handshake under way: keep the blocks meanwhile
+                self.leases.on_notification(Notification("heartbeat", [req_id]), now)
+                continue
             if isinstance(target, str):
                 del self._pending[(req_id, sender)]
                 self._refuse(reg, sender, None, target)

@@ -124,7 +124,11 @@ def test_decode_killed_before_write_frees_p_within_2s() -> None:
 def test_block_size_mismatch_fails_at_once_and_recomputes() -> None:
     """Push writes blocks as they are: P and D with other block sizes end the request at
     once with a load error (recomputed, output exact), not at a timeout."""
-    config = {"kv_connector": "NixlPushConnector", "kv_connector_extra_config": SLOW}
+    config = {
+        "kv_connector": "NixlPushConnector",
+        "kv_connector_extra_config": SLOW,
+        "kv_load_failure_policy": "recompute",
+    }
     p, d = pd_configs(BASE, config, block_sizes=(16, 32))
     started = time.monotonic()
     with DisaggregatedPair(p, d, processes=False, timeout_s=30) as pd:
