@@ -140,6 +140,9 @@ class PushReceiver:
                 job.spec.request_id,
                 message.error,
             )
+            # TODO: with several P workers (hetero TP, PP), the others may still be writing
+            # into these blocks after the engine frees them; tell them to cancel and wait for
+            # their answers (bounded) before reporting.
             self.stats.count("num_failed_transfers")
             del self._waiting[job.spec.request_id]
             self._fail(job.spec, job.local_block_ids)
