@@ -49,6 +49,8 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     - `huge_pages`: move a CPU KV cache onto transparent huge pages before registering it
       (Linux `MADV_COLLAPSE`; one copy at start-up): same-machine reads then pin one page per
       2 MiB instead of per 4 KiB.
+    - `transfer_mode`: "pull" (D READs P's blocks) or "push" (D registers its blocks with P,
+      which WRITEs them and notifies D; vLLM's `NixlPushConnector`). Both sides must agree.
     """
 
     side_channel_host: str | None = None
@@ -65,6 +67,7 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     idle_progress: bool = True
     huge_pages: bool = True
     verify_transfers: bool = False  # costs more than 10% of D's CPU per read (nixl.md)
+    transfer_mode: Literal["pull", "push"] = "pull"
 
     def __post_init__(self) -> None:
         if self.side_channel_host is not None:
@@ -119,6 +122,12 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
         if problem is not None:
             problems.append(ConfigProblem(key, problem))
         return problems
+
+
+class NixlPushConfig(NixlConfig, forbid_unknown_fields=True):
+    """NixlConfig with `transfer_mode` "push" by default (the `NixlPushConnector` name)."""
+
+    transfer_mode: Literal["pull", "push"] = "push"
 
 
 def bind_problem(host: str, port: int) -> str | None:

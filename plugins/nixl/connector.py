@@ -1,4 +1,5 @@
-"""NixlConnector: prefill/decode disaggregation in pull mode over NIXL.
+"""NixlConnector: prefill/decode disaggregation over NIXL, in pull mode (D READs) or push mode
+(P WRITEs into blocks D registered; `NixlPushConnector`).
 
 The facade builds the role's half: `scheduler.py` runs the request lifecycle and P's side
 channel, `worker.py` registers memory and moves bytes. Matches vLLM's `NixlConnector`
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import kvx
 from kvx import ANY_GEOMETRY, Capability, KVTransferConfig, RoleSplitConnector
-from kvx.plugins.nixl.config import NixlConfig
+from kvx.plugins.nixl.config import NixlConfig, NixlPushConfig
 from kvx.plugins.nixl.scheduler import NixlScheduler
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.plugins.nixl.worker import NixlWorker
@@ -24,6 +25,14 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
     extra_config_schema = NixlConfig
     stats_type = NixlKVConnectorStats
+
+    @classmethod
+    def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
+        """Push mode writes blocks as they are: no block size or layout conversion."""
+        claims = frozenset(cls.capabilities)
+        if config.extra_config_as(cls.extra_config_schema).transfer_mode == "push":
+            claims -= {Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
+        return claims
 
     @classmethod
     def fault_wait_s(cls, config: KVTransferConfig) -> float:
@@ -46,3 +55,10 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     def supports_sleep_mode(cls, config: KVTransferConfig) -> bool:
         """No: P's peers hold the registered addresses of the KV memory sleep would free."""
         return False
+
+
+class NixlPushConnector(NixlConnector):
+    """NixlConnector with `transfer_mode` "push" by default (vLLM's `NixlPushConnector`): D
+    registers its blocks with P, P WRITEs them and tells D."""
+
+    extra_config_schema = NixlPushConfig

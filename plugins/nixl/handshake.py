@@ -125,7 +125,7 @@ def open_notification(secret: str | None, data: bytes) -> Notification:
     return decode_sealed(data, Notification, secret, NOTIFICATION_DOMAIN, max_bytes=MAX_NOTIF_BYTES)
 
 
-def compatibility_factors(ctx: EngineContext) -> dict[str, str]:
+def compatibility_factors(ctx: EngineContext, transfer_mode: str = "pull") -> dict[str, str]:
     """What must be equal on P and D for KV bytes to be interchangeable. TP size, block size
     and layout are not in it: they may differ and are validated against the plan instead
     (matches vLLM's compatibility hash)."""
@@ -139,7 +139,7 @@ def compatibility_factors(ctx: EngineContext) -> dict[str, str]:
         "use_mla": str(cache.use_mla),
         "kvx_contract": ".".join(map(str, CONTRACT_VERSION)),
         "connector_version": str(NIXL_CONNECTOR_VERSION),
-        "transfer_mode": "pull",
+        "transfer_mode": transfer_mode,
     }
 
 

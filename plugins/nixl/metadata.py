@@ -48,10 +48,15 @@ class Heartbeat:
 class NixlMetadata(KVConnectorMetadata):
     """`reqs_to_recv` and `heartbeats` (D), `reqs_to_send` (P: request id -> lease seconds),
     `send_blocks` (P, with `verify_transfers`: the blocks of each to digest) and
-    `reqs_not_processed` (P: aborted requests workers must stop tracking)."""
+    `reqs_not_processed` (P: aborted requests workers must stop tracking). Push mode:
+    `push_blocks` (P: the prompt blocks of each request in `reqs_to_send`, the only blocks D
+    may have written) and `side_channel` (D: where its scheduler serves the workers'
+    handshakes, named in D's registrations)."""
 
     reqs_to_recv: list[RemoteRead] = field(default_factory=list)
     reqs_to_send: dict[str, float] = field(default_factory=dict)
     reqs_not_processed: list[str] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
     send_blocks: dict[str, list[int]] = field(default_factory=dict)
+    push_blocks: dict[str, list[int]] = field(default_factory=dict)
+    side_channel: tuple[str, int] | None = None

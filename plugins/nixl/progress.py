@@ -48,13 +48,18 @@ class IdleProgress:
         self.polls = 0
         self._last_engine_poll = time.monotonic()
         self._wanted = threading.Event()
+        self._holding = False
+        self._until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvx-nixl-progress", daemon=True)
         self._thread.start()
 
-    def set_wanted(self, holding: bool) -> None:
-        """Poll while this worker holds blocks D may read; sleep otherwise."""
-        if holding:
+    def set_wanted(self, holding: bool, until: float = 0.0) -> None:
+        """Poll while this worker holds blocks D may read, and until monotonic time `until`
+        (a notification just sent completes only while its agent progresses: UCX sets up a
+        new connection in several round trips); sleep otherwise."""
+        self._holding, self._until = holding, until
+        if holding or until > time.monotonic():
             self._wanted.set()
         else:
             self._wanted.clear()
@@ -91,6 +96,8 @@ class IdleProgress:
                 if self._stop.is_set():
                     return
                 self._poll()
+                if not self._holding and time.monotonic() > self._until:
+                    self._wanted.clear()
             except Exception as exc:  # the agent is shutting down or broken: stop quietly
                 logger.warning("NIXL progress thread stopped: %s", exc)
                 return

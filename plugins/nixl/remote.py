@@ -101,55 +101,71 @@ def fetch_remote(
         ranks |= {p for _, p in notify_counts(local, guess, 1)}
     except TopologyError as exc:
         raise HandshakeError(f"cannot read from engine {spec.remote_engine_id}: {exc}") from None
-    local_hash = compatibility_hash(local.factors)
     metas = {}
     for stage in range(spec.remote_pp_size):
         for p in sorted(ranks):
-            reply = fetch_payload(
+            metas[(stage, p)] = fetch_checked(
+                local,
+                spec.remote_engine_id,
                 spec.remote_host,
                 spec.remote_port,
-                stage,
-                p,
+                spec.remote_tp_size,
+                (stage, p),
                 timeout_s=timeout_s,
                 max_bytes=max_bytes,
                 secret=secret,
+                enforce_compat=enforce_compat,
             )
-            if reply.compatibility_hash != local_hash:
-                why = differing_factors(local.factors, reply.factors) or "the factors agree"
-                message = (
-                    f"NIXL compatibility hash mismatch with engine {spec.remote_engine_id}: "
-                    f"differs in {why}"
-                )
-                if enforce_compat:
-                    raise HandshakeError(message)
-                logger.warning("%s (enforce_handshake_compat is off: continuing)", message)
-            try:
-                meta = decode(reply.agent_metadata_bytes, AgentMetadata, max_bytes=max_bytes)
-            except WireError as exc:
-                raise HandshakeError(
-                    f"engine {spec.remote_engine_id}: agent metadata: {exc}"
-                ) from None
-            if meta.engine_id != spec.remote_engine_id:
-                raise HandshakeError(
-                    f"engine id mismatch: the request names remote_engine_id "
-                    f"{spec.remote_engine_id!r} but {spec.remote_host}:{spec.remote_port} "
-                    f"serves engine {meta.engine_id!r}"
-                )
-            if (meta.pp_rank, meta.tp_rank) != (stage, p) or meta.tp_size != spec.remote_tp_size:
-                raise HandshakeError(
-                    f"engine {meta.engine_id}: asked for pp_rank={stage} tp_rank={p} of TP "
-                    f"{spec.remote_tp_size}, got pp_rank={meta.pp_rank} tp_rank={meta.tp_rank} "
-                    f"of TP {meta.tp_size}"
-                )
-            if meta.dtype != local.dtype or meta.head_size != local.head_size:
-                raise HandshakeError(
-                    f"engine {meta.engine_id}: dtype {meta.dtype}/head_size {meta.head_size} "
-                    f"cannot be read into dtype {local.dtype}/head_size {local.head_size}"
-                )
-            check_agent_metadata(local, meta)
-            metas[(stage, p)] = meta
     check_consistent(metas)
     return metas
+
+
+def fetch_checked(
+    local: LocalView,
+    engine_id: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    key: RankKey,
+    *,
+    timeout_s: float,
+    max_bytes: int,
+    secret: str | None,
+    enforce_compat: bool,
+) -> AgentMetadata:
+    """Fetch remote worker `key`'s payload from the side channel at `host:port` and check it
+    (compatibility hash, engine id, rank, dtype, regions); `HandshakeError` otherwise."""
+    stage, p = key
+    reply = fetch_payload(
+        host, port, stage, p, timeout_s=timeout_s, max_bytes=max_bytes, secret=secret
+    )
+    if reply.compatibility_hash != compatibility_hash(local.factors):
+        why = differing_factors(local.factors, reply.factors) or "the factors agree"
+        message = f"NIXL compatibility hash mismatch with engine {engine_id}: differs in {why}"
+        if enforce_compat:
+            raise HandshakeError(message)
+        logger.warning("%s (enforce_handshake_compat is off: continuing)", message)
+    try:
+        meta = decode(reply.agent_metadata_bytes, AgentMetadata, max_bytes=max_bytes)
+    except WireError as exc:
+        raise HandshakeError(f"engine {engine_id}: agent metadata: {exc}") from None
+    if meta.engine_id != engine_id:
+        raise HandshakeError(
+            f"engine id mismatch: the request names remote_engine_id {engine_id!r} but "
+            f"{host}:{port} serves engine {meta.engine_id!r}"
+        )
+    if (meta.pp_rank, meta.tp_rank) != (stage, p) or meta.tp_size != tp_size:
+        raise HandshakeError(
+            f"engine {meta.engine_id}: asked for pp_rank={stage} tp_rank={p} of TP "
+            f"{tp_size}, got pp_rank={meta.pp_rank} tp_rank={meta.tp_rank} of TP {meta.tp_size}"
+        )
+    if meta.dtype != local.dtype or meta.head_size != local.head_size:
+        raise HandshakeError(
+            f"engine {meta.engine_id}: dtype {meta.dtype}/head_size {meta.head_size} "
+            f"cannot be read into dtype {local.dtype}/head_size {local.head_size}"
+        )
+    check_agent_metadata(local, meta)
+    return meta
 
 
 def check_agent_metadata(local: LocalView, meta: AgentMetadata) -> None:
@@ -267,6 +283,16 @@ class RemoteEngine:
                     self.agents[key],
                     seal_notification(secret, Notification(note.kind, piece, count)),
                 )
+
+    def release(self, agent: Any) -> None:
+        """Release the prepared lists and remove the remote agents from local `agent`."""
+        for dlist in self.dlists.values():
+            agent.release_dlist_handle(dlist)
+        for name in self.agents.values():
+            try:
+                agent.remove_remote_agent(name)
+            except Exception as exc:  # a dead peer
+                logger.warning("removing agent %s failed: %s", name, exc)
 
     def remote_dlist(self, key: RankKey, head_offset: int, num_heads: int, make: Callable) -> Any:
         """The prepared descriptor list of remote worker `key` (cached)."""

@@ -64,18 +64,20 @@ class NixlScheduler(kvx.ConnectorScheduler):
         self._send: dict[str, float] = {}
         self._send_blocks: dict[str, list[int]] = {}
         self._not_processed: list[str] = []
+        self._push = options.transfer_mode == "push"
+        self._push_blocks: dict[str, list[int]] = {}
         self._queued: dict[str, RemoteRead] = {}  # D: waiting for blocks, not yet reading
         self._next_heartbeat = 0.0
 
     # -- side channel ---------------------------------------------------------------------
 
     def set_handshake_metadata(self, metadata: dict[tuple[int, int], AgentPayload]) -> None:
-        """Start serving every worker's payload (once; producers only: in pull mode only P is
-        read from)."""
-        if self._server is not None or not self.config.is_kv_producer:
+        """Start serving every worker's payload (once; in pull mode producers only, as only P
+        is read from; in push mode consumers too, as P fetches D's to write into it)."""
+        if self._server is not None or not (self.config.is_kv_producer or self._push):
             return
         payloads = {rank: meta.payload for rank, meta in metadata.items()}
-        factors = compatibility_factors(self.ctx)
+        factors = compatibility_factors(self.ctx, self.options.transfer_mode)
         self._server = SideChannelServer(
             self.address.host,
             self.address.port,
@@ -140,6 +142,10 @@ class NixlScheduler(kvx.ConnectorScheduler):
             self._recv, self._send, self._not_processed, self._heartbeats(), self._send_blocks
         )
         self._recv, self._send, self._not_processed, self._send_blocks = [], {}, [], {}
+        if self._push:
+            meta.push_blocks, self._push_blocks = self._push_blocks, {}
+            if self._server is not None:
+                meta.side_channel = (self._server.host, self._server.port)
         return meta
 
     def update_connector_output(self, output: kvx.KVConnectorOutput) -> None:
@@ -190,6 +196,8 @@ class NixlScheduler(kvx.ConnectorScheduler):
         self._send[request.request_id] = self.options.kv_lease_duration
         if self.options.verify_transfers:
             self._send_blocks[request.request_id] = prompt_blocks
+        if self._push:
+            self._push_blocks[request.request_id] = prompt_blocks
         parallel = self.ctx.parallel
         return True, {
             "do_remote_prefill": True,

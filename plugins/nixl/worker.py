@@ -24,29 +24,23 @@ from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
 from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
 from kvx.plugins.nixl.handshake import (
-    AgentMetadata,
     Notification,
     Region,
     compatibility_factors,
     open_notification,
 )
-from kvx.plugins.nixl.hugepages import collapse_to_huge_pages
 from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
 from kvx.plugins.nixl.progress import IdleProgress
-from kvx.plugins.nixl.regions import layer_regions
-from kvx.plugins.nixl.remote import (
-    LocalView,
-    RemoteEngine,
-    build_remote,
-    fetch_remote,
-)
+from kvx.plugins.nixl.push_side import PushSide
+from kvx.plugins.nixl.registration import Registered, agent_payload, register_caches
+from kvx.plugins.nixl.remote import LocalView, RemoteEngine, build_remote, fetch_remote
 from kvx.plugins.nixl.staging import convert_staged
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
-from kvx.wire import WireError, encode
+from kvx.wire import WireError
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +71,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._caches: dict[str, torch.Tensor] = {}
         self._regions: list[Region] = []
         self._registration: Any = None
+        self._registered: Registered | None = None
         self._mem_type = "DRAM"
         self._device = 0
         self._poster: ReadPoster | None = None
@@ -94,6 +89,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._done: dict[int, tuple[RemoteEngine, list[str]]] = {}  # reads over, P not told yet
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
         self._producer = config.is_kv_producer
+        self._consumer = config.is_kv_consumer
+        self._push: PushSide | None = None  # push mode
         self._lock = threading.Lock()  # every agent call; shared with the progress thread
         self._progress: IdleProgress | None = None
         self._held_reported = False
@@ -106,29 +103,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._registration is not None:
             raise RuntimeError("register_kv_caches was called twice")
-        regions: list[Region] = []
-        for name, tensor in kv_caches.items():
-            if tensor.device.type not in ("cpu", "cuda"):
-                raise ValueError(
-                    f"layer {name}: NIXL registers cpu or cuda tensors, not {tensor.device}"
-                )
-            regions += layer_regions(name, self.layout, tensor)
+        registered = register_caches(self.agent, kv_caches, self.layout, self.options.huge_pages)
         self._caches = dict(kv_caches)
-        self._regions = regions
-        first = next(iter(kv_caches.values()))
-        self._mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
-        self._device = first.device.index or 0
-        if self.options.huge_pages and self._mem_type == "DRAM":
-            collapsed = collapse_to_huge_pages(kv_caches.values())
-            total = sum(t.numel() * t.element_size() for t in kv_caches.values())
-            logger.info("KV cache: %d of %d MiB on huge pages", collapsed >> 20, total >> 20)
-        self._registration = self.agent.register_memory(
-            [
-                (t.data_ptr(), t.numel() * t.element_size(), self._device, "")
-                for t in kv_caches.values()
-            ],
-            self._mem_type,
-        )
+        self._registered = registered
+        self._regions = regions = registered.regions
+        self._registration = registered.handle
+        self._mem_type = registered.mem_type
+        self._device = registered.device
         cache = self.ctx.cache
         p = self.ctx.parallel
         self._view = LocalView(
@@ -138,7 +119,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             p.pp_size,
             self.geometry,
             tuple(kv_caches),
-            compatibility_factors(self.ctx),
+            compatibility_factors(self.ctx, self.options.transfer_mode),
             cache.dtype,
             cache.head_size,
             num_blocks=regions[0].num_blocks,
@@ -158,33 +139,27 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._verifier = Verifier(
                 self._tables, p, self.secret, self.options.transfer_timeout_s, self._submit
             )
-        if self._producer and self.options.idle_progress:
+        if self.options.idle_progress and (self._producer or self.options.transfer_mode == "push"):
             self._progress = IdleProgress(self.agent, self._lock)
+        if self.options.transfer_mode == "push":
+            self._push = PushSide(
+                self.agent,
+                self.options,
+                self.secret,
+                self._poster,
+                self._view,
+                self._leases,
+                self.stats,
+                (self._producer, self._consumer),
+                (self.engine_id, p.pp_rank, p.tp_rank, p.pp_size, p.tp_size),
+                lambda spec: self._recved.add(spec.request_id),
+                self._fail,
+            )
 
     def get_handshake_metadata(self) -> kvx.AgentPayload:
-        """This worker's encoded `AgentMetadata` (served by P's side channel)."""
-        cache = self.ctx.cache
-        p = self.ctx.parallel
-        payload = encode(
-            AgentMetadata(
-                engine_id=self.engine_id,
-                agent_metadata=self.agent.get_agent_metadata(),
-                pp_rank=p.pp_rank,
-                tp_rank=p.tp_rank,
-                tp_size=p.tp_size,
-                pp_size=p.pp_size,
-                num_kv_heads=cache.num_kv_heads,
-                head_size=cache.head_size,
-                block_size=cache.block_size,
-                layout=self.layout.name,
-                dtype=cache.dtype,
-                is_mla=cache.use_mla,
-                regions=self._regions,
-                device_id=self._device,
-                mem_type="VRAM" if self._mem_type == "VRAM" else "DRAM",
-            )
-        )
-        return kvx.AgentPayload(payload)
+        """This worker's encoded `AgentMetadata` (served by its scheduler's side channel)."""
+        assert self._registered is not None, "register_kv_caches must run first"
+        return agent_payload(self.engine_id, self.agent, self.ctx, self.layout, self._registered)
 
     # -- per step -------------------------------------------------------------------------
 
@@ -200,8 +175,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             return finished
 
     def _want_progress(self) -> None:
-        if self._progress is not None:
+        if self._progress is None:
+            return
+        if self._push is None:
             self._progress.set_wanted(self._leases.holding)
+        else:
+            holding, until = self._push.wants_progress()
+            self._progress.set_wanted(self._leases.holding or holding, until)
 
     def take_stats(self) -> kvx.KVConnectorStats | None:
         """Stats since the last call, with P's held requests as gauges: reported while any is
@@ -223,6 +203,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._digests[(req_id, p.pp_rank, p.tp_rank)] = kvx.cache_block_digests(
                 self._tables, blocks
             )
+        if self._push is not None:
+            self._push.hold(meta)
         for spec in meta.reqs_to_recv:
             self._enqueue(spec)
         self._progress_handshakes()
@@ -236,7 +218,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 beat.remote_pp_size,
             )
             remote = self._remotes.get(key)
-            if remote is not None:  # before the first handshake there is nobody to tell
+            if remote is None:  # before the first handshake there is nobody to tell
+                continue
+            if self._push is not None:
+                self._push.heartbeat(remote, beat.remote_request_ids)
+            else:
                 self._notify(remote, Notification("heartbeat", beat.remote_request_ids))
         self._send_done()
 
@@ -249,8 +235,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._send_done()
         self._heartbeat()
         self._poll_notifications()
+        sent = self._leases.take_finished()
+        if self._push is not None:
+            self._push.poll(time.monotonic())
+            self._push.forget(sent)
         recved, self._recved = self._recved, set()
-        return self._leases.take_finished(), recved
+        return sent, recved
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -324,6 +314,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- D: reads -------------------------------------------------------------------------
 
     def _start_read(self, spec: RemoteRead, remote: RemoteEngine) -> None:
+        if self._push is not None:  # push mode: register D's blocks, P writes them
+            self._push.start(spec, remote, self.geometry.block_size)
+            return
         n = spec.remote_num_tokens
         bd = self.geometry.block_size
         needed = -(-n // bd)
@@ -492,6 +485,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             notifs = self.agent.get_new_notifs()
         for sender, messages in notifs.items():
             for message in messages:
+                if self._push is not None:
+                    self._push.on_message(message, str(sender), now)
+                    continue
                 try:
                     note = open_notification(self.secret, message)
                 except WireError as exc:
@@ -511,6 +507,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._shutdown()
 
     def _shutdown(self) -> None:
+        if self._push is not None:
+            self._push.shutdown()
+            self._push = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -527,13 +526,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._unposted.clear()
         self._leftovers.clear()
         for remote in self._remotes.values():
-            for dlist in remote.dlists.values():
-                self.agent.release_dlist_handle(dlist)
-            for agent in remote.agents.values():
-                try:
-                    self.agent.remove_remote_agent(agent)
-                except Exception as exc:  # a dead peer
-                    logger.warning("shutdown: removing agent %s failed: %s", agent, exc)
+            remote.release(self.agent)
         self._remotes.clear()
         if self._poster is not None:
             self._poster.release()

@@ -63,3 +63,25 @@ def test_benchmark_quick_run() -> None:
     assert "raw NIXL" in result.stdout
     assert re.search(r"1:1 .* \d+\.\d\d .*>= 1\.0", result.stdout)
     assert re.search(r"2:1 .* \d+\.\d\d .*>= 0\.9", result.stdout)
+
+
+@pytest.mark.timeout(240)
+def test_push_benchmark_quick_run() -> None:
+    """Push vs raw WRITE beside pull vs raw READ, every byte checked each round."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_nixl_push.py"),
+            "--quick",
+            "--repeat",
+            "1",
+            "--cases",
+            "2:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"2:1 .* \d+\.\d+ .*>= 1\.0", result.stdout), result.stdout

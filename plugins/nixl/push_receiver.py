@@ -1,0 +1,207 @@
+"""D's side of push mode: after the handshake with P (the same as pull's), each D worker
+registers the blocks a request needs with every P worker it would READ from (`Register`),
+tells the P workers it reads nothing from to free (`Release`), then waits for every
+registered worker's `Pushed`. The request is reported received when all wrote, and its blocks
+are load errors at once when one answers with an error, or when the WRITEs do not arrive
+within `transfer_timeout_s`. While it waits D sends heartbeats, as a pull read does, but
+every `LIVENESS_S` at least: NIXL refuses a notification to a peer whose process is gone at
+once (NIXL_ERR_REMOTE_DISCONNECT), so a dead P fails its requests within that, not at the
+transfer timeout (D has no transfer of its own in flight that would fail instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvx.plugins.nixl.handshake import MAX_IDS_PER_NOTIFICATION
+from kvx.plugins.nixl.metadata import RemoteRead
+from kvx.plugins.nixl.push_wire import (
+    Heartbeat,
+    Pushed,
+    PushMessage,
+    Register,
+    Release,
+    seal_push,
+)
+from kvx.plugins.nixl.push_writer import agent_name
+from kvx.plugins.nixl.remote import RankKey, RemoteEngine
+from kvx.plugins.nixl.stats import NixlKVConnectorStats
+
+logger = logging.getLogger(__name__)
+LIVENESS_S = 0.5
+"""Longest wait between two heartbeats to a P worker D waits on."""
+
+
+@dataclass
+class WaitJob:
+    spec: RemoteRead
+    remote: RemoteEngine
+    local_block_ids: list[int]
+    started: float
+    waiting: set[str] = field(default_factory=set)
+    """Agents of the P workers whose `Pushed` has not come yet."""
+
+
+class PushReceiver:
+    """Registers D's blocks with P and waits for P's WRITEs."""
+
+    def __init__(
+        self,
+        agent: Any,
+        identity: tuple[str, int, int, int, int],
+        stats: NixlKVConnectorStats,
+        *,
+        secret: str | None,
+        lease_s: float,
+        transfer_timeout_s: float,
+        complete: Callable[[RemoteRead], None],
+        fail: Callable[[RemoteRead, list[int]], None],
+    ) -> None:
+        self.agent = agent
+        self.engine_id, self.pp_rank, self.tp_rank, self.pp_size, self.tp_size = identity
+        self.stats = stats
+        self.secret = secret
+        self.lease_s = lease_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._complete = complete
+        self._fail = fail
+        self.side_channel: tuple[str, int] | None = None
+        self._waiting: dict[str, WaitJob] = {}
+        self._next_heartbeat = 0.0
+        self.last_sent = 0.0
+
+    def start(self, spec: RemoteRead, remote: RemoteEngine, block_size: int) -> None:
+        """Register `spec`'s blocks with P (the handshake with `remote` is done)."""
+        needed = -(-spec.remote_num_tokens // block_size)
+        local = list(spec.local_block_ids[:needed])
+        registered: set[RankKey] = set()
+        problem = self._problem(remote, block_size) if local else None
+        if problem is not None:  # P is told to free below: nothing is registered with it
+            logger.error("push: request %s: %s", spec.request_id, problem)
+            self.stats.count("num_failed_transfers")
+            self._fail(spec, local)
+        elif local:
+            assert self.side_channel is not None
+            host, port = self.side_channel
+            first = needed - len(local)
+            stages = sorted({stage for stage, _ in remote.metas})
+            registered = {(s, p) for p in remote.plan.remote_ranks for s in stages}
+            job = WaitJob(spec, remote, local, time.monotonic())
+            self._waiting[spec.request_id] = job
+            for key in sorted(registered):
+                message = Register(
+                    spec.remote_request_id,
+                    spec.request_id,
+                    local,
+                    first,
+                    self.engine_id,
+                    host,
+                    port,
+                    self.pp_rank,
+                    self.tp_rank,
+                    self.pp_size,
+                    self.tp_size,
+                    remote.notify.get(key, 1),
+                )
+                job.waiting.add(agent_name(remote.agents[key]))
+                if not self._send(remote.agents[key], message):
+                    self._drop(job)
+                    return
+        for key, count in remote.notify.items():
+            if key not in registered:
+                self._send(remote.agents[key], Release([spec.remote_request_id], count))
+        if not local and not spec.frees_only:
+            self._complete(spec)
+
+    def _problem(self, remote: RemoteEngine, block_size: int) -> str | None:
+        """Why D cannot register with `remote` (None: it can)."""
+        if self.side_channel is None:
+            return "D serves no side channel for P to fetch its blocks from"
+        if remote.geometry.block_size != block_size:
+            return (
+                f"P's block size {remote.geometry.block_size} differs from D's {block_size} "
+                '(push writes blocks as they are; use transfer_mode "pull", which converts)'
+            )
+        return None
+
+    def on_pushed(self, message: Pushed, sender: str) -> None:
+        job = self._waiting.get(message.decode_request_id)
+        if job is None or sender not in job.waiting:
+            logger.warning("push: ignoring a Pushed from %s for %s", sender, "an unknown request")
+            self.stats.count("num_refused_notifications")
+            return
+        if message.error:
+            logger.error(
+                "push: request %s: P could not write its blocks (%s); they are load errors",
+                job.spec.request_id,
+                message.error,
+            )
+            # TODO: with several P workers (hetero TP, PP), the others may still be writing
+            # into these blocks after the engine frees them; tell them to cancel and wait for
+            # their answers (bounded) before reporting.
+            self.stats.count("num_failed_transfers")
+            del self._waiting[job.spec.request_id]
+            self._fail(job.spec, job.local_block_ids)
+            return
+        job.waiting.discard(sender)
+        if not job.waiting:
+            del self._waiting[job.spec.request_id]
+            self._complete(job.spec)
+
+    def poll(self, now: float) -> None:
+        """Fail registrations P did not answer in time, or whose P is gone; send heartbeats
+        while waiting."""
+        for req_id, job in list(self._waiting.items()):
+            if now - job.started > self.transfer_timeout_s:
+                logger.error("push: request %s: P's WRITEs did not come in time", req_id)
+                self._drop(job)
+        if not self._waiting or now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + min(self.lease_s / 6, LIVENESS_S)
+        by_remote: dict[int, tuple[RemoteEngine, list[str]]] = {}
+        for job in self._waiting.values():
+            by_remote.setdefault(id(job.remote), (job.remote, []))[1].append(
+                job.spec.remote_request_id
+            )
+        for remote, ids in by_remote.values():
+            gone = self.heartbeat(remote, ids)
+            for job in list(self._waiting.values()):
+                if job.waiting & gone:
+                    logger.error("push: request %s: P is unreachable", job.spec.request_id)
+                    self._drop(job)
+
+    def heartbeat(self, remote: RemoteEngine, request_ids: list[str]) -> set[str]:
+        """Tell every worker of `remote` to keep `request_ids`; the agents that could not be
+        told (their process is gone)."""
+        gone = set()
+        for key in remote.notify:
+            for i in range(0, len(request_ids), MAX_IDS_PER_NOTIFICATION):
+                piece = request_ids[i : i + MAX_IDS_PER_NOTIFICATION]
+                if not self._send(remote.agents[key], Heartbeat(piece)):
+                    gone.add(agent_name(remote.agents[key]))
+        return gone
+
+    def _drop(self, job: WaitJob) -> None:
+        """End a waiting request without its KV: its blocks are load errors."""
+        self.stats.count("num_failed_transfers")
+        del self._waiting[job.spec.request_id]
+        self._fail(job.spec, job.local_block_ids)
+
+    def _send(self, agent: str, message: PushMessage) -> bool:
+        self.last_sent = time.monotonic()
+        try:
+            self.agent.send_notif(agent, seal_push(self.secret, message))
+        except Exception as exc:
+            logger.warning("push: notifying %s failed: %s", agent, exc)
+            self.stats.count("num_failed_notifications")
+            return False
+        return True
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits for P's WRITEs."""
+        return bool(self._waiting)
