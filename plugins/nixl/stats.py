@@ -16,6 +16,8 @@ COUNT_KEYS = (
     "num_notifications_after_expiry",
     "num_refused_notifications",
     "num_unknown_notifications_dropped",
+    "num_handshakes",
+    "num_preconnects",
 )
 GAUGE_KEYS = ("held_requests", "held_oldest_seconds")
 """P's holds at the time of the report: merged by maximum, not summed (every TP rank holds
@@ -114,6 +116,8 @@ class NixlKVConnectorStats(KVConnectorStats):
             + self.data["num_failed_handshakes"]
             + self.data["num_failed_notifications"],
             "Num failed handshakes": self.data["num_failed_handshakes"],
+            "Num handshakes": self.data["num_handshakes"],
+            "Num preconnects": self.data["num_preconnects"],
             "Num KV expired reqs": self.data["num_kv_expired_reqs"],
             "Num notifs after expiry": self.data["num_notifications_after_expiry"],
         }

@@ -22,7 +22,13 @@ import torch
 import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
-from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
+from kvx.plugins.nixl.config import (
+    MIN_SECRET_LENGTH,
+    SECRET_KEY,
+    NixlConfig,
+    side_channel_address,
+    split_address,
+)
 from kvx.plugins.nixl.handshake import (
     AgentMetadata,
     Notification,
@@ -34,6 +40,7 @@ from kvx.plugins.nixl.hugepages import collapse_to_huge_pages
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
+from kvx.plugins.nixl.preconnect import Fetched, Preconnector, fetch_address
 from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.regions import layer_regions
 from kvx.plugins.nixl.remote import (
@@ -96,6 +103,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._lock = threading.Lock()  # every agent call; shared with the progress thread
         self._progress: IdleProgress | None = None
         self._held_reported = False
+        self._preconnector: Preconnector | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -151,6 +159,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         )
         if self._producer and self.options.idle_progress:
             self._progress = IdleProgress(self.agent, self._lock)
+        if self.options.preconnect and not self._producer:
+            self._preconnector = Preconnector(
+                [split_address(a) for a in self.options.preconnect],
+                self._fetch_address,
+                self._connect,
+            )
 
     def get_handshake_metadata(self) -> kvx.AgentPayload:
         """This worker's encoded `AgentMetadata` (served by P's side channel)."""
@@ -258,6 +272,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._handshakes[key][1].append(spec)
             return
         assert self._view is not None, "register_kv_caches must run before loads"
+        self.stats.count("num_handshakes")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-nixl-handshake")
         future = self._pool.submit(
@@ -293,6 +308,42 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._remotes[key] = remote
             for spec in specs:
                 self._start_read(spec, remote)
+
+    def _fetch_address(self, host: str, port: int) -> Fetched:
+        assert self._view is not None
+        return fetch_address(
+            self._view,
+            host,
+            port,
+            timeout_s=self.options.handshake_timeout_s,
+            max_bytes=self.options.max_handshake_bytes,
+            secret=self.secret,
+            enforce_compat=self.options.enforce_handshake_compat,
+        )
+
+    def _connect(self, fetched: Fetched) -> None:
+        """Preconnect (its thread): add P's agents and wire up UCX to each, unless a request
+        got there first."""
+        spec, metas = fetched
+        key = (
+            spec.remote_engine_id,
+            spec.remote_host,
+            spec.remote_port,
+            spec.remote_tp_size,
+            spec.remote_pp_size,
+        )
+        with self._lock:
+            if self.agent is None or key in self._remotes or key in self._handshakes:
+                return
+            assert self._view is not None
+            remote = build_remote(
+                self._view, metas, self.agent.add_remote_agent, self.agent.remove_remote_agent
+            )
+            for agent in remote.agents.values():
+                self.agent.make_connection(agent)
+            self._remotes[key] = remote
+            self.stats.count("num_preconnects")
+        logger.info("pre-connected to engine %s at %s:%d", key[0], key[1], key[2])
 
     # -- D: reads -------------------------------------------------------------------------
 
@@ -475,6 +526,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._preconnector is not None:  # before the lock: its thread may wait for it
+            self._preconnector.close()
+            self._preconnector = None
         if self._progress is not None:
             self._progress.close()
             self._progress = None
