@@ -74,7 +74,7 @@ def test_localhost_is_a_side_channel_host_as_in_vllm(capsys: pytest.CaptureFixtu
         (["127.0.0.1"], "'127.0.0.1' is not host:port of a P side channel (port 1-65535)"),
         (["127.0.0.1:0"], "'127.0.0.1:0' is not host:port of a P side channel"),
         (["p-host:5600"], "'p-host:5600': 'p-host' is not an IP address"),
-        ("127.0.0.1:5600", "expected a list of a string, got \"127.0.0.1:5600\" (string)"),
+        ("127.0.0.1:5600", 'expected a list of a string, got "127.0.0.1:5600" (string)'),
     ],
 )
 def test_a_bad_preconnect_address_is_named(
