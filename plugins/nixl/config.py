@@ -48,6 +48,8 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
       2 MiB instead of per 4 KiB.
     - `preconnect`: D only: the side channels (`host:port`) of P engines to shake hands with
       at start-up, in the background, so the first request from each pays no handshake.
+    - `start_reads_at_bind`: with a CPU KV cache, start D's READs before the step's forward
+      pass instead of after it (vLLM's order), so one that ends during the step is seen then.
     """
 
     side_channel_host: str | None = None
@@ -63,6 +65,7 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     num_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     idle_progress: bool = True
     huge_pages: bool = True
+    start_reads_at_bind: bool = True
     preconnect: Annotated[list[str], msgspec.Meta(max_length=MAX_PRECONNECT)] = msgspec.field(
         default_factory=list
     )

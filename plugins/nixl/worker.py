@@ -191,6 +191,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         )
         return kvx.AgentPayload(payload)
 
+    def reads_at_bind(self) -> bool:
+        """Start the step's READs when its metadata is bound (before the forward pass): only
+        for CPU memory, where the engine's block zeroing has finished by then (a GPU's may
+        still be queued on its stream)."""
+        return self.options.start_reads_at_bind and self._mem_type == "DRAM"
+
     # -- per step -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: NixlMetadata) -> None:
@@ -339,9 +345,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             remote = build_remote(
                 self._view, metas, self.agent.add_remote_agent, self.agent.remove_remote_agent
             )
-            for agent in remote.agents.values():
-                self.agent.make_connection(agent)
             self._remotes[key] = remote
+            for agent in remote.agents.values():
+                try:
+                    self.agent.make_connection(agent)
+                except Exception as exc:  # the first READ connects instead
+                    logger.warning("pre-connecting UCX to %s failed: %s", agent, exc)
             self.stats.count("num_preconnects")
         logger.info("pre-connected to engine %s at %s:%d", key[0], key[1], key[2])
 
