@@ -17,6 +17,7 @@ HOST_ENV, PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT
 DEFAULT_HOST = "127.0.0.1"
 SECRET_KEY = "kv_connector_extra_config.shared_secret"
 MIN_SECRET_LENGTH = 8
+MAX_PRECONNECT = 64
 NIXL_BACKENDS = ("UCX", "POSIX", "GDS", "GDS_MT", "LIBFABRIC", "UCCL", "OBJ")
 
 
@@ -51,6 +52,10 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
       2 MiB instead of per 4 KiB.
     - `transfer_mode`: "pull" (D READs P's blocks) or "push" (D registers its blocks with P,
       which WRITEs them and notifies D; vLLM's `NixlPushConnector`). Both sides must agree.
+    - `preconnect`: D only: the side channels (`host:port`) of P engines to shake hands with
+      at start-up, in the background, so the first request from each pays no handshake.
+    - `start_reads_at_bind`: with a CPU KV cache, start D's READs before the step's forward
+      pass instead of after it (vLLM's order), so one that ends during the step is seen then.
     """
 
     side_channel_host: str | None = None
@@ -68,6 +73,10 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     huge_pages: bool = True
     verify_transfers: bool = False  # costs more than 10% of D's CPU per read (nixl.md)
     transfer_mode: Literal["pull", "push"] = "pull"
+    start_reads_at_bind: bool = True
+    preconnect: Annotated[list[str], msgspec.Meta(max_length=MAX_PRECONNECT)] = msgspec.field(
+        default_factory=list
+    )
 
     def __post_init__(self) -> None:
         if self.side_channel_host is not None:
@@ -80,6 +89,14 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
                 f"backends: {self.backends!r} is not allowed; pick one or more of "
                 f"{list(NIXL_BACKENDS)} (UCX is what works on CPU-only machines)"
             )
+        for address in self.preconnect:
+            try:
+                host, _ = split_address(address)
+            except ValueError as exc:
+                raise ValueError(f"preconnect: {exc}") from None
+            problem = host_problem(host)
+            if problem is not None:
+                raise ValueError(f"preconnect: {address[:100]!r}: {problem}")
         if isinstance(self.shared_secret, str) and len(self.shared_secret) < MIN_SECRET_LENGTH:
             raise ValueError(
                 f"shared_secret: use at least {MIN_SECRET_LENGTH} characters, or null for none"
@@ -143,6 +160,19 @@ def bind_problem(host: str, port: int) -> str | None:
                 "any) and an address of this machine"
             )
     return None
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """`host:port` (IPv6 as `[addr]:port`) -> (host, port); `localhost` is 127.0.0.1. Raises
+    ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"{text[:100]!r} is not host:port of a P side channel (port 1-65535), e.g. "
+            "'127.0.0.1:5600'"
+        )
+    return ("127.0.0.1" if host == "localhost" else host), int(port)
 
 
 def host_problem(host: str) -> str | None:

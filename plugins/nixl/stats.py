@@ -17,6 +17,8 @@ COUNT_KEYS = (
     "num_refused_notifications",
     "num_unknown_notifications_dropped",
     "num_checksum_failures",
+    "num_handshakes",
+    "num_preconnects",
 )
 GAUGE_KEYS = ("held_requests", "held_oldest_seconds")
 """P's holds at the time of the report: merged by maximum, not summed (every TP rank holds
@@ -116,6 +118,8 @@ class NixlKVConnectorStats(KVConnectorStats):
             + self.data["num_failed_handshakes"]
             + self.data["num_failed_notifications"],
             "Num failed handshakes": self.data["num_failed_handshakes"],
+            "Num handshakes": self.data["num_handshakes"],
+            "Num preconnects": self.data["num_preconnects"],
             "Num KV expired reqs": self.data["num_kv_expired_reqs"],
             "Num notifs after expiry": self.data["num_notifications_after_expiry"],
         }

@@ -22,7 +22,13 @@ import torch
 import kvx
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.agent import make_agent
-from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
+from kvx.plugins.nixl.config import (
+    MIN_SECRET_LENGTH,
+    SECRET_KEY,
+    NixlConfig,
+    side_channel_address,
+    split_address,
+)
 from kvx.plugins.nixl.handshake import (
     Notification,
     Region,
@@ -33,6 +39,7 @@ from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
+from kvx.plugins.nixl.preconnect import Fetched, Preconnector, fetch_address
 from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.push_side import PushSide
 from kvx.plugins.nixl.registration import Registered, agent_payload, register_caches
@@ -97,6 +104,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._tables: list[torch.Tensor] = []  # verify_transfers: the caches block by block
         self._digests: dict[tuple[str, int, int], list[int]] = {}  # P: to the scheduler
         self._verifier: Verifier | None = None  # D: reads waiting for P's digests
+        self._preconnector: Preconnector | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -155,11 +163,23 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 lambda spec: self._recved.add(spec.request_id),
                 self._fail,
             )
+        if self.options.preconnect and not self._producer:
+            self._preconnector = Preconnector(
+                [split_address(a) for a in self.options.preconnect],
+                self._fetch_address,
+                self._connect,
+            )
 
     def get_handshake_metadata(self) -> kvx.AgentPayload:
         """This worker's encoded `AgentMetadata` (served by its scheduler's side channel)."""
         assert self._registered is not None, "register_kv_caches must run first"
         return agent_payload(self.engine_id, self.agent, self.ctx, self.layout, self._registered)
+
+    def reads_at_bind(self) -> bool:
+        """Start the step's READs when its metadata is bound (before the forward pass): only
+        for CPU memory, where the engine's block zeroing has finished by then (a GPU's may
+        still be queued on its stream)."""
+        return self.options.start_reads_at_bind and self._mem_type == "DRAM"
 
     # -- per step -------------------------------------------------------------------------
 
@@ -271,6 +291,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._handshakes[key][1].append(spec)
             return
         assert self._view is not None, "register_kv_caches must run before loads"
+        self.stats.count("num_handshakes")
         future = self._submit(
             fetch_remote,
             self._view,
@@ -310,6 +331,45 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self._remotes[key] = remote
             for spec in specs:
                 self._start_read(spec, remote)
+
+    def _fetch_address(self, host: str, port: int) -> Fetched:
+        assert self._view is not None
+        return fetch_address(
+            self._view,
+            host,
+            port,
+            timeout_s=self.options.handshake_timeout_s,
+            max_bytes=self.options.max_handshake_bytes,
+            secret=self.secret,
+            enforce_compat=self.options.enforce_handshake_compat,
+        )
+
+    def _connect(self, fetched: Fetched) -> None:
+        """Preconnect (its thread): add P's agents and wire up UCX to each, unless a request
+        got there first."""
+        spec, metas = fetched
+        key = (
+            spec.remote_engine_id,
+            spec.remote_host,
+            spec.remote_port,
+            spec.remote_tp_size,
+            spec.remote_pp_size,
+        )
+        with self._lock:
+            if self.agent is None or key in self._remotes or key in self._handshakes:
+                return
+            assert self._view is not None
+            remote = build_remote(
+                self._view, metas, self.agent.add_remote_agent, self.agent.remove_remote_agent
+            )
+            self._remotes[key] = remote
+            for agent in remote.agents.values():
+                try:
+                    self.agent.make_connection(agent)
+                except Exception as exc:  # the first READ connects instead
+                    logger.warning("pre-connecting UCX to %s failed: %s", agent, exc)
+            self.stats.count("num_preconnects")
+        logger.info("pre-connected to engine %s at %s:%d", key[0], key[1], key[2])
 
     # -- D: reads -------------------------------------------------------------------------
 
@@ -500,6 +560,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._preconnector is not None:  # before the lock: its thread may wait for it
+            self._preconnector.close()
+            self._preconnector = None
         if self._progress is not None:
             self._progress.close()
             self._progress = None

@@ -66,3 +66,28 @@ def test_localhost_is_a_side_channel_host_as_in_vllm(capsys: pytest.CaptureFixtu
         "kv_connector_extra_config.side_channel_host: 'my-host.example' is not an IP address; "
         "use e.g. '127.0.0.1' or 'localhost'" in err
     )
+
+
+@pytest.mark.parametrize(
+    ("preconnect", "message"),
+    [
+        (["127.0.0.1"], "'127.0.0.1' is not host:port of a P side channel (port 1-65535)"),
+        (["127.0.0.1:0"], "'127.0.0.1:0' is not host:port of a P side channel"),
+        (["p-host:5600"], "'p-host:5600': 'p-host' is not an IP address"),
+        ("127.0.0.1:5600", 'expected a list of a string, got "127.0.0.1:5600" (string)'),
+    ],
+)
+def test_a_bad_preconnect_address_is_named(
+    capsys: pytest.CaptureFixture[str], preconnect: object, message: str
+) -> None:
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"preconnect": preconnect},
+    }
+    code, _, err = run(capsys, "validate", "--kv-transfer-config", json.dumps(config))
+    assert code == 2, err
+    assert "preconnect" in err and message in err, err
+    config["kv_connector_extra_config"] = {"preconnect": ["localhost:5600", "[::1]:5600"]}
+    code, _, err = run(capsys, "validate", "--kv-transfer-config", json.dumps(config))
+    assert code == 0, err

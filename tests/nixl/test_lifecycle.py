@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -138,3 +140,76 @@ def test_tampered_params_are_load_errors_or_ignored(tamper: dict[str, Any], load
         assert (stats["load_errors"] > 0) is loaded, stats
         assert not pair.decode.check_kv()
     assert tokens == expected
+
+
+def nixl_worker(engine: Any) -> Any:
+    """The NixlConnector worker of an in-process engine's only worker."""
+    assert isinstance(engine, LocalEngine)
+    connector = engine.engine.workers[0].connector
+    return connector._worker  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("preconnect", [True, False])
+def test_preconnect_spares_the_first_request_its_handshake(preconnect: bool) -> None:
+    """D given P's side channel in `preconnect` shakes hands at start-up, before any request:
+    the first request reads P's KV without a handshake of its own. Without it the first
+    request makes one (the counter's teeth)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    p, _ = pd_configs(BASE, kv(side_channel_port=port))
+    _, d = pd_configs(BASE, kv(preconnect=[f"localhost:{port}"] if preconnect else []))
+    first = prompt(70, 6)
+    expected = baseline_tokens(BASE, {"first": first}, 3)
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        worker = nixl_worker(pair.decode)
+        deadline = time.monotonic() + 30
+        while preconnect and not worker._remotes:
+            assert time.monotonic() < deadline, "D did not pre-connect to P"
+            time.sleep(0.05)
+        report = pair.run({"first": first}, 3)
+        assert report.results["first"].tokens == expected["first"]
+        assert not report.kv_mismatches
+        stats = connector_stats(pair.decode)
+        assert stats.get("transfer_duration") == 1, stats  # P's KV was READ, not recomputed
+        assert stats.get("num_handshakes", 0) == (0 if preconnect else 1), stats
+        assert stats.get("num_preconnects", 0) == (1 if preconnect else 0), stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("at_bind", [True, False])
+def test_reads_start_when_the_metadata_is_bound(at_bind: bool) -> None:
+    """With a CPU KV cache and `start_reads_at_bind`, D's worker starts the step's loads from
+    `bind_connector_metadata`, before the forward pass (vLLM 0.32 calls `start_load_kv` after
+    it); exactly once a step either way, and the bytes are the same."""
+    p, d = pd_configs(BASE, kv(start_reads_at_bind=at_bind))
+    first = prompt(70, 7)
+    expected = baseline_tokens(BASE, {"first": first}, 3)
+    with DisaggregatedPair(p, d, processes=False) as pair:
+        assert isinstance(pair.decode, LocalEngine)
+        connector = pair.decode.engine.workers[0].connector
+        worker = nixl_worker(pair.decode)
+        callers: list[str] = []
+        start = worker.start_load_kv
+
+        def recording(meta: Any) -> None:  # a spy: the real call follows
+            callers.append(sys._getframe(1).f_code.co_name)
+            start(meta)
+
+        worker.start_load_kv = recording
+        binds = 0
+        bind = connector.bind_connector_metadata
+
+        def counting(meta: Any) -> None:
+            nonlocal binds
+            binds += 1
+            bind(meta)
+
+        connector.bind_connector_metadata = counting  # type: ignore[method-assign]
+        report = pair.run({"first": first}, 3)
+        assert report.results["first"].tokens == expected["first"]
+        assert not report.kv_mismatches
+        want = "bind_connector_metadata" if at_bind else "start_load_kv"
+        assert callers == [want] * binds, callers
+        assert connector_stats(pair.decode).get("transfer_duration") == 1
