@@ -8,8 +8,10 @@ ones included) use nothing else (docs/architecture.md, enforced by tests/core/te
 from __future__ import annotations
 
 from kvx._version import __version__
-from kvx.config import ConfigResolver, KVTransferConfig, load_cli_arg
-from kvx.contract import (
+from kvx.config.schema import path_problem, url_problem
+from kvx.config.secrets import Secret, SecretSource, redact_url, resolve_secret
+from kvx.config.transfer import ConfigResolver, KVTransferConfig, load_cli_arg
+from kvx.contract.base import (
     ANY_GEOMETRY,
     CONTRACT_VERSION,
     Capability,
@@ -25,8 +27,7 @@ from kvx.contract import (
     SupportsHMA,
     supports_hma,
 )
-from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
-from kvx.events import (
+from kvx.contract.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,45 +35,17 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
-from kvx.hookimpls import hookimpl, provides, provides_connector
-from kvx.loading import install_hint
-from kvx.planning import (
+from kvx.contract.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
+from kvx.contract.planning import (
     LoadsAndStores,
     PlanningScheduler,
     RequestTracker,
     ScheduledRequest,
     TrackedRequest,
 )
-from kvx.registry import (
-    Registry,
-    create_connector,
-    get_layout,
-    get_registry,
-    open_storage_backend,
-)
-from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
-from kvx.schema import path_problem, url_problem
-from kvx.secrets import Secret, SecretSource, redact_url, resolve_secret
-from kvx.specs import (
-    CommandSpec,
-    ConnectorSpec,
-    KVLayout,
-    LayoutSpec,
-    StorageBackendSpec,
-    TransformSpec,
-)
-from kvx.stats import DIRECTIONS, FAILURE_KINDS, KVConnectorStats, TransferFigures
-from kvx.storage import (
-    StorageBackend,
-    StorageBackendOptions,
-    StorageRegionTable,
-    SupportsHashedIO,
-    copy_into,
-    supports_hashed_io,
-)
-from kvx.storage_listing import StoredEntry, SupportsListing, supports_listing
-from kvx.types import (
+from kvx.contract.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.contract.stats import DIRECTIONS, FAILURE_KINDS, KVConnectorStats, TransferFigures
+from kvx.contract.types import (
     NULL_BLOCK,
     BlockIds,
     CachedRequestData,
@@ -89,7 +62,34 @@ from kvx.types import (
     skipped_blocks,
     yield_req_data,
 )
-from kvx.userdirs import make_private_dirs, user_cache_dir
+from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
+from kvx.hooks.hookimpls import hookimpl, provides, provides_connector
+from kvx.hooks.specs import (
+    CommandSpec,
+    ConnectorSpec,
+    KVLayout,
+    LayoutSpec,
+    StorageBackendSpec,
+    TransformSpec,
+)
+from kvx.registry.core import (
+    Registry,
+    create_connector,
+    get_layout,
+    get_registry,
+    open_storage_backend,
+)
+from kvx.registry.loading import install_hint
+from kvx.storage.backend import (
+    StorageBackend,
+    StorageBackendOptions,
+    StorageRegionTable,
+    SupportsHashedIO,
+    copy_into,
+    supports_hashed_io,
+)
+from kvx.storage.listing import StoredEntry, SupportsListing, supports_listing
+from kvx.storage.userdirs import make_private_dirs, user_cache_dir
 
 __all__ = [
     "ANY_GEOMETRY",

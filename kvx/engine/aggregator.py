@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
+from kvx.contract.base import KVConnectorBase_V1, KVConnectorOutput
 
 
 class KVOutputAggregator:

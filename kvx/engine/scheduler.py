@@ -22,12 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
-from kvx.engine.block_pool import BlockPool, block_hashes
-from kvx.engine.finished_ids import unheld_finished_ids
-from kvx.engine.load_errors import failed_loads
-from kvx.engine.request_state import RequestState
-from kvx.types import (
+from kvx.contract.base import KVConnectorBase_V1, KVConnectorOutput
+from kvx.contract.types import (
     NULL_BLOCK,
     CachedRequestData,
     KVCacheBlocks,
@@ -37,6 +33,10 @@ from kvx.types import (
     SchedulerOutput,
     skipped_blocks,
 )
+from kvx.engine.block_pool import BlockPool, block_hashes
+from kvx.engine.finished_ids import unheld_finished_ids
+from kvx.engine.load_errors import failed_loads
+from kvx.engine.request_state import RequestState
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The connector contract: `KVConnectorBase_V1` and its auxiliary types.
 
 Behaviour-compatible with vLLM's `KVConnectorBase_V1` (method names, arguments, return types,
-defaults), spoken over kvx's engine-neutral types (`kvx.types`). One connector class serves two
-roles: the engine builds one instance with `KVConnectorRole.SCHEDULER` in the scheduler process
+defaults), spoken over kvx's engine-neutral types (`kvx.contract.types`). One connector class serves
+two roles: the engine builds one instance with `KVConnectorRole.SCHEDULER` in the scheduler process
 and one with `KVConnectorRole.WORKER` per worker (TP x PP rank). The two never share memory;
 everything the scheduler side tells workers travels in `KVConnectorMetadata`.
 """
@@ -15,15 +15,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from kvx.events import KVCacheEvent, KVConnectorKVEvents
-from kvx.handshake import KVConnectorHandshakeMetadata
-from kvx.stats import KVConnectorStats
+from kvx.contract.events import KVCacheEvent, KVConnectorKVEvents
+from kvx.contract.handshake import KVConnectorHandshakeMetadata
+from kvx.contract.stats import KVConnectorStats
 
 if TYPE_CHECKING:
     import torch
 
-    from kvx.config import KVTransferConfig
-    from kvx.types import (
+    from kvx.config.transfer import KVTransferConfig
+    from kvx.contract.types import (
         EngineContext,
         ForwardContext,
         KVCacheBlocks,

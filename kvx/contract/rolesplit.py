@@ -10,7 +10,7 @@ with an error that names the method, the role it belongs to and the role the ins
 for. The facade only delegates: a connector's protocol lives in its halves (the worker half's
 `get_handshake_metadata`, the scheduler half's `set_handshake_metadata`, the worker half's
 `wait_for_save(metadata)`), never in facade overrides. (Scheduler halves that plan request by
-request build on `kvx.planning`.)
+request build on `kvx.contract.planning`.)
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
-from kvx.contract import (
+from kvx.contract.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from kvx.events import KVCacheEvent
-from kvx.handshake import KVConnectorHandshakeMetadata, Ranks, split_by_type, with_pp_ranks
-from kvx.stats import KVConnectorStats
+from kvx.contract.events import KVCacheEvent
+from kvx.contract.handshake import KVConnectorHandshakeMetadata, Ranks, split_by_type, with_pp_ranks
+from kvx.contract.stats import KVConnectorStats
 
 if TYPE_CHECKING:
     import torch
 
-    from kvx.config import KVTransferConfig
-    from kvx.types import (
+    from kvx.config.transfer import KVTransferConfig
+    from kvx.contract.types import (
         EngineContext,
         ForwardContext,
         KVCacheBlocks,
@@ -54,7 +54,7 @@ class ConnectorScheduler(ABC):
     contract's `set_xfer_handshake_metadata*` land) and `shutdown`."""
 
     handshake_type: ClassVar[type[KVConnectorHandshakeMetadata]] = KVConnectorHandshakeMetadata
-    """The kind of handshake metadata this half's workers publish (`kvx.handshake`);
+    """The kind of handshake metadata this half's workers publish (`kvx.contract.handshake`);
     `set_handshake_metadata` gets only entries of this kind."""
 
     def on_new_request(self, request: Request) -> None:
@@ -144,7 +144,7 @@ class ConnectorWorker(ABC, Generic[M]):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """What peers need to connect to this worker (after `register_kv_caches`), a kind
-        from `kvx.handshake`, or None; the scheduler half gets every worker's."""
+        from `kvx.contract.handshake`, or None; the scheduler half gets every worker's."""
         return None
 
     def shutdown(self) -> None:
