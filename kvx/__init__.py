@@ -11,13 +11,11 @@ from kvx._version import __version__
 from kvx.config.schema import path_problem, url_problem
 from kvx.config.secrets import Secret, SecretSource, redact_url, resolve_secret
 from kvx.config.transfer import ConfigResolver, KVTransferConfig, load_cli_arg
-from kvx.contract.base import (
+from kvx.contract.auxiliary import (
     ANY_GEOMETRY,
     CONTRACT_VERSION,
     Capability,
     CopyBlocksOp,
-    KVConnectorBase,
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
@@ -27,6 +25,7 @@ from kvx.contract.base import (
     SupportsHMA,
     supports_hma,
 )
+from kvx.contract.base import KVConnectorBase, KVConnectorBase_V1
 from kvx.contract.events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -10,7 +10,9 @@ It rewrites, in .py/.md/.toml/.txt/.cfg/.ini/.yaml/.yml/.sh files and Makefiles:
 - dotted names `kvx.<old>` (imports, `kvx.<old>.attr` reads, monkeypatch strings, docs);
 - `from kvx import <old> [as alias]` -> `from kvx.<wing> import <module> as <alias>`;
 - file paths `kvx/<old>.py` -> `kvx/<wing>/<module>.py` (docs).
-It is idempotent (a path already moved is left alone) and prints each file it changed.
+- imports of names a split module no longer holds (`SPLITS`) -> the module that holds them.
+It is idempotent (a path already moved is left alone) and prints each file it changed; run
+`ruff check --fix` and `ruff format` after it (an import split in two is one line each).
 `--check` changes nothing and exits 1 if something would change.
 """
 
@@ -57,13 +59,46 @@ MOVES: dict[str, str] = {
     "kvx.demo": "kvx.cli.demo",
     "kvx.checks": "kvx.cli.checks",
 }
-"""Old module -> new module. Later moves inside a wing (a split) are added here as they land."""
+"""Old module -> new module."""
+
+SPLITS: dict[str, dict[str, str]] = {
+    "kvx.contract.base": {
+        **dict.fromkeys(
+            [
+                "CONTRACT_VERSION",
+                "KVX_RELEASES_FOR_CONTRACT_MAJOR",
+                "Capability",
+                "ANY_GEOMETRY",
+                "KVConnectorRole",
+                "KVConnectorMetadata",
+                "KVConnectorWorkerMetadata",
+                "KVTransferResults",
+                "KVConnectorTransferResults",
+                "KVConnectorOutput",
+                "CopyBlocksOp",
+                "SupportsHMA",
+                "supports_hma",
+            ],
+            "kvx.contract.auxiliary",
+        ),
+        "KVConnectorHandshakeMetadata": "kvx.contract.handshake",
+        "KVCacheEvent": "kvx.contract.events",
+        "KVConnectorKVEvents": "kvx.contract.events",
+        "KVConnectorStats": "kvx.contract.stats",
+    },
+}
+"""A module split in two: name -> the module it now lives in (names not listed stayed)."""
 
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".ini", ".yaml", ".yml", ".sh", ".pyi"}
 SKIP_DIRS = {".git", ".venv", ".venv-vllm", "build", "dist", "__pycache__", ".mypy_cache"}
+SKIP_FILES = {"pyproject.toml"}  # its module paths are entry points and wing packages: by hand
 SELF = Path(__file__).resolve()
 
-_NEW = sorted(set(MOVES.values()), key=len, reverse=True)
+_NEW = sorted(
+    {*MOVES.values(), *(m for names in SPLITS.values() for m in names.values())},
+    key=len,
+    reverse=True,
+)
 _DOTTED = re.compile(
     r"(?<![\w.])kvx\.("
     + "|".join(sorted((m[4:] for m in MOVES), key=len, reverse=True))
@@ -105,11 +140,42 @@ def _path(match: re.Match[str]) -> str:
     return MOVES[f"kvx.{match.group(1)}"].replace(".", "/") + ".py"
 
 
+_SPLIT_FROM = re.compile(
+    r"^(?P<indent>[ \t]*)from (?P<module>"
+    + "|".join(re.escape(m) for m in SPLITS)
+    + r") import (?:\((?P<many>[^)]*)\)|(?P<one>[^\n(]+))$",
+    re.MULTILINE,
+)
+_SPLIT_ATTR = re.compile(
+    r"(?<![\w.])(?P<module>" + "|".join(re.escape(m) for m in SPLITS) + r")\.(?P<name>\w+)"
+)
+
+
+def _split_from(match: re.Match[str]) -> str:
+    """`from <split module> import a, b` -> one import per module the names now live in."""
+    module, indent = match["module"], match["indent"]
+    names = [n.strip() for n in (match["many"] or match["one"]).split(",") if n.strip()]
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        by_module.setdefault(SPLITS[module].get(name.split(" as ")[0], module), []).append(name)
+    if list(by_module) == [module]:
+        return match.group(0)
+    return "\n".join(
+        f"{indent}from {home} import {', '.join(found)}" for home, found in by_module.items()
+    )
+
+
+def _split_attr(match: re.Match[str]) -> str:
+    return f"{SPLITS[match['module']].get(match['name'], match['module'])}.{match['name']}"
+
+
 def rewrite(text: str) -> str:
     """`text` with every old module path replaced by its new one."""
     text = _FROM_KVX.sub(_from_kvx, text)
     text = _DOTTED.sub(_dotted, text)
-    return _PATH.sub(_path, text)
+    text = _PATH.sub(_path, text)
+    text = _SPLIT_FROM.sub(_split_from, text)
+    return _SPLIT_ATTR.sub(_split_attr, text)
 
 
 def _files(paths: list[Path]) -> list[Path]:
@@ -117,7 +183,9 @@ def _files(paths: list[Path]) -> list[Path]:
     for root in paths:
         candidates = [root] if root.is_file() else sorted(root.rglob("*"))
         for path in candidates:
-            if SKIP_DIRS & set(path.parts) or not path.is_file() or path.resolve() == SELF:
+            if SKIP_DIRS & set(path.parts) or path.name in SKIP_FILES or path.resolve() == SELF:
+                continue
+            if not path.is_file():
                 continue
             if path.suffix in SUFFIXES or path.name == "Makefile":
                 found.append(path)

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvx.adapters import vllm_lookup as lookup
 from kvx.config.transfer import KVTransferConfig
-from kvx.contract.base import KVConnectorBase_V1, supports_hma
+from kvx.contract.auxiliary import supports_hma
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import EngineContext, KVCacheSpec, ParallelInfo
 from kvx.errors import ConfigError, ConfigProblem, RegistryError, quote, quoted_list
 from kvx.registry.core import Registry, get_registry, load_module_path_class

@@ -32,7 +32,7 @@ from kvx.cli.completion import SHELLS, script
 from kvx.cli.listing import cmd_list
 from kvx.config.dotted import merge_dotted_args
 from kvx.config.transfer import KVTransferConfig
-from kvx.contract.base import CONTRACT_VERSION
+from kvx.contract.auxiliary import CONTRACT_VERSION
 from kvx.errors import ConfigError, RegistryError
 from kvx.registry.core import Registry, get_registry
 from kvx.registry.loading import install_hint, load_target

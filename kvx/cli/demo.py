@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvx.config.transfer import KVTransferConfig, load_cli_arg
-from kvx.contract.base import Capability, KVConnectorRole
+from kvx.contract.auxiliary import Capability, KVConnectorRole
 from kvx.contract.types import ParallelInfo, Request
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, pd_configs
 from kvx.engine.engine import EngineConfig

@@ -14,13 +14,11 @@ Re-exports the public names (`kvx.__all__`) that live here.
 
 from __future__ import annotations
 
-from kvx.contract.base import (
+from kvx.contract.auxiliary import (
     ANY_GEOMETRY,
     CONTRACT_VERSION,
     Capability,
     CopyBlocksOp,
-    KVConnectorBase,
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
@@ -30,6 +28,7 @@ from kvx.contract.base import (
     SupportsHMA,
     supports_hma,
 )
+from kvx.contract.base import KVConnectorBase, KVConnectorBase_V1
 from kvx.contract.events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kvx.contract.base import KVConnectorMetadata
+from kvx.contract.auxiliary import KVConnectorMetadata
 from kvx.contract.rolesplit import ConnectorScheduler, type_arguments
 
 if TYPE_CHECKING:

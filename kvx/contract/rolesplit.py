@@ -21,13 +21,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
-from kvx.contract.base import (
-    KVConnectorBase_V1,
+from kvx.contract.auxiliary import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.events import KVCacheEvent
 from kvx.contract.handshake import KVConnectorHandshakeMetadata, Ranks, split_by_type, with_pp_ranks
 from kvx.contract.stats import KVConnectorStats

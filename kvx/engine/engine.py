@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvx.config.transfer import KVTransferConfig
-from kvx.contract.base import KVConnectorBase_V1, KVConnectorRole
+from kvx.contract.auxiliary import KVConnectorRole
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.events import KVConnectorKVEvents
 from kvx.contract.stats import KVConnectorStats
 from kvx.contract.types import (

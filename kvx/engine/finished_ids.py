@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterator, Mapping
 
-from kvx.contract.base import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
 from kvx.contract.types import RequestStatus
 from kvx.engine.request_state import RequestState
 

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvx.contract.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorMetadata, KVConnectorOutput
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import ForwardContext, SchedulerOutput
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 
-from kvx.contract.base import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
 from kvx.contract.types import RequestStatus, SchedulerOutput
 from kvx.engine.request_state import RequestState
 

@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvx.contract.base import KVConnectorBase_V1, KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import (
     NULL_BLOCK,
     CachedRequestData,

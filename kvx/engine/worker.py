@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvx.contract.base import KVConnectorBase_V1, KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import (
     ForwardContext,
     KVCacheSpec,

@@ -16,11 +16,8 @@ from typing import Any
 
 from kvx.config.schema import join_path
 from kvx.config.transfer import ExtraConfigTarget, KVTransferConfig, set_default_resolver
-from kvx.contract.base import (
-    KVConnectorBase_V1,
-    KVConnectorRole,
-    supports_hma,
-)
+from kvx.contract.auxiliary import KVConnectorRole, supports_hma
+from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import EngineContext, PluginRegistry
 from kvx.errors import (
     ConfigError,

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvx import KVConnectorMetadata
-from kvx.contract.base import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
 from kvx.contract.types import Request, SchedulerOutput
 from kvx.engine import EngineConfig, Scheduler, SchedulerConfig
 from kvx.engine.block_pool import BlockPool
