@@ -170,3 +170,50 @@ def test_only_entry_points_call_get_registry() -> None:
     assert not below, f"get_registry() below the entry points (pass the registry in): {below}"
     stale = sorted(set(ENTRY_POINTS) - set(calls))
     assert not stale, f"allowed but no longer calling get_registry(), drop them: {stale}"
+
+
+WING_LAYERS = [
+    {"top"},  # kvx.errors, kvx.wire, kvx.discovery, kvx.tracing, kvx._version
+    {"hooks", "config", "proxy"},
+    {"contract", "topology"},
+    {"storage"},
+    {"registry"},
+    {"engine", "adapters"},
+    {"cli"},
+]
+"""docs/architecture.md's wings, lowest first: a wing imports only wings of lower layers."""
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and _is_package(module)) else "top"
+
+
+def _is_package(module: str) -> bool:
+    return (ROOT / module.replace(".", "/") / "__init__.py").is_file()
+
+
+def _wing_breaches(graph: dict[str, set[str]]) -> list[str]:
+    layer = {wing: n for n, wings in enumerate(WING_LAYERS) for wing in wings}
+    return sorted(
+        f"{module} ({_wing(module)}) imports {dep} ({_wing(dep)})"
+        for module, deps in graph.items()
+        if module != "kvx"
+        for dep in deps
+        if _wing(dep) != _wing(module) and layer[_wing(dep)] >= layer[_wing(module)]
+    )
+
+
+def test_the_wing_check_finds_an_upward_import() -> None:
+    graph = {"kvx.config.transfer": {"kvx.registry.core"}, "kvx.registry.core": {"kvx.errors"}}
+    assert _wing_breaches(graph) == [
+        "kvx.config.transfer (config) imports kvx.registry.core (registry)"
+    ]
+
+
+def test_wings_depend_one_way() -> None:
+    graph = _core_graph()
+    wings = {_wing(m) for m in graph if m != "kvx"}
+    assert wings == set().union(*WING_LAYERS), "every wing has a layer, every layer a wing"
+    breaches = _wing_breaches(graph)
+    assert not breaches, "a wing imports a wing at its own level or above:\n" + "\n".join(breaches)
