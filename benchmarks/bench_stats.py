@@ -220,7 +220,7 @@ def bench_request_facts(requests: int) -> None:
     import logging
 
     from kvx.adapters.request_facts import REQUEST_LOG, RequestFacts
-    from kvx.types import KVCacheBlocks, KVCacheSpec, Request
+    from kvx.contract.types import KVCacheBlocks, KVCacheSpec, Request
 
     cache = KVCacheSpec(tuple(f"l{i}" for i in range(8)), 8, 128, 16, "bfloat16")
     facts = RequestFacts("SharedStorageConnector", "bench", cache, "recompute")

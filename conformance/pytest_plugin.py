@@ -110,7 +110,7 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 def _parse_config(raw: str) -> dict[str, Any]:
     from kvx import get_registry
-    from kvx.config import load_cli_arg
+    from kvx.config.transfer import load_cli_arg
     from kvx.conformance.runner import connector_claims
     from kvx.errors import ConfigError, RegistryError
 

@@ -8,14 +8,14 @@ ones included) use nothing else (docs/architecture.md, enforced by tests/core/te
 from __future__ import annotations
 
 from kvx._version import __version__
-from kvx.config import ConfigResolver, KVTransferConfig, load_cli_arg
-from kvx.contract import (
+from kvx.config.schema import path_problem, url_problem
+from kvx.config.secrets import Secret, SecretSource, redact_url, resolve_secret
+from kvx.config.transfer import ConfigResolver, KVTransferConfig, load_cli_arg
+from kvx.contract.auxiliary import (
     ANY_GEOMETRY,
     CONTRACT_VERSION,
     Capability,
     CopyBlocksOp,
-    KVConnectorBase,
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
@@ -25,8 +25,8 @@ from kvx.contract import (
     SupportsHMA,
     supports_hma,
 )
-from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
-from kvx.events import (
+from kvx.contract.base import KVConnectorBase, KVConnectorBase_V1
+from kvx.contract.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,58 +34,30 @@ from kvx.events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from kvx.groups import (
+from kvx.contract.groups import (
     GroupScheduler,
     GroupsMetadata,
     GroupWorker,
     one_group_output,
     split_by_group,
 )
-from kvx.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
-from kvx.hookimpls import hookimpl, provides, provides_connector
-from kvx.integrity import (
+from kvx.contract.handshake import AgentPayload, KVConnectorHandshakeMetadata, WorkerAddress
+from kvx.contract.integrity import (
     IntegrityError,
     block_digests,
     cache_block_digests,
     check_block_digests,
 )
-from kvx.loading import install_hint
-from kvx.planning import (
+from kvx.contract.planning import (
     LoadsAndStores,
     PlanningScheduler,
     RequestTracker,
     ScheduledRequest,
     TrackedRequest,
 )
-from kvx.registry import (
-    Registry,
-    create_connector,
-    get_layout,
-    get_registry,
-    open_storage_backend,
-)
-from kvx.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
-from kvx.schema import path_problem, url_problem
-from kvx.secrets import Secret, SecretSource, redact_url, resolve_secret
-from kvx.specs import (
-    CommandSpec,
-    ConnectorSpec,
-    KVLayout,
-    LayoutSpec,
-    StorageBackendSpec,
-    TransformSpec,
-)
-from kvx.stats import DIRECTIONS, FAILURE_KINDS, KVConnectorStats, TransferFigures
-from kvx.storage import (
-    StorageBackend,
-    StorageBackendOptions,
-    StorageRegionTable,
-    SupportsHashedIO,
-    copy_into,
-    supports_hashed_io,
-)
-from kvx.storage_listing import StoredEntry, SupportsListing, supports_listing
-from kvx.types import (
+from kvx.contract.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.contract.stats import DIRECTIONS, FAILURE_KINDS, KVConnectorStats, TransferFigures
+from kvx.contract.types import (
     NULL_BLOCK,
     BlockIds,
     CachedRequestData,
@@ -102,7 +74,34 @@ from kvx.types import (
     skipped_blocks,
     yield_req_data,
 )
-from kvx.userdirs import make_private_dirs, user_cache_dir
+from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
+from kvx.hooks.hookimpls import hookimpl, provides, provides_connector
+from kvx.hooks.specs import (
+    CommandSpec,
+    ConnectorSpec,
+    KVLayout,
+    LayoutSpec,
+    StorageBackendSpec,
+    TransformSpec,
+)
+from kvx.registry.core import (
+    Registry,
+    create_connector,
+    get_layout,
+    get_registry,
+    open_storage_backend,
+)
+from kvx.registry.loading import install_hint
+from kvx.storage.backend import (
+    StorageBackend,
+    StorageBackendOptions,
+    StorageRegionTable,
+    SupportsHashedIO,
+    copy_into,
+    supports_hashed_io,
+)
+from kvx.storage.listing import StoredEntry, SupportsListing, supports_listing
+from kvx.storage.userdirs import make_private_dirs, user_cache_dir
 
 __all__ = [
     "ANY_GEOMETRY",

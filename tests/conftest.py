@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvx import registry as registry_module
-from kvx.registry import Registry
+from kvx.registry import core as registry_module
+from kvx.registry.core import Registry
 
 # Tools the Makefile installs into the venv (redis-server from PyPI where Debian's package cannot
 # be had) are found like system ones, by this process and its children.

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvx import tracing
-from kvx.stats import KVConnectorStats
-from kvx.types import NULL_BLOCK, KVCacheBlocks, KVCacheSpec, Request
+from kvx.contract.stats import KVConnectorStats
+from kvx.contract.types import NULL_BLOCK, KVCacheBlocks, KVCacheSpec, Request
 
 REQUEST_LOG = logging.getLogger("kvx.requests")
 """One INFO line per finished request: its facts as one JSON object."""

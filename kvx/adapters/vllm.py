@@ -3,7 +3,7 @@ import path.
 
 `KvxConnector` is a vLLM `KVConnectorBase_V1` that builds a kvx connector through kvx's registry
 and translates every call: vLLM's requests, blocks, scheduler output and forward context become
-`kvx.types`; the kvx results (finished sets, load errors, stats, events, worker metadata,
+`kvx.contract.types`; the kvx results (finished sets, load errors, stats, events, worker metadata,
 `kv_transfer_params`) go back in vLLM's types. vLLM loads it from JSON alone, either naming the
 kvx connector as the class:
 

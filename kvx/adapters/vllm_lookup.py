@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from kvx.errors import did_you_mean, quote, quoted_list
-from kvx.registry import Registry
+from kvx.registry.core import Registry
 
 RUN_IT_DOC = "docs/writing-a-connector.md#7-run-it-inside-vllm"
 _MAX_LISTED = 12
@@ -117,7 +117,7 @@ def class_in(module: ModuleType, module_path: str, name: str, field: str) -> Any
 def connector_classes(module: ModuleType) -> list[str]:
     """Names of `module`'s attributes that are kvx or vLLM connector classes, without the base
     classes the others derive from (vLLM's base is recognised by name: no vLLM import here)."""
-    from kvx.contract import KVConnectorBase_V1
+    from kvx.contract.base import KVConnectorBase_V1
 
     found = {}
     for attr, value in vars(module).items():
@@ -132,7 +132,9 @@ def connector_classes(module: ModuleType) -> list[str]:
 
 def is_kvx_connector_class(value: Any) -> bool:
     """A kvx connector class (it needs the adapter to run inside vLLM)."""
-    contract = sys.modules.get("kvx.contract")  # a kvx class means kvx.contract was imported
+    contract = sys.modules.get(
+        "kvx.contract.base"
+    )  # a kvx class means kvx.contract.base was imported
     return (
         contract is not None
         and inspect.isclass(value)

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import kvx
-from kvx.events import (
+from kvx.contract.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

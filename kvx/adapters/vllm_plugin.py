@@ -46,7 +46,7 @@ def register() -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         from kvx.adapters.vllm_config import known_connectors
-        from kvx.registry import get_registry
+        from kvx.registry.core import get_registry
 
         for name in known_connectors(get_registry()):
             try:
@@ -130,7 +130,7 @@ def _adapter_class(reference: str, plugin_name: bool = False) -> type:
     (`plugin_name`: the config said `kvx.<reference>`)."""
     from kvx.adapters import vllm_lookup as lookup
     from kvx.errors import ConfigError
-    from kvx.registry import get_registry
+    from kvx.registry.core import get_registry
 
     try:
         from kvx.adapters.vllm import connector_class as adapter_class
@@ -161,7 +161,7 @@ def _registered_name_hint(name: str) -> str:
     """How to name a registered kvx connector, when a module path failed to give it."""
     from kvx.adapters.vllm_lookup import known_names
     from kvx.errors import quote
-    from kvx.registry import get_registry
+    from kvx.registry.core import get_registry
 
     if name not in known_names(get_registry()):
         return ""
@@ -175,7 +175,7 @@ def _unknown_name(name: str, registry: dict[str, Any]) -> str:
     """`name` is neither vLLM's nor kvx's (and no module path was given)."""
     from kvx.adapters.vllm_lookup import known_names, registered_hint
     from kvx.errors import did_you_mean, quote, quoted_list
-    from kvx.registry import get_registry
+    from kvx.registry.core import get_registry
 
     kvx_registry = get_registry()
     bare = known_names(kvx_registry)

@@ -1,4 +1,4 @@
-"""vLLM's scheduler objects as kvx's engine-neutral types (`kvx.types`).
+"""vLLM's scheduler objects as kvx's engine-neutral types (`kvx.contract.types`).
 
 Attribute access only (no vLLM import). Lists are shared, not copied, where kvx's contract says
 the connector must not mutate them (scheduler output); a request's `kv_transfer_params` dict is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvx.types import (
+from kvx.contract.types import (
     NULL_BLOCK,
     BlockIds,
     CachedRequestData,

@@ -12,7 +12,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvx.types import NULL_BLOCK
+from kvx.contract.types import NULL_BLOCK
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:

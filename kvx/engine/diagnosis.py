@@ -7,8 +7,8 @@ run fails with what is stuck instead of a bare timeout.
 
 from __future__ import annotations
 
+from kvx.contract.types import RequestStatus
 from kvx.engine.scheduler import Scheduler
-from kvx.types import RequestStatus
 
 
 def diagnose(scheduler: Scheduler, pending: dict[str, dict[str, int]] | None = None) -> list[str]:

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvx.config import KVTransferConfig
+from kvx.config.transfer import KVTransferConfig
+from kvx.contract.types import RequestStatus
 from kvx.engine.engine import Engine, EngineConfig
 from kvx.engine.scheduler import RequestOutput
 from kvx.engine.server import EngineError, EngineHandle, EngineProcess, LocalEngine
 from kvx.engine.waiting import EngineStall, wait_until
-from kvx.types import RequestStatus
 
 __all__ = [
     "DisaggReport",

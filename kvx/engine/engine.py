@@ -12,19 +12,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvx.config import KVTransferConfig
-from kvx.contract import KVConnectorBase_V1, KVConnectorRole
-from kvx.engine.aggregator import KVOutputAggregator
-from kvx.engine.diagnosis import diagnose
-from kvx.engine.metadata_wire import decode_metadata, encode_metadata
-from kvx.engine.mismatch import likely_cause
-from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
-from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
-from kvx.engine.worker import Worker
-from kvx.events import KVConnectorKVEvents
-from kvx.registry import Registry, create_connector, get_registry
-from kvx.stats import KVConnectorStats
-from kvx.types import (
+from kvx.config.transfer import KVTransferConfig
+from kvx.contract.auxiliary import KVConnectorRole
+from kvx.contract.base import KVConnectorBase_V1
+from kvx.contract.events import KVConnectorKVEvents
+from kvx.contract.stats import KVConnectorStats
+from kvx.contract.types import (
     EngineContext,
     KVCacheSpec,
     ParallelInfo,
@@ -33,6 +26,14 @@ from kvx.types import (
     SchedulerOutput,
     skipped_blocks,
 )
+from kvx.engine.aggregator import KVOutputAggregator
+from kvx.engine.diagnosis import diagnose
+from kvx.engine.metadata_wire import decode_metadata, encode_metadata
+from kvx.engine.mismatch import likely_cause
+from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
+from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from kvx.engine.worker import Worker
+from kvx.registry.core import Registry, create_connector, get_registry
 
 
 @dataclass(frozen=True)

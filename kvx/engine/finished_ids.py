@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterator, Mapping
 
-from kvx.contract import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.types import RequestStatus
 from kvx.engine.request_state import RequestState
-from kvx.types import RequestStatus
 
 
 def unheld_finished_ids(

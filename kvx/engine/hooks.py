@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvx.contract import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput
-from kvx.types import ForwardContext, SchedulerOutput
+from kvx.contract.auxiliary import KVConnectorMetadata, KVConnectorOutput
+from kvx.contract.base import KVConnectorBase_V1
+from kvx.contract.types import ForwardContext, SchedulerOutput
 
 
 class LayerHooks:

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from kvx.contract.types import KVCacheSpec, ParallelInfo, PluginRegistry
 from kvx.errors import RegistryError
 from kvx.topology import is_primary_holder
 from kvx.topology import physical_head_range as rank_heads
-from kvx.types import KVCacheSpec, ParallelInfo, PluginRegistry
 
 TOKEN_DIMS = ("blocks", "tokens", "kv", "heads", "head_size")
 

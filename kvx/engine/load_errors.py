@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 
-from kvx.contract import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.types import RequestStatus, SchedulerOutput
 from kvx.engine.request_state import RequestState
-from kvx.types import RequestStatus, SchedulerOutput
 
 
 def failed_loads(

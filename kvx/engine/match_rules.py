@@ -4,7 +4,7 @@ valid answer, never repairing one silently. vLLM asserts on every one of them.""
 
 from __future__ import annotations
 
-from kvx.types import Request
+from kvx.contract.types import Request
 
 
 def checked_match(

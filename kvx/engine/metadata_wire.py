@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from kvx.contract import KVConnectorMetadata
+from kvx.contract.auxiliary import KVConnectorMetadata
 
 
 def _encode_marker(obj: Any) -> Any:

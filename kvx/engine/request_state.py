@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvx.types import Request
+from kvx.contract.types import Request
 
 
 @dataclass

@@ -12,12 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvx.contract import KVConnectorBase_V1, KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.base import KVConnectorBase_V1
+from kvx.contract.types import (
+    ForwardContext,
+    KVCacheSpec,
+    ParallelInfo,
+    PluginRegistry,
+    SchedulerOutput,
+)
 from kvx.engine.hooks import LayerHooks, run_connector_step
 from kvx.engine.kv_cache import PagedKVCache
 from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.topology import pp_layer_range
-from kvx.types import ForwardContext, KVCacheSpec, ParallelInfo, PluginRegistry, SchedulerOutput
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from kvx.specs import KVLayout
+from kvx.hooks.specs import KVLayout
 from kvx.topology.errors import TopologyError
 
 _FIXED = {"kv": 2}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvx.specs import KVLayout
+from kvx.hooks.specs import KVLayout
 from kvx.topology.errors import TopologyError
 from kvx.topology.heads import check_tp_heads, head_holders, physical_head_range
 

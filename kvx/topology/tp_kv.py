@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvx.specs import KVLayout
+from kvx.hooks.specs import KVLayout
 from kvx.topology.errors import TopologyError
 from kvx.topology.heads import is_kv_replicated as _replicated
 from kvx.topology.heads import physical_head_range

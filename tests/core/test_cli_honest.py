@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvx import ConnectorSpec
-from kvx.catalog import Registered
-from kvx.cli import main
-from kvx.registry import Registry
+from kvx.cli.commands import main
+from kvx.registry.catalog import Registered
+from kvx.registry.core import Registry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +26,7 @@ STORE = {
 HEAVY = ("torch", "numpy")
 PROBE = """
 import json, sys
-from kvx.cli import main
+from kvx.cli.commands import main
 code = main(sys.argv[1:])
 heavy = [m for m in HEAVY if m in sys.modules]
 print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)

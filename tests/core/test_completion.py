@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from kvx.cli import main
+from kvx.cli.commands import main
 
 pytestmark = pytest.mark.timeout(60)
 

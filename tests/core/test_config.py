@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvx import ConfigError, KVTransferConfig
-from kvx.registry import Registry
+from kvx.registry.core import Registry
 
 
 def problems_of(data: object, registry: Registry) -> dict[str, str]:

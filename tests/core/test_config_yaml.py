@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvx import ConfigError, KVTransferConfig, load_cli_arg
-from kvx.cli import main
-from kvx.config_yaml import MAX_YAML_VALUES
+from kvx.cli.commands import main
+from kvx.config.yaml_files import MAX_YAML_VALUES
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvx import ConnectorSpec, RegistryError, get_registry
-from kvx.loading import load_target
+from kvx.registry.loading import load_target
 
 # Each built-in's targets as its record spelled them before it used `in_package`.
 WRITTEN_OUT = {

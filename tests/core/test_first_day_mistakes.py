@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvx.cli import main
+from kvx.cli.commands import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

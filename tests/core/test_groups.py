@@ -1,4 +1,4 @@
-"""kvx.groups: one connector half per KV-cache group (how storage handles vLLM's hybrid
+"""kvx.contract.groups: one connector half per KV-cache group (how storage handles vLLM's hybrid
 allocator). Each half sees only its own group's tables, layers and metadata; halves that would
 need their completions counted together (asynchronous loads, held blocks) are refused."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvx
-from kvx.groups import group_contexts
+from kvx.contract.groups import group_contexts
 
 
 class Half(kvx.ConnectorScheduler):

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvx.cli import main
-from kvx.config import KVTransferConfig
+from kvx.cli.commands import main
+from kvx.config.transfer import KVTransferConfig
 from kvx.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(600)

@@ -20,9 +20,9 @@ FOLDERS = {"kvx": "kvx", "plugins": "kvx.plugins", "layouts": "kvx.layouts"}
 FOLDERS |= {"conformance": "kvx.conformance"}
 
 ENTRY_POINTS = {
-    "kvx.registry": "defines it; the public helpers default to it when given no registry",
-    "kvx.cli": "kvx list / validate / demo",
-    "kvx.cli_list": "kvx list",
+    "kvx.registry.core": "defines it; the public helpers default to it when given no registry",
+    "kvx.cli.commands": "kvx list / validate / demo",
+    "kvx.cli.listing": "kvx list",
     "kvx.engine.engine": "the reference Engine, built by users like vLLM's LLM",
     "kvx.adapters.vllm": "vLLM's connector factory builds the adapter",
     "kvx.adapters.vllm_config": "vLLM's config to kvx's",
@@ -133,8 +133,13 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycle_inside_kvx() -> None:
     graph = _core_graph()
-    assert graph["kvx.config"], "the graph was read (kvx.config imports kvx.schema)"
-    assert "kvx.registry" in graph["kvx.storage"] or "kvx.types" in graph["kvx.storage"]
+    assert graph["kvx.config.transfer"], (
+        "the graph was read (kvx.config.transfer imports kvx.config.schema)"
+    )
+    assert (
+        "kvx.registry.core" in graph["kvx.storage.backend"]
+        or "kvx.contract.types" in graph["kvx.storage.backend"]
+    )
     cycles = _cycles(graph)
     shown = [
         " <-> ".join(c) + ": " + str({m: sorted(graph[m] & set(c)) for m in c}) for c in cycles
@@ -158,8 +163,57 @@ def test_only_entry_points_call_get_registry() -> None:
         for path, module in _modules(folder)
         if (lines := list(_registry_calls(path)))
     }
-    assert "kvx.cli" in calls, "the scan sees calls (the CLI is an entry point that makes them)"
+    assert "kvx.cli.commands" in calls, (
+        "the scan sees calls (the CLI is an entry point that makes them)"
+    )
     below = {m: lines for m, lines in calls.items() if m not in ENTRY_POINTS}
     assert not below, f"get_registry() below the entry points (pass the registry in): {below}"
     stale = sorted(set(ENTRY_POINTS) - set(calls))
     assert not stale, f"allowed but no longer calling get_registry(), drop them: {stale}"
+
+
+WING_LAYERS = [
+    {"top"},  # kvx.errors, kvx.wire, kvx.discovery, kvx.tracing, kvx._version
+    {"hooks", "config", "proxy"},
+    {"contract", "topology"},
+    {"storage"},
+    {"registry"},
+    {"engine", "adapters"},
+    {"cli"},
+]
+"""docs/architecture.md's wings, lowest first: a wing imports only wings of lower layers."""
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and _is_package(module)) else "top"
+
+
+def _is_package(module: str) -> bool:
+    return (ROOT / module.replace(".", "/") / "__init__.py").is_file()
+
+
+def _wing_breaches(graph: dict[str, set[str]]) -> list[str]:
+    layer = {wing: n for n, wings in enumerate(WING_LAYERS) for wing in wings}
+    return sorted(
+        f"{module} ({_wing(module)}) imports {dep} ({_wing(dep)})"
+        for module, deps in graph.items()
+        if module != "kvx"
+        for dep in deps
+        if _wing(dep) != _wing(module) and layer[_wing(dep)] >= layer[_wing(module)]
+    )
+
+
+def test_the_wing_check_finds_an_upward_import() -> None:
+    graph = {"kvx.config.transfer": {"kvx.registry.core"}, "kvx.registry.core": {"kvx.errors"}}
+    assert _wing_breaches(graph) == [
+        "kvx.config.transfer (config) imports kvx.registry.core (registry)"
+    ]
+
+
+def test_wings_depend_one_way() -> None:
+    graph = _core_graph()
+    wings = {_wing(m) for m in graph if m != "kvx"}
+    assert wings == set().union(*WING_LAYERS), "every wing has a layer, every layer a wing"
+    breaches = _wing_breaches(graph)
+    assert not breaches, "a wing imports a wing at its own level or above:\n" + "\n".join(breaches)

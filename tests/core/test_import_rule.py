@@ -172,7 +172,7 @@ def test_the_rule_sees_every_kind_of_import(tmp_path: Path) -> None:
         ("kvx", "_private"),
     } <= found
     assert _private_use("kvx", "_private", "kvx.plugins.x") == "'_private' is not in kvx.__all__"
-    assert _private_use("kvx.config", "load_cli_arg", "kvx.plugins.x") is not None
+    assert _private_use("kvx.config.transfer", "load_cli_arg", "kvx.plugins.x") is not None
     assert _private_use("kvx.plugins.other", None, "kvx.plugins.x") is not None
     assert _private_use("kvx.plugins.x.y", None, "kvx.plugins.x") is None
     assert _private_use("kvx.wire", "decode", "kvx.plugins.x") is None

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvx
-from kvx import loading
+from kvx.registry import loading
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -73,4 +73,4 @@ def test_wheel_contains_every_package(tmp_path: Path) -> None:
     assert "kvx/py.typed" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "[console_scripts]\nkvx = kvx.cli:run" in text
+    assert "[console_scripts]\nkvx = kvx.cli.commands:run" in text

@@ -21,7 +21,7 @@ from kvx import (
     RegistryError,
     create_connector,
 )
-from kvx.registry import Registry
+from kvx.registry.core import Registry
 
 CTX = EngineContext(
     engine_id="e0",
@@ -60,7 +60,7 @@ def test_connector_module_is_imported_only_on_first_use(plugin_env: Path) -> Non
     result = run_python("""
         import sys
         from kvx import KVTransferConfig
-        from kvx.registry import get_registry
+        from kvx.registry.core import get_registry
         registry = get_registry()
         assert "EchoConnector" in registry.connectors()
         KVTransferConfig.from_dict({"kv_connector": "EchoConnector", "kv_role": "kv_both",

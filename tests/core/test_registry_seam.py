@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import kvx
-import kvx.registry
+import kvx.registry.core
 from kvx import EngineContext, KVCacheSpec, KVConnectorRole, KVTransferConfig, Registry
 from kvx.engine import Engine, EngineConfig
 
@@ -41,11 +41,11 @@ def no_global(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def refuse() -> Registry:
         raise AssertionError("the process-wide registry was asked for")
 
-    monkeypatch.setattr(kvx.registry, "_default", None)
-    monkeypatch.setattr(kvx.registry, "get_registry", refuse)
+    monkeypatch.setattr(kvx.registry.core, "_default", None)
+    monkeypatch.setattr(kvx.registry.core, "get_registry", refuse)
     monkeypatch.setattr(kvx, "get_registry", refuse)
     yield
-    assert kvx.registry._default is None, "the process-wide registry was created"
+    assert kvx.registry.core._default is None, "the process-wide registry was created"
 
 
 def _configs(tmp_path: Path) -> dict[str, dict[str, Any]]:

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from kvx.adapters.request_facts import FACTS_KEY, MAX_PEER_FACTS_BYTES, RequestFacts
-from kvx.stats import KVConnectorStats, TransferFigures
-from kvx.types import NULL_BLOCK, KVCacheBlocks, KVCacheSpec, Request
+from kvx.contract.stats import KVConnectorStats, TransferFigures
+from kvx.contract.types import NULL_BLOCK, KVCacheBlocks, KVCacheSpec, Request
 
 CACHE = KVCacheSpec(("l0", "l1"), num_kv_heads=2, head_size=8, block_size=16, dtype="float32")
 BLOCK_BYTES = 2 * 2 * 2 * 8 * 16 * 4

@@ -81,7 +81,7 @@ def test_only_tracked_requests_without_start_and_stray_loads_are_dropped(
     tracker.record_load("kept", 16)
     tracker.record_load("never-scheduled", 48)
     out = SchedulerOutput(scheduled_new_reqs=[new("kept", [3, 4]), new("untracked", [5])])
-    with caplog.at_level(logging.WARNING, logger="kvx.planning"):
+    with caplog.at_level(logging.WARNING, logger="kvx.contract.planning"):
         steps = tracker.scheduled(out)
     assert [(s.req_id, s.block_ids, s.state, s.num_external_tokens) for s in steps] == [
         ("kept", [3, 4], 7, 16)

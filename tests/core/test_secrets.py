@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvx
-from kvx.cli import main
+from kvx.cli.commands import main
 
 SECRET = "s3cr3t-value-never-shown"
 KEY = "kv_connector_extra_config.shared_secret"
@@ -132,10 +132,10 @@ def test_the_same_secret_field_type_serves_redis_passwords(
 
 
 def test_secret_fields_are_found_by_type() -> None:
+    from kvx.config.secrets import secret_fields
     from kvx.plugins.nixl.config import NixlConfig
     from kvx.plugins.p2p.config import P2pConfig
     from kvx.plugins.storage.config import SharedStorageConfig
-    from kvx.secrets import secret_fields
 
     assert secret_fields(NixlConfig) == ("shared_secret",)
     assert secret_fields(SharedStorageConfig) == ("redis_password",)

@@ -16,7 +16,7 @@ import sys
 from kvx import tracing
 from kvx.adapters.request_facts import RequestFacts
 from kvx.proxy.forward import decode_request, prefill_request
-from kvx.types import KVCacheSpec, Request
+from kvx.contract.types import KVCacheSpec, Request
 
 ctx = {"kvx_trace": {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}}
 with tracing.span("kvx.proxy.request"):

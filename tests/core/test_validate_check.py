@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import kvx
-from kvx.cli import main
+from kvx.cli.commands import main
 
 
 def validate(capsys: pytest.CaptureFixture[str], config: dict[str, Any]) -> tuple[int, str, str]:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvx import cli
-from kvx.registry import Registry
+from kvx.cli import commands as cli
+from kvx.registry.core import Registry
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,8 +10,8 @@ import socket
 import pytest
 
 import kvx
-from kvx.cli import main
-from kvx.dotted import merge_dotted_args
+from kvx.cli.commands import main
+from kvx.config.dotted import merge_dotted_args
 from kvx.engine import Engine, EngineConfig
 from kvx.plugins.nixl.config import NixlConfig, side_channel_address
 from kvx.plugins.offload.scheduler import OffloadScheduler

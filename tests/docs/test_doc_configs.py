@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvx.cli import main as kvx_main
-from kvx.config import MAX_JSON_DEPTH
-from kvx.config_yaml import parse_yaml
+from kvx.cli.commands import main as kvx_main
+from kvx.config.transfer import MAX_JSON_DEPTH
+from kvx.config.yaml_files import parse_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KVX = Path(sys.executable).parent / "kvx"

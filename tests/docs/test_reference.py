@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import kvx
-from kvx.planning import PlanningScheduler, RequestTracker
+from kvx.contract.planning import PlanningScheduler, RequestTracker
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 HEADING = re.compile(r"^#{2,3} `(\w+)", re.MULTILINE)

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 
 from kvx import KVConnectorMetadata
-from kvx.contract import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.types import Request, SchedulerOutput
 from kvx.engine import EngineConfig, Scheduler, SchedulerConfig
 from kvx.engine.block_pool import BlockPool
 from kvx.engine.metadata_wire import MetadataWireError, decode_metadata, encode_metadata
 from kvx.engine.server import EngineProcess
-from kvx.types import Request, SchedulerOutput
 
 
 @dataclass

@@ -151,7 +151,7 @@ def test_a_store_saving_after_finish_is_named_as_the_cause(tmp_path: Path) -> No
 
 def test_the_hint_for_saves_that_land_after_decode_looked() -> None:
     from kvx import Capability
-    from kvx.demo import why_nothing_moved
+    from kvx.cli.demo import why_nothing_moved
 
     kv = {"kv_connector": "SlowStore"}
     hint = why_nothing_moved(kv, {Capability.STORE_REUSE}, stored_after=48)

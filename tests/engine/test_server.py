@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvx.contract.types import RequestStatus
 from kvx.engine import Engine, EngineConfig, RequestOutput
 from kvx.engine.server import EngineError, EngineProcess, EngineTimeout
-from kvx.types import RequestStatus
 
 CONFIG = EngineConfig(num_layers=2, num_kv_heads=2, head_size=8, block_size=16, num_blocks=16)
 PROMPTS = {"a": [(5 * i + 3) % 1000 for i in range(21)], "b": [(11 * i) % 1000 for i in range(9)]}

@@ -23,7 +23,7 @@ from kvx.layouts import (
     kv_postprocess_blksize_on_receive,
     kv_postprocess_layout_on_receive,
 )
-from kvx.registry import get_registry
+from kvx.registry.core import get_registry
 
 B, N, H, D, LAYERS = 5, 4, 3, 2, 2
 

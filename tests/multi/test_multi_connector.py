@@ -19,7 +19,7 @@ from kvx import (
 from kvx.conformance import run_suite
 from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED
 from kvx.engine import Engine, EngineConfig
-from kvx.registry import Registry
+from kvx.registry.core import Registry
 
 CTX = EngineContext(
     engine_id="e",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import kvx
-from kvx.cli import main
+from kvx.cli.commands import main
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -99,7 +99,7 @@ import sys
 for name in ("starlette", "httpx", "uvicorn"):
     sys.modules[name] = None  # as if the proxy extra were not installed: importing it fails
 import kvx
-from kvx.cli import main
+from kvx.cli.commands import main
 sys.exit(main(sys.argv[1:]))
 """
 

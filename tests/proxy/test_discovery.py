@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvx.cli import main
+from kvx.cli.commands import main
 from kvx.discovery import (
     Announcement,
     Announcer,

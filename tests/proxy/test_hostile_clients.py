@@ -168,7 +168,7 @@ def test_20_concurrent_9_mib_bodies_stay_within_the_body_memory(stub, free_port)
     port = free_port()
     proxy = subprocess.Popen(
         [
-            *(sys.executable, "-c", "from kvx.cli import run; run()", "proxy"),
+            *(sys.executable, "-c", "from kvx.cli.commands import run; run()", "proxy"),
             *("--port", str(port), "--prefill", p.url, "--decode", d.url),
         ],
         stdout=subprocess.PIPE,

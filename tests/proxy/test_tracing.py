@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvx.adapters.request_facts import RequestFacts
+from kvx.contract.types import KVCacheBlocks, KVCacheSpec, Request
 from kvx.tracing import TRACE_KEY
-from kvx.types import KVCacheBlocks, KVCacheSpec, Request
 
 pytestmark = pytest.mark.timeout(60)
 EXPORTER = InMemorySpanExporter()

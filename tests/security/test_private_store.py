@@ -14,7 +14,7 @@ import kvx
 from kvx.plugins.storage.backends.base import BackendOptions
 from kvx.plugins.storage.backends.local_files import LocalFileBackend
 from kvx.plugins.storage.config import DEFAULT_STORAGE_URL, FILE_MODES
-from kvx.userdirs import make_private_dirs, user_cache_dir
+from kvx.storage.userdirs import make_private_dirs, user_cache_dir
 from kvx_example_connector.config import ExamplePDConfig
 
 

@@ -26,8 +26,8 @@ from kvx.plugins.storage.blockformat import (
 )
 from kvx.plugins.storage.config import SharedStorageConfig
 from kvx.plugins.storage.keys import block_keys, chain_seed, shard_counts
+from kvx.storage.userdirs import user_cache_dir
 from kvx.topology import physical_head_range as rank_heads
-from kvx.userdirs import user_cache_dir
 
 MakeRig = Callable[..., Any]  # conftest's Rig factory
 SHAPE = BlockShape(  # layers 4-5 of 8, heads 2-3 of 8: one stage's value for one head shard

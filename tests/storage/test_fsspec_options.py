@@ -13,7 +13,7 @@ import pytest
 from kvx_test_services import RedisProcess
 
 from kvx import StorageBackendOptions
-from kvx.cli import main
+from kvx.cli.commands import main
 from kvx.plugins.storage.backends.fsspec_backend import FsspecBackend
 from kvx.plugins.storage.keys import block_keys, chain_seed
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvx import BlockRemoved, BlockStoreFailed, KVTransferConfig
-from kvx.demo import summary_table
+from kvx.cli.demo import summary_table
 from kvx.engine.disagg import DisaggregatedPair, pd_configs
 from kvx.engine.engine import Engine, EngineConfig
 

@@ -258,7 +258,7 @@ def test_kvx_store_lists_and_evicts_an_s3_store(
     s3_env: SeaweedS3, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`kvx store --storage-options` reaches an S3 store at its own endpoint."""
-    from kvx.cli import main
+    from kvx.cli.commands import main
 
     url = fresh_url(s3_env)
     backend = kvx.open_storage_backend(url, options(s3_env))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import kvx
-from kvx.cli import main
+from kvx.cli.commands import main
 from kvx.plugins.storage.keys import block_keys, chain_seed
 
 from .test_connector import NAMESPACE, VALUE, prompt

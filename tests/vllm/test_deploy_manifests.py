@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvx.config import KVTransferConfig
+from kvx.config.transfer import KVTransferConfig
 from kvx.proxy import cli as proxy_cli
 
 ROOT = Path(__file__).resolve().parents[2]

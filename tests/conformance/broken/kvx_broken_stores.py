@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import kvx
-from kvx.planning import ScheduledRequest
+from kvx.contract.planning import ScheduledRequest
 from kvx.plugins.storage.connector import SharedStorageConnector
 from kvx.plugins.storage.metadata import StorageMetadata, StoreSpec
 from kvx.plugins.storage.scheduler import StorageScheduler

@@ -1,10 +1,10 @@
 """The plugin registry: connectors, layouts, transforms, storage backends and subcommands.
 
 Plugins are found through the `kvx` entry-point group (kvx's built-ins are entry points of its own
-`pyproject.toml`, exactly like a third party's) or registered by hand (`kvx.plugin_catalogs`
-takes them in). Listing never imports an implementation: each record names a lazy
-`"module:attribute"` target that is imported on first use, and a missing optional dependency
-produces an install hint instead of a traceback.
+`pyproject.toml`, exactly like a third party's) or registered by hand
+(`kvx.registry.plugin_catalogs` takes them in). Listing never imports an implementation: each
+record names a lazy `"module:attribute"` target that is imported on first use, and a missing
+optional dependency produces an install hint instead of a traceback.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from kvx.catalog import Registered
-from kvx.config import ExtraConfigTarget, KVTransferConfig, set_default_resolver
-from kvx.contract import (
-    KVConnectorBase_V1,
-    KVConnectorRole,
-    supports_hma,
-)
+from kvx.config.schema import join_path
+from kvx.config.transfer import ExtraConfigTarget, KVTransferConfig, set_default_resolver
+from kvx.contract.auxiliary import KVConnectorRole, supports_hma
+from kvx.contract.base import KVConnectorBase_V1
+from kvx.contract.types import EngineContext, PluginRegistry
 from kvx.errors import (
     ConfigError,
     ConfigProblem,
@@ -29,10 +27,7 @@ from kvx.errors import (
     quote,
     quoted_list,
 )
-from kvx.loading import load_target
-from kvx.plugin_catalogs import PluginCatalogs
-from kvx.schema import join_path
-from kvx.specs import (
+from kvx.hooks.specs import (
     CommandSpec,
     ConnectorSpec,
     KVLayout,
@@ -40,9 +35,11 @@ from kvx.specs import (
     StorageBackendSpec,
     TransformSpec,
 )
-from kvx.storage import StorageBackend, StorageBackendOptions, open_backend
-from kvx.target_check import check_target, contract_problem, schema_problem, target_problem
-from kvx.types import EngineContext, PluginRegistry
+from kvx.registry.catalog import Registered
+from kvx.registry.loading import load_target
+from kvx.registry.plugin_catalogs import PluginCatalogs
+from kvx.registry.target_check import check_target, contract_problem, schema_problem, target_problem
+from kvx.storage.backend import StorageBackend, StorageBackendOptions, open_backend
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +112,7 @@ class Registry(PluginCatalogs):
 
     def import_problem(self, kind: str, name: str) -> str | None:
         """None if the target of `kind` `name` looks usable, else what stops it; checked
-        without running its module (kvx.target_check): for `kvx list` and `kvx validate`. A
+        without running its module (kvx.registry.target_check): for `kvx list` and `kvx validate`. A
         connector's config schema, a light module, is imported and must be a schema type."""
         entry = self.catalogs[kind].get(name)
         what = f"{kind} {entry.name!r}"
@@ -160,7 +157,7 @@ class Registry(PluginCatalogs):
 
     def check_connector_class(self, name: str) -> None:
         """Raise what `load_connector_class` would, as far as the class's source shows, without
-        importing it (kvx.target_check): for `kvx validate` without `--check`."""
+        importing it (kvx.registry.target_check): for `kvx validate` without `--check`."""
         entry = self.connector(name)
         what = f"connector {entry.name!r}"
         check_target(

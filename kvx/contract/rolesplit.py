@@ -10,7 +10,7 @@ with an error that names the method, the role it belongs to and the role the ins
 for. The facade only delegates: a connector's protocol lives in its halves (the worker half's
 `get_handshake_metadata`, the scheduler half's `set_handshake_metadata`, the worker half's
 `wait_for_save(metadata)`), never in facade overrides. (Scheduler halves that plan request by
-request build on `kvx.planning`.)
+request build on `kvx.contract.planning`.)
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
-from kvx.contract import (
-    KVConnectorBase_V1,
+from kvx.contract.auxiliary import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from kvx.events import KVCacheEvent
-from kvx.handshake import KVConnectorHandshakeMetadata, Ranks, split_by_type, with_pp_ranks
-from kvx.stats import KVConnectorStats
+from kvx.contract.base import KVConnectorBase_V1
+from kvx.contract.events import KVCacheEvent
+from kvx.contract.handshake import KVConnectorHandshakeMetadata, Ranks, split_by_type, with_pp_ranks
+from kvx.contract.stats import KVConnectorStats
 
 if TYPE_CHECKING:
     import torch
 
-    from kvx.config import KVTransferConfig
-    from kvx.types import (
+    from kvx.config.transfer import KVTransferConfig
+    from kvx.contract.types import (
         EngineContext,
         ForwardContext,
         KVCacheBlocks,
@@ -54,7 +54,7 @@ class ConnectorScheduler(ABC):
     contract's `set_xfer_handshake_metadata*` land) and `shutdown`."""
 
     handshake_type: ClassVar[type[KVConnectorHandshakeMetadata]] = KVConnectorHandshakeMetadata
-    """The kind of handshake metadata this half's workers publish (`kvx.handshake`);
+    """The kind of handshake metadata this half's workers publish (`kvx.contract.handshake`);
     `set_handshake_metadata` gets only entries of this kind."""
 
     def on_new_request(self, request: Request) -> None:
@@ -144,7 +144,7 @@ class ConnectorWorker(ABC, Generic[M]):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """What peers need to connect to this worker (after `register_kv_caches`), a kind
-        from `kvx.handshake`, or None; the scheduler half gets every worker's."""
+        from `kvx.contract.handshake`, or None; the scheduler half gets every worker's."""
         return None
 
     def shutdown(self) -> None:
@@ -246,7 +246,7 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def _metadata(self) -> Any:
         """This step's bound metadata, checked to be the connector's `metadata_type`."""
-        from kvx.groups import GroupsMetadata  # groups builds on this module
+        from kvx.contract.groups import GroupsMetadata  # groups builds on this module
 
         meta = self._get_connector_metadata()
         if not isinstance(meta, (self.metadata_type, GroupsMetadata)):
@@ -286,14 +286,14 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """`kvx.SupportsHMA`'s method, for a subclass that claims it: the scheduler half's own
-        (a `kvx.groups.GroupScheduler`), or `request_finished` with an engine's one table."""
+        (a `kvx.GroupScheduler`), or `request_finished` with an engine's one table."""
         own = getattr(self.scheduler, "request_finished_all_groups", None)
         if own is not None:
             return own(request, block_ids)
         if len(block_ids) != 1:
             raise ValueError(
                 f"{type(self).__name__}: {len(block_ids)} KV-cache groups, but its scheduler "
-                "half handles one (build it per group: kvx.groups.split_by_group)"
+                "half handles one (build it per group: kvx.contract.groups.split_by_group)"
             )
         return self.scheduler.request_finished(request, block_ids[0])
 

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvx import schema
-from kvx.config import KVTransferConfig
+from kvx.config import schema
+from kvx.config.secrets import inline_secrets, redact_secrets, resolve_secret, secret_fields
+from kvx.config.transfer import KVTransferConfig
 from kvx.errors import ConfigError, ConfigProblem, MissingDependencyError, RegistryError
-from kvx.registry import Registry
-from kvx.secrets import inline_secrets, redact_secrets, resolve_secret, secret_fields
+from kvx.registry.core import Registry
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvx.specs import KVLayout
+from kvx.hooks.specs import KVLayout
 
 if TYPE_CHECKING:
     import torch

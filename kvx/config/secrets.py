@@ -20,8 +20,8 @@ from urllib.parse import urlsplit, urlunsplit
 import msgspec
 import msgspec.inspect as mi
 
+from kvx.config.schema import path_problem, type_info
 from kvx.errors import ConfigError, ConfigProblem
-from kvx.schema import path_problem, type_info
 
 MAX_SECRET_BYTES = 64 << 10
 REDACTED = "***"

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from kvx._version import __version__
-from kvx.contract import CONTRACT_VERSION, KVX_RELEASES_FOR_CONTRACT_MAJOR
+from kvx.contract.auxiliary import CONTRACT_VERSION, KVX_RELEASES_FOR_CONTRACT_MAJOR
 from kvx.errors import MissingDependencyError, RegistryError
-from kvx.loading import install_hint, load_target, missing_requirements
+from kvx.registry.loading import install_hint, load_target, missing_requirements
 
 
 def target_problem(

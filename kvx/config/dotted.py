@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvx.config import load_cli_arg
+from kvx.config.transfer import load_cli_arg
 from kvx.errors import ConfigError, ConfigProblem
 
 FLAG = "--kv-transfer-config"

@@ -20,20 +20,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kvx.contract import (
-    KVConnectorMetadata,
-    KVConnectorOutput,
-    KVConnectorWorkerMetadata,
-)
-from kvx.events import KVCacheEvent
-from kvx.rolesplit import ConnectorScheduler, ConnectorWorker
-from kvx.stats import KVConnectorStats
-from kvx.types import CachedRequestData, KVCacheBlocks
+from kvx.contract.auxiliary import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorkerMetadata
+from kvx.contract.events import KVCacheEvent
+from kvx.contract.rolesplit import ConnectorScheduler, ConnectorWorker
+from kvx.contract.stats import KVConnectorStats
+from kvx.contract.types import CachedRequestData, KVCacheBlocks
 
 if TYPE_CHECKING:
     import torch
 
-    from kvx.types import EngineContext, Request, SchedulerOutput
+    from kvx.contract.types import EngineContext, Request, SchedulerOutput
 
 
 @dataclass

@@ -23,10 +23,16 @@ from typing import Any, TypeVar
 
 import pluggy
 
-from kvx.specs import CommandSpec, ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
+from kvx.hooks.specs import (
+    CommandSpec,
+    ConnectorSpec,
+    LayoutSpec,
+    StorageBackendSpec,
+    TransformSpec,
+)
 
 hookimpl = pluggy.HookimplMarker("kvx")
-"""Marks a plugin's implementation of a `kvx_*` hook (see `kvx.hookspecs`)."""
+"""Marks a plugin's implementation of a `kvx_*` hook (see `kvx.hooks.hookspecs`)."""
 
 S = TypeVar("S", ConnectorSpec, LayoutSpec, TransformSpec, StorageBackendSpec, CommandSpec)
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import xxhash
 
+from kvx.config.secrets import redact_url
+from kvx.contract.types import PluginRegistry
 from kvx.errors import ConfigError, ConfigProblem
-from kvx.secrets import redact_url
-from kvx.types import PluginRegistry
 
 
 @dataclass(frozen=True)

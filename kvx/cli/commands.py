@@ -20,7 +20,7 @@ from rich.console import Console
 
 from kvx._version import __version__
 from kvx.adapters.tiny_models import SHAPES as TINY_SHAPES
-from kvx.checks import (
+from kvx.cli.checks import (
     check_config,
     check_report,
     config_notes,
@@ -28,14 +28,14 @@ from kvx.checks import (
     import_notes,
     redacted,
 )
-from kvx.cli_list import cmd_list
-from kvx.completion import SHELLS, script
-from kvx.config import KVTransferConfig
-from kvx.contract import CONTRACT_VERSION
-from kvx.dotted import merge_dotted_args
+from kvx.cli.completion import SHELLS, script
+from kvx.cli.listing import cmd_list
+from kvx.config.dotted import merge_dotted_args
+from kvx.config.transfer import KVTransferConfig
+from kvx.contract.auxiliary import CONTRACT_VERSION
 from kvx.errors import ConfigError, RegistryError
-from kvx.loading import install_hint, load_target
-from kvx.registry import Registry, get_registry
+from kvx.registry.core import Registry, get_registry
+from kvx.registry.loading import install_hint, load_target
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
 
@@ -318,7 +318,7 @@ def _cmd_validate(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from kvx.demo import DemoOptions, run_demo
+    from kvx.cli.demo import DemoOptions, run_demo
 
     options = DemoOptions(
         args.kv_transfer_config,

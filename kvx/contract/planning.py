@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kvx.contract import KVConnectorMetadata
-from kvx.rolesplit import ConnectorScheduler, type_arguments
+from kvx.contract.auxiliary import KVConnectorMetadata
+from kvx.contract.rolesplit import ConnectorScheduler, type_arguments
 
 if TYPE_CHECKING:
-    from kvx.types import KVCacheBlocks, NewRequestData, Request, SchedulerOutput
+    from kvx.contract.types import KVCacheBlocks, NewRequestData, Request, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=KVConnectorMetadata)

@@ -16,16 +16,16 @@ from typing import Any
 
 import pluggy
 
-from kvx import hookspecs
-from kvx.catalog import Catalog, Registered, copy_catalog
 from kvx.errors import RegistryError, did_you_mean, quoted_list
-from kvx.specs import (
+from kvx.hooks import hookspecs
+from kvx.hooks.specs import (
     CommandSpec,
     ConnectorSpec,
     LayoutSpec,
     StorageBackendSpec,
     TransformSpec,
 )
+from kvx.registry.catalog import Catalog, Registered, copy_catalog
 
 logger = logging.getLogger(__name__)
 

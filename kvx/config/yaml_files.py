@@ -12,8 +12,8 @@ import datetime
 import math
 from typing import Any
 
+from kvx.config.schema import join_path
 from kvx.errors import ConfigError, ConfigProblem
-from kvx.schema import join_path
 
 MAX_YAML_VALUES = 100_000
 YAML_SUFFIXES = (".yaml", ".yml")

@@ -3,7 +3,7 @@
 A plugin is any module or object with functions marked `@kvx.hookimpl` and named like the hooks
 below. It is found through the `kvx` entry-point group (built-ins too) or registered by hand with
 `Registry.register_plugin`. Each hook takes no argument and returns a list of records from
-`kvx.specs`. Names starting with `kvx_` are reserved for hooks: a plugin with an unmarked
+`kvx.hooks.specs`. Names starting with `kvx_` are reserved for hooks: a plugin with an unmarked
 `kvx_*` function, a `kvx_*` name that is no hook (a misspelling), or an implementation whose
 arguments the hook does not provide is refused whole.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pluggy
 
-from kvx.specs import (
+from kvx.hooks.specs import (
     CommandSpec,
     ConnectorSpec,
     LayoutSpec,

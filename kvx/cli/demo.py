@@ -22,15 +22,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvx.config import KVTransferConfig, load_cli_arg
-from kvx.contract import Capability, KVConnectorRole
+from kvx.config.transfer import KVTransferConfig, load_cli_arg
+from kvx.contract.auxiliary import Capability, KVConnectorRole
+from kvx.contract.types import ParallelInfo, Request
 from kvx.engine.disagg import DisaggregatedPair, DisaggReport, pd_configs
 from kvx.engine.engine import EngineConfig
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean
-from kvx.registry import Registry, create_connector
+from kvx.registry.core import Registry, create_connector
 from kvx.topology import TopologyError
 from kvx.topology.heads import check_tp_heads
-from kvx.types import ParallelInfo, Request
 
 PROMPT_LENGTHS = (5, 16, 37, 64, 100, 150, 257)
 TMP_PLACEHOLDER = "{tmp}"  # as in `kvx conformance`: the demo's own temporary directory

@@ -7,8 +7,14 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvx.errors import RegistryError, did_you_mean, quoted_list
-from kvx.loading import install_hint, missing_requirements
-from kvx.specs import CommandSpec, ConnectorSpec, LayoutSpec, StorageBackendSpec, TransformSpec
+from kvx.hooks.specs import (
+    CommandSpec,
+    ConnectorSpec,
+    LayoutSpec,
+    StorageBackendSpec,
+    TransformSpec,
+)
+from kvx.registry.loading import install_hint, missing_requirements
 
 S = TypeVar("S", ConnectorSpec, LayoutSpec, TransformSpec, StorageBackendSpec, CommandSpec)
 

@@ -13,8 +13,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from kvx.catalog import Registered
-from kvx.registry import Registry, get_registry
+from kvx.registry.catalog import Registered
+from kvx.registry.core import Registry, get_registry
 
 EXIT_OK = 0
 

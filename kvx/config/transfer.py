@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 
-from kvx import schema
-from kvx.config_yaml import YAML_SUFFIXES, parse_yaml
+from kvx.config import schema
+from kvx.config.yaml_files import YAML_SUFFIXES, parse_yaml
 from kvx.errors import ConfigError, ConfigProblem, did_you_mean, quote, quoted_list
 
 T = TypeVar("T")
@@ -61,10 +61,11 @@ _default_resolver: Callable[[], ConfigResolver] | None = None
 
 
 def set_default_resolver(get: Callable[[], ConfigResolver] | None) -> None:
-    """Install how `KVTransferConfig.from_dict` finds a resolver when given none. `kvx.registry`
-    installs the process-wide registry's getter when it is imported, so this module never
-    imports the registry (no config <-> registry circle); code below the entry points passes
-    its registry explicitly."""
+    """Install how `KVTransferConfig.from_dict` finds a resolver when given none.
+
+    `kvx.registry.core` installs the process-wide registry's getter when it is imported, so this
+    module never imports the registry (no config <-> registry circle); code below the entry
+    points passes its registry explicitly."""
     global _default_resolver
     _default_resolver = get
 
