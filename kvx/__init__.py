@@ -36,7 +36,6 @@ from kvx.contract.events import (
 )
 from kvx.contract.groups import (
     GroupScheduler,
-    GroupsMetadata,
     GroupWorker,
     one_group_output,
     split_by_group,
@@ -55,7 +54,12 @@ from kvx.contract.planning import (
     ScheduledRequest,
     TrackedRequest,
 )
-from kvx.contract.rolesplit import ConnectorScheduler, ConnectorWorker, RoleSplitConnector
+from kvx.contract.rolesplit import (
+    ConnectorScheduler,
+    ConnectorWorker,
+    GroupsMetadata,
+    RoleSplitConnector,
+)
 from kvx.contract.stats import DIRECTIONS, FAILURE_KINDS, KVConnectorStats, TransferFigures
 from kvx.contract.types import (
     NULL_BLOCK,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvx.contract.auxiliary import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorkerMetadata
 from kvx.contract.events import KVCacheEvent
-from kvx.contract.rolesplit import ConnectorScheduler, ConnectorWorker
+from kvx.contract.rolesplit import ConnectorScheduler, ConnectorWorker, GroupsMetadata
 from kvx.contract.stats import KVConnectorStats
 from kvx.contract.types import CachedRequestData, KVCacheBlocks
 
@@ -30,13 +30,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvx.contract.types import EngineContext, Request, SchedulerOutput
-
-
-@dataclass
-class GroupsMetadata(KVConnectorMetadata):
-    """One step's metadata of each group's half, in group order."""
-
-    groups: tuple[KVConnectorMetadata, ...] = ()
 
 
 @dataclass

@@ -19,6 +19,7 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from kvx.contract.auxiliary import (
@@ -155,6 +156,14 @@ S = TypeVar("S", bound=ConnectorScheduler)
 W = TypeVar("W", bound=ConnectorWorker[Any])
 
 
+@dataclass
+class GroupsMetadata(KVConnectorMetadata):
+    """One step's metadata of each group's half, in group order (`kvx.split_by_group`'s
+    connectors bind it; a `RoleSplitConnector` accepts it beside its own `metadata_type`)."""
+
+    groups: tuple[KVConnectorMetadata, ...] = ()
+
+
 class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     """A connector that is a thin facade over a scheduler half (`S`) and a worker half (`W`).
 
@@ -246,8 +255,6 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
 
     def _metadata(self) -> Any:
         """This step's bound metadata, checked to be the connector's `metadata_type`."""
-        from kvx.contract.groups import GroupsMetadata  # groups builds on this module
-
         meta = self._get_connector_metadata()
         if not isinstance(meta, (self.metadata_type, GroupsMetadata)):
             raise TypeError(
