@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -38,21 +37,18 @@ from kvx.plugins.nixl.handshake import (
 from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
+from kvx.plugins.nixl.peers import Peers
 from kvx.plugins.nixl.posting import ReadJob, ReadPoster
-from kvx.plugins.nixl.preconnect import Fetched, Preconnector, fetch_address
 from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.push_side import PushSide
 from kvx.plugins.nixl.registration import Registered, agent_payload, register_caches
-from kvx.plugins.nixl.remote import LocalView, RemoteEngine, build_remote, fetch_remote
+from kvx.plugins.nixl.remote import LocalView, RemoteEngine
 from kvx.plugins.nixl.staging import convert_staged
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
 from kvx.wire import WireError
 
 logger = logging.getLogger(__name__)
-
-
-HandshakeKey = tuple[str, str, int, int, int]
 
 
 class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
@@ -84,9 +80,6 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._poster: ReadPoster | None = None
         self._view: LocalView | None = None
         # D side
-        self._pool: ThreadPoolExecutor | None = None
-        self._handshakes: dict[HandshakeKey, tuple[Future, list[RemoteRead]]] = {}
-        self._remotes: dict[HandshakeKey, RemoteEngine] = {}
         self._reading: dict[str, ReadJob] = {}
         self._unposted: list[ReadJob] = []  # made in this call, posted at its end
         self._recved: set[str] = set()
@@ -104,7 +97,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._tables: list[torch.Tensor] = []  # verify_transfers: the caches block by block
         self._digests: dict[tuple[str, int, int], list[int]] = {}  # P: to the scheduler
         self._verifier: Verifier | None = None  # D: reads waiting for P's digests
-        self._preconnector: Preconnector | None = None
+        self._peers = Peers(
+            self.agent, self._lock, options, self.secret, self.stats, self._start_read, self._fail
+        )
 
     # -- registration ---------------------------------------------------------------------
 
@@ -145,7 +140,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self.options.verify_transfers:
             self._tables = layer_tables(self._caches, self.layout)
             self._verifier = Verifier(
-                self._tables, p, self.secret, self.options.transfer_timeout_s, self._submit
+                self._tables, p, self.secret, self.options.transfer_timeout_s, self._peers.submit
             )
         if self.options.idle_progress and (self._producer or self.options.transfer_mode == "push"):
             self._progress = IdleProgress(self.agent, self._lock)
@@ -163,12 +158,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 lambda spec: self._recved.add(spec.request_id),
                 self._fail,
             )
-        if self.options.preconnect and not self._producer:
-            self._preconnector = Preconnector(
-                [split_address(a) for a in self.options.preconnect],
-                self._fetch_address,
-                self._connect,
-            )
+        preconnect = [] if self._producer else self.options.preconnect
+        self._peers.bind(self._view, [split_address(a) for a in preconnect])
 
     def get_handshake_metadata(self) -> kvx.AgentPayload:
         """This worker's encoded `AgentMetadata` (served by its scheduler's side channel)."""
@@ -226,8 +217,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._push is not None:
             self._push.hold(meta)
         for spec in meta.reqs_to_recv:
-            self._enqueue(spec)
-        self._progress_handshakes()
+            self._peers.enqueue(spec)
+        self._peers.progress()
         self._post_reads()
         for beat in meta.heartbeats:
             key = (
@@ -237,7 +228,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 beat.remote_tp_size,
                 beat.remote_pp_size,
             )
-            remote = self._remotes.get(key)
+            remote = self._peers.remotes.get(key)
             if remote is None:  # before the first handshake there is nobody to tell
                 continue
             if self._push is not None:
@@ -247,7 +238,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._send_done()
 
     def _get_finished(self) -> tuple[set[str], set[str]]:
-        self._progress_handshakes()
+        self._peers.progress()
         self._post_reads()
         self._poll_reads()
         if self._verifier is not None:  # D: the reads whose check against P's digests ended
@@ -272,104 +263,6 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             return None
         digests, self._digests = self._digests, {}
         return NixlWorkerMeta(digests)
-
-    # -- D: handshakes --------------------------------------------------------------------
-
-    def _enqueue(self, spec: RemoteRead) -> None:
-        key = (
-            spec.remote_engine_id,
-            spec.remote_host,
-            spec.remote_port,
-            spec.remote_tp_size,
-            spec.remote_pp_size,
-        )
-        remote = self._remotes.get(key)
-        if remote is not None:
-            self._start_read(spec, remote)
-            return
-        if key in self._handshakes:
-            self._handshakes[key][1].append(spec)
-            return
-        assert self._view is not None, "register_kv_caches must run before loads"
-        self.stats.count("num_handshakes")
-        future = self._submit(
-            fetch_remote,
-            self._view,
-            spec,
-            timeout_s=self.options.handshake_timeout_s,
-            max_bytes=self.options.max_handshake_bytes,
-            secret=self.secret,
-            enforce_compat=self.options.enforce_handshake_compat,
-        )
-        self._handshakes[key] = (future, [spec])
-
-    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        """Run `fn` on the background pool (handshakes, P's digests), made on first use."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-nixl-handshake")
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def _progress_handshakes(self) -> None:
-        for key, (future, specs) in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[key]
-            try:
-                assert self._view is not None
-                remote = build_remote(
-                    self._view,
-                    future.result(),
-                    self.agent.add_remote_agent,
-                    self.agent.remove_remote_agent,
-                )
-            except Exception as exc:  # an untrusted peer: whatever went wrong, fail its reads
-                logger.error("handshake with engine %s failed: %s", key[0], exc)
-                self.stats.count("num_failed_handshakes")
-                for spec in specs:
-                    self._fail(spec, spec.local_block_ids)
-                continue
-            self._remotes[key] = remote
-            for spec in specs:
-                self._start_read(spec, remote)
-
-    def _fetch_address(self, host: str, port: int) -> Fetched:
-        assert self._view is not None
-        return fetch_address(
-            self._view,
-            host,
-            port,
-            timeout_s=self.options.handshake_timeout_s,
-            max_bytes=self.options.max_handshake_bytes,
-            secret=self.secret,
-            enforce_compat=self.options.enforce_handshake_compat,
-        )
-
-    def _connect(self, fetched: Fetched) -> None:
-        """Preconnect (its thread): add P's agents and wire up UCX to each, unless a request
-        got there first."""
-        spec, metas = fetched
-        key = (
-            spec.remote_engine_id,
-            spec.remote_host,
-            spec.remote_port,
-            spec.remote_tp_size,
-            spec.remote_pp_size,
-        )
-        with self._lock:
-            if self.agent is None or key in self._remotes or key in self._handshakes:
-                return
-            assert self._view is not None
-            remote = build_remote(
-                self._view, metas, self.agent.add_remote_agent, self.agent.remove_remote_agent
-            )
-            self._remotes[key] = remote
-            for agent in remote.agents.values():
-                try:
-                    self.agent.make_connection(agent)
-                except Exception as exc:  # the first READ connects instead
-                    logger.warning("pre-connecting UCX to %s failed: %s", agent, exc)
-            self.stats.count("num_preconnects")
-        logger.info("pre-connected to engine %s at %s:%d", key[0], key[1], key[2])
 
     # -- D: reads -------------------------------------------------------------------------
 
@@ -560,9 +453,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self._preconnector is not None:  # before the lock: its thread may wait for it
-            self._preconnector.close()
-            self._preconnector = None
+        self._peers.stop_preconnect()  # before the lock: its thread may wait for it
         if self._progress is not None:
             self._progress.close()
             self._progress = None
@@ -573,13 +464,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._push is not None:
             self._push.shutdown()
             self._push = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._peers.stop()
         if self._verifier is not None:
             self._verifier.close()
             self._verifier = None
-        self._handshakes.clear()
         for job in [*self._reading.values(), *self._unposted, *self._leftovers]:
             try:
                 self._release(job)
@@ -588,9 +476,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._reading.clear()
         self._unposted.clear()
         self._leftovers.clear()
-        for remote in self._remotes.values():
-            remote.release(self.agent)
-        self._remotes.clear()
+        self._peers.release()
         if self._poster is not None:
             self._poster.release()
             self._poster = None
