@@ -1,6 +1,7 @@
 """NixlConnector's worker side: registers the KV cache with NIXL; on D, handshakes with P in
 the background, READs P's blocks and notifies P; on P, counts D's notifications and expires
 leases. Nothing blocks a step: transfers and notifications are polled (no progress thread).
+D's handshakes live in `peers.py`, its READs in `reads.py`.
 
 Matches vLLM's `NixlConnectorWorker` (`kv_connector/v1/nixl_connector.py`): region-major
 descriptor ids, lists prepared once with `prep_xfer_dlist` and transfers made with
@@ -38,12 +39,12 @@ from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.peers import Peers
-from kvx.plugins.nixl.posting import ReadJob, ReadPoster
+from kvx.plugins.nixl.posting import ReadPoster
 from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.push_side import PushSide
+from kvx.plugins.nixl.reads import Reads
 from kvx.plugins.nixl.registration import Registered, agent_payload, register_caches
 from kvx.plugins.nixl.remote import LocalView, RemoteEngine
-from kvx.plugins.nixl.staging import convert_staged
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
 from kvx.wire import WireError
@@ -80,13 +81,14 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._poster: ReadPoster | None = None
         self._view: LocalView | None = None
         # D side
-        self._reading: dict[str, ReadJob] = {}
-        self._unposted: list[ReadJob] = []  # made in this call, posted at its end
-        self._recved: set[str] = set()
-        self._errors: set[int] = set()
-        self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
+        self._reads = Reads(
+            self.agent,
+            self.layout,
+            self.geometry.block_size,
+            options.transfer_timeout_s,
+            self.stats,
+        )
         self._next_heartbeat = 0.0
-        self._done: dict[int, tuple[RemoteEngine, list[str]]] = {}  # reads over, P not told yet
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
         self._producer = config.is_kv_producer
         self._consumer = config.is_kv_consumer
@@ -98,7 +100,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._digests: dict[tuple[str, int, int], list[int]] = {}  # P: to the scheduler
         self._verifier: Verifier | None = None  # D: reads waiting for P's digests
         self._peers = Peers(
-            self.agent, self._lock, options, self.secret, self.stats, self._start_read, self._fail
+            self.agent,
+            self._lock,
+            options,
+            self.secret,
+            self.stats,
+            self._start_read,
+            self._reads.fail,
         )
 
     # -- registration ---------------------------------------------------------------------
@@ -155,9 +163,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 self.stats,
                 (self._producer, self._consumer),
                 (self.engine_id, p.pp_rank, p.tp_rank, p.pp_size, p.tp_size),
-                lambda spec: self._recved.add(spec.request_id),
-                self._fail,
+                lambda spec: self._reads.recved.add(spec.request_id),
+                self._reads.fail,
             )
+        self._reads.bind(self._poster, self._caches, self._verifier)
         preconnect = [] if self._producer else self.options.preconnect
         self._peers.bind(self._view, [split_address(a) for a in preconnect])
 
@@ -219,7 +228,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         for spec in meta.reqs_to_recv:
             self._peers.enqueue(spec)
         self._peers.progress()
-        self._post_reads()
+        self._reads.post()
         for beat in meta.heartbeats:
             key = (
                 beat.remote_engine_id,
@@ -239,10 +248,10 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
 
     def _get_finished(self) -> tuple[set[str], set[str]]:
         self._peers.progress()
-        self._post_reads()
-        self._poll_reads()
+        self._reads.post()
+        self._reads.poll()
         if self._verifier is not None:  # D: the reads whose check against P's digests ended
-            self._verifier.finish(self._recved, self._errors, self.stats)
+            self._verifier.finish(self._reads.recved, self._reads.errors, self.stats)
         self._send_done()
         self._heartbeat()
         self._poll_notifications()
@@ -250,11 +259,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._push is not None:
             self._push.poll(time.monotonic())
             self._push.forget(sent)
-        recved, self._recved = self._recved, set()
+        recved, self._reads.recved = self._reads.recved, set()
         return sent, recved
 
     def take_load_errors(self) -> set[int]:
-        errors, self._errors = self._errors, set()
+        errors, self._reads.errors = self._reads.errors, set()
         return errors
 
     def take_worker_meta(self) -> NixlWorkerMeta | None:
@@ -264,139 +273,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         digests, self._digests = self._digests, {}
         return NixlWorkerMeta(digests)
 
-    # -- D: reads -------------------------------------------------------------------------
-
     def _start_read(self, spec: RemoteRead, remote: RemoteEngine) -> None:
-        if self._push is not None:  # push mode: register D's blocks, P writes them
+        """D: P's engine is handshaken; READ the request's blocks (push mode: register them,
+        P writes them)."""
+        if self._push is not None:
             self._push.start(spec, remote, self.geometry.block_size)
-            return
-        n = spec.remote_num_tokens
-        bd = self.geometry.block_size
-        needed = -(-n // bd)
-        local = list(spec.local_block_ids[:needed])
-        job = ReadJob(spec, remote, local, (needed - len(local)) * bd, time.monotonic())
-        if not local:
-            self._complete(job)
-            return
-        try:
-            assert self._poster is not None, "register_kv_caches must run before loads"
-            first = job.start_token // bd  # P's blocks outside D's window are not read
-            remote.check_block_ids(spec.remote_block_ids[first : first + len(local)])
-            if remote.direct:
-                self._poster.prepare_direct(job)
-            else:
-                self._poster.prepare_staged(job)
-            self._unposted.append(job)
-        except Exception as exc:  # a bad peer or a NIXL error: never crash the step
-            self._not_started(job, exc)
-
-    def _post_reads(self) -> None:
-        """Post every READ made in this call, back to back (the copies run in the posts, and
-        Python between them runs on evicted caches: see `posting.py`)."""
-        jobs, self._unposted = self._unposted, []
-        for job in jobs:
-            job.started = time.monotonic()
-            try:
-                assert self._poster is not None
-                self._poster.post(job)
-                self._reading[job.spec.request_id] = job
-            except Exception as exc:  # a NIXL error: never crash the step
-                self._not_started(job, exc)
-
-    def _not_started(self, job: ReadJob, exc: Exception) -> None:
-        logger.error("request %s: could not start the read: %s", job.spec.request_id, exc)
-        self._abandon(job)
-        self.stats.count("num_failed_transfers")
-        self._fail(job.spec, job.local_block_ids)
-
-    def _poll_reads(self) -> None:
-        now = time.monotonic()
-        for req_id, job in list(self._reading.items()):
-            states = [self._state(h) for h in job.handles]
-            if all(s == "DONE" for s in states):
-                del self._reading[req_id]
-                self._complete(job)
-            elif "ERR" in states or now - job.started > self.options.transfer_timeout_s:
-                del self._reading[req_id]
-                why = "a transfer failed" if "ERR" in states else "the read timed out"
-                logger.error("request %s: %s; its blocks are load errors", req_id, why)
-                self.stats.count("num_failed_transfers")
-                self._abandon(job)
-                self._fail(job.spec, job.local_block_ids)
-
-    def _state(self, handle: Any) -> str:
-        try:
-            return str(self.agent.check_xfer_state(handle))
-        except Exception as exc:  # NIXL raises when the peer is gone
-            logger.warning("transfer state unavailable: %s", exc)
-            return "ERR"
-
-    def _complete(self, job: ReadJob) -> None:
-        done = time.monotonic()
-        try:
-            if job.staging is not None:
-                convert_staged(
-                    job.staging,
-                    job.remote,
-                    self._caches,
-                    self.layout,
-                    job.local_block_ids,
-                    job.spec.remote_num_tokens,
-                    job.start_token,
-                )
-        except Exception as exc:
-            logger.error(
-                "request %s: converting the received blocks failed: %s", job.spec.request_id, exc
-            )
-            self._abandon(job)
-            self._fail(job.spec, job.local_block_ids)
-            return
-        moved = bool(job.handles)
-        self._release(job)
-        if moved:
-            self.stats.record_transfer(
-                done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
-            )
-        self._done.setdefault(id(job.remote), (job.remote, []))[1].append(
-            job.spec.remote_request_id
-        )
-        if self._verifier is not None and self._verifier.hold(job):
-            return  # reported once P's digests are checked (`Verifier.finish`)
-        if not job.spec.frees_only:
-            self._recved.add(job.spec.request_id)
-
-    def _fail(self, spec: RemoteRead, local_block_ids: list[int]) -> None:
-        """The read is over without the KV: its blocks are load errors and the request is
-        reported received, so the engine applies its failure policy (never for a free-only
-        notice: the engine is not waiting on that request)."""
-        if spec.frees_only:
-            logger.warning("request %s: could not tell P to free its blocks", spec.request_id)
-            return
-        self._errors.update(local_block_ids)
-        self._recved.add(spec.request_id)
-
-    def _release(self, job: ReadJob) -> None:
-        for handle in job.handles:
-            self.agent.release_xfer_handle(handle)
-        job.handles = []
-        if job.staging is not None:
-            for dlist in job.staging.dlists:
-                self.agent.release_dlist_handle(dlist)
-            self.agent.deregister_memory(job.staging.registration)
-            job.staging = None
-
-    def _abandon(self, job: ReadJob) -> None:
-        """Release what a failed read holds; a handle NIXL cannot cancel (and the staging
-        memory it may still write into) is kept and retried at shutdown."""
-        try:
-            self._release(job)
-        except Exception as exc:
-            logger.warning(
-                "request %s: releasing its transfer failed (%s); retrying at shutdown",
-                job.spec.request_id,
-                exc,
-            )
-            self._leftovers.append(job)
+        else:
+            self._reads.start(spec, remote)
 
     # -- D: notifications -----------------------------------------------------------------
 
@@ -411,18 +294,18 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def _send_done(self) -> None:
         """Tell each P whose reads ended in this call, in one notification per P worker for
         all its requests (one seal and one send instead of one per request)."""
-        done, self._done = self._done, {}
+        done, self._reads.done = self._reads.done, {}
         for remote, ids in done.values():
             self._notify(remote, Notification("done", ids))
 
     def _heartbeat(self) -> None:
         """While reads are in flight, tell P to keep the blocks (vLLM's lease heartbeats)."""
         now = time.monotonic()
-        if not self._reading or now < self._next_heartbeat:
+        if not self._reads.reading or now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.options.kv_lease_duration / 6
         by_remote: dict[int, tuple[RemoteEngine, list[str]]] = {}
-        for job in self._reading.values():
+        for job in self._reads.reading.values():
             entry = by_remote.setdefault(id(job.remote), (job.remote, []))
             entry[1].append(job.spec.remote_request_id)
         for remote, ids in by_remote.values():
@@ -468,14 +351,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._verifier is not None:
             self._verifier.close()
             self._verifier = None
-        for job in [*self._reading.values(), *self._unposted, *self._leftovers]:
-            try:
-                self._release(job)
-            except Exception as exc:
-                logger.warning("shutdown: a transfer could not be released: %s", exc)
-        self._reading.clear()
-        self._unposted.clear()
-        self._leftovers.clear()
+        self._reads.shutdown()
         self._peers.release()
         if self._poster is not None:
             self._poster.release()
