@@ -1,6 +1,7 @@
 """NixlConnector's worker side: registers the KV cache with NIXL; on D, handshakes with P in
 the background, READs P's blocks and notifies P; on P, counts D's notifications and expires
 leases. Nothing blocks a step: transfers and notifications are polled (no progress thread).
+D's handshakes live in `peers.py`, its READs in `reads.py`.
 
 Matches vLLM's `NixlConnectorWorker` (`kv_connector/v1/nixl_connector.py`): region-major
 descriptor ids, lists prepared once with `prep_xfer_dlist` and transfers made with
@@ -14,7 +15,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -38,21 +38,18 @@ from kvx.plugins.nixl.handshake import (
 from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
-from kvx.plugins.nixl.posting import ReadJob, ReadPoster
-from kvx.plugins.nixl.preconnect import Fetched, Preconnector, fetch_address
+from kvx.plugins.nixl.peers import Peers
+from kvx.plugins.nixl.posting import ReadPoster
 from kvx.plugins.nixl.progress import IdleProgress
 from kvx.plugins.nixl.push_side import PushSide
+from kvx.plugins.nixl.reads import Reads
 from kvx.plugins.nixl.registration import Registered, agent_payload, register_caches
-from kvx.plugins.nixl.remote import LocalView, RemoteEngine, build_remote, fetch_remote
-from kvx.plugins.nixl.staging import convert_staged
+from kvx.plugins.nixl.remote import LocalView, RemoteEngine
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.topology import KVGeometry
 from kvx.wire import WireError
 
 logger = logging.getLogger(__name__)
-
-
-HandshakeKey = tuple[str, str, int, int, int]
 
 
 class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
@@ -84,16 +81,14 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._poster: ReadPoster | None = None
         self._view: LocalView | None = None
         # D side
-        self._pool: ThreadPoolExecutor | None = None
-        self._handshakes: dict[HandshakeKey, tuple[Future, list[RemoteRead]]] = {}
-        self._remotes: dict[HandshakeKey, RemoteEngine] = {}
-        self._reading: dict[str, ReadJob] = {}
-        self._unposted: list[ReadJob] = []  # made in this call, posted at its end
-        self._recved: set[str] = set()
-        self._errors: set[int] = set()
-        self._leftovers: list[Any] = []  # handles NIXL refused to release (retried at shutdown)
+        self._reads = Reads(
+            self.agent,
+            self.layout,
+            self.geometry.block_size,
+            options.transfer_timeout_s,
+            self.stats,
+        )
         self._next_heartbeat = 0.0
-        self._done: dict[int, tuple[RemoteEngine, list[str]]] = {}  # reads over, P not told yet
         self._leases = Leases(options.kv_lease_duration, self.stats)  # P side
         self._producer = config.is_kv_producer
         self._consumer = config.is_kv_consumer
@@ -104,7 +99,15 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._tables: list[torch.Tensor] = []  # verify_transfers: the caches block by block
         self._digests: dict[tuple[str, int, int], list[int]] = {}  # P: to the scheduler
         self._verifier: Verifier | None = None  # D: reads waiting for P's digests
-        self._preconnector: Preconnector | None = None
+        self._peers = Peers(
+            self.agent,
+            self._lock,
+            options,
+            self.secret,
+            self.stats,
+            self._start_read,
+            self._reads.fail,
+        )
 
     # -- registration ---------------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self.options.verify_transfers:
             self._tables = layer_tables(self._caches, self.layout)
             self._verifier = Verifier(
-                self._tables, p, self.secret, self.options.transfer_timeout_s, self._submit
+                self._tables, p, self.secret, self.options.transfer_timeout_s, self._peers.submit
             )
         if self.options.idle_progress and (self._producer or self.options.transfer_mode == "push"):
             self._progress = IdleProgress(self.agent, self._lock)
@@ -160,15 +163,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 self.stats,
                 (self._producer, self._consumer),
                 (self.engine_id, p.pp_rank, p.tp_rank, p.pp_size, p.tp_size),
-                lambda spec: self._recved.add(spec.request_id),
-                self._fail,
+                lambda spec: self._reads.recved.add(spec.request_id),
+                self._reads.fail,
             )
-        if self.options.preconnect and not self._producer:
-            self._preconnector = Preconnector(
-                [split_address(a) for a in self.options.preconnect],
-                self._fetch_address,
-                self._connect,
-            )
+        self._reads.bind(self._poster, self._caches, self._verifier)
+        preconnect = [] if self._producer else self.options.preconnect
+        self._peers.bind(self._view, [split_address(a) for a in preconnect])
 
     def get_handshake_metadata(self) -> kvx.AgentPayload:
         """This worker's encoded `AgentMetadata` (served by its scheduler's side channel)."""
@@ -226,9 +226,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._push is not None:
             self._push.hold(meta)
         for spec in meta.reqs_to_recv:
-            self._enqueue(spec)
-        self._progress_handshakes()
-        self._post_reads()
+            self._peers.enqueue(spec)
+        self._peers.progress()
+        self._reads.post()
         for beat in meta.heartbeats:
             key = (
                 beat.remote_engine_id,
@@ -237,7 +237,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 beat.remote_tp_size,
                 beat.remote_pp_size,
             )
-            remote = self._remotes.get(key)
+            remote = self._peers.remotes.get(key)
             if remote is None:  # before the first handshake there is nobody to tell
                 continue
             if self._push is not None:
@@ -247,11 +247,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._send_done()
 
     def _get_finished(self) -> tuple[set[str], set[str]]:
-        self._progress_handshakes()
-        self._post_reads()
-        self._poll_reads()
+        self._peers.progress()
+        self._reads.post()
+        self._reads.poll()
         if self._verifier is not None:  # D: the reads whose check against P's digests ended
-            self._verifier.finish(self._recved, self._errors, self.stats)
+            self._verifier.finish(self._reads.recved, self._reads.errors, self.stats)
         self._send_done()
         self._heartbeat()
         self._poll_notifications()
@@ -259,11 +259,11 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._push is not None:
             self._push.poll(time.monotonic())
             self._push.forget(sent)
-        recved, self._recved = self._recved, set()
+        recved, self._reads.recved = self._reads.recved, set()
         return sent, recved
 
     def take_load_errors(self) -> set[int]:
-        errors, self._errors = self._errors, set()
+        errors, self._reads.errors = self._reads.errors, set()
         return errors
 
     def take_worker_meta(self) -> NixlWorkerMeta | None:
@@ -273,237 +273,13 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         digests, self._digests = self._digests, {}
         return NixlWorkerMeta(digests)
 
-    # -- D: handshakes --------------------------------------------------------------------
-
-    def _enqueue(self, spec: RemoteRead) -> None:
-        key = (
-            spec.remote_engine_id,
-            spec.remote_host,
-            spec.remote_port,
-            spec.remote_tp_size,
-            spec.remote_pp_size,
-        )
-        remote = self._remotes.get(key)
-        if remote is not None:
-            self._start_read(spec, remote)
-            return
-        if key in self._handshakes:
-            self._handshakes[key][1].append(spec)
-            return
-        assert self._view is not None, "register_kv_caches must run before loads"
-        self.stats.count("num_handshakes")
-        future = self._submit(
-            fetch_remote,
-            self._view,
-            spec,
-            timeout_s=self.options.handshake_timeout_s,
-            max_bytes=self.options.max_handshake_bytes,
-            secret=self.secret,
-            enforce_compat=self.options.enforce_handshake_compat,
-        )
-        self._handshakes[key] = (future, [spec])
-
-    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        """Run `fn` on the background pool (handshakes, P's digests), made on first use."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-nixl-handshake")
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def _progress_handshakes(self) -> None:
-        for key, (future, specs) in list(self._handshakes.items()):
-            if not future.done():
-                continue
-            del self._handshakes[key]
-            try:
-                assert self._view is not None
-                remote = build_remote(
-                    self._view,
-                    future.result(),
-                    self.agent.add_remote_agent,
-                    self.agent.remove_remote_agent,
-                )
-            except Exception as exc:  # an untrusted peer: whatever went wrong, fail its reads
-                logger.error("handshake with engine %s failed: %s", key[0], exc)
-                self.stats.count("num_failed_handshakes")
-                for spec in specs:
-                    self._fail(spec, spec.local_block_ids)
-                continue
-            self._remotes[key] = remote
-            for spec in specs:
-                self._start_read(spec, remote)
-
-    def _fetch_address(self, host: str, port: int) -> Fetched:
-        assert self._view is not None
-        return fetch_address(
-            self._view,
-            host,
-            port,
-            timeout_s=self.options.handshake_timeout_s,
-            max_bytes=self.options.max_handshake_bytes,
-            secret=self.secret,
-            enforce_compat=self.options.enforce_handshake_compat,
-        )
-
-    def _connect(self, fetched: Fetched) -> None:
-        """Preconnect (its thread): add P's agents and wire up UCX to each, unless a request
-        got there first."""
-        spec, metas = fetched
-        key = (
-            spec.remote_engine_id,
-            spec.remote_host,
-            spec.remote_port,
-            spec.remote_tp_size,
-            spec.remote_pp_size,
-        )
-        with self._lock:
-            if self.agent is None or key in self._remotes or key in self._handshakes:
-                return
-            assert self._view is not None
-            remote = build_remote(
-                self._view, metas, self.agent.add_remote_agent, self.agent.remove_remote_agent
-            )
-            self._remotes[key] = remote
-            for agent in remote.agents.values():
-                try:
-                    self.agent.make_connection(agent)
-                except Exception as exc:  # the first READ connects instead
-                    logger.warning("pre-connecting UCX to %s failed: %s", agent, exc)
-            self.stats.count("num_preconnects")
-        logger.info("pre-connected to engine %s at %s:%d", key[0], key[1], key[2])
-
-    # -- D: reads -------------------------------------------------------------------------
-
     def _start_read(self, spec: RemoteRead, remote: RemoteEngine) -> None:
-        if self._push is not None:  # push mode: register D's blocks, P writes them
+        """D: P's engine is handshaken; READ the request's blocks (push mode: register them,
+        P writes them)."""
+        if self._push is not None:
             self._push.start(spec, remote, self.geometry.block_size)
-            return
-        n = spec.remote_num_tokens
-        bd = self.geometry.block_size
-        needed = -(-n // bd)
-        local = list(spec.local_block_ids[:needed])
-        job = ReadJob(spec, remote, local, (needed - len(local)) * bd, time.monotonic())
-        if not local:
-            self._complete(job)
-            return
-        try:
-            assert self._poster is not None, "register_kv_caches must run before loads"
-            first = job.start_token // bd  # P's blocks outside D's window are not read
-            remote.check_block_ids(spec.remote_block_ids[first : first + len(local)])
-            if remote.direct:
-                self._poster.prepare_direct(job)
-            else:
-                self._poster.prepare_staged(job)
-            self._unposted.append(job)
-        except Exception as exc:  # a bad peer or a NIXL error: never crash the step
-            self._not_started(job, exc)
-
-    def _post_reads(self) -> None:
-        """Post every READ made in this call, back to back (the copies run in the posts, and
-        Python between them runs on evicted caches: see `posting.py`)."""
-        jobs, self._unposted = self._unposted, []
-        for job in jobs:
-            job.started = time.monotonic()
-            try:
-                assert self._poster is not None
-                self._poster.post(job)
-                self._reading[job.spec.request_id] = job
-            except Exception as exc:  # a NIXL error: never crash the step
-                self._not_started(job, exc)
-
-    def _not_started(self, job: ReadJob, exc: Exception) -> None:
-        logger.error("request %s: could not start the read: %s", job.spec.request_id, exc)
-        self._abandon(job)
-        self.stats.count("num_failed_transfers")
-        self._fail(job.spec, job.local_block_ids)
-
-    def _poll_reads(self) -> None:
-        now = time.monotonic()
-        for req_id, job in list(self._reading.items()):
-            states = [self._state(h) for h in job.handles]
-            if all(s == "DONE" for s in states):
-                del self._reading[req_id]
-                self._complete(job)
-            elif "ERR" in states or now - job.started > self.options.transfer_timeout_s:
-                del self._reading[req_id]
-                why = "a transfer failed" if "ERR" in states else "the read timed out"
-                logger.error("request %s: %s; its blocks are load errors", req_id, why)
-                self.stats.count("num_failed_transfers")
-                self._abandon(job)
-                self._fail(job.spec, job.local_block_ids)
-
-    def _state(self, handle: Any) -> str:
-        try:
-            return str(self.agent.check_xfer_state(handle))
-        except Exception as exc:  # NIXL raises when the peer is gone
-            logger.warning("transfer state unavailable: %s", exc)
-            return "ERR"
-
-    def _complete(self, job: ReadJob) -> None:
-        done = time.monotonic()
-        try:
-            if job.staging is not None:
-                convert_staged(
-                    job.staging,
-                    job.remote,
-                    self._caches,
-                    self.layout,
-                    job.local_block_ids,
-                    job.spec.remote_num_tokens,
-                    job.start_token,
-                )
-        except Exception as exc:
-            logger.error(
-                "request %s: converting the received blocks failed: %s", job.spec.request_id, exc
-            )
-            self._abandon(job)
-            self._fail(job.spec, job.local_block_ids)
-            return
-        moved = bool(job.handles)
-        self._release(job)
-        if moved:
-            self.stats.record_transfer(
-                done - job.started, time.monotonic() - done, job.nbytes, job.ndescs
-            )
-        self._done.setdefault(id(job.remote), (job.remote, []))[1].append(
-            job.spec.remote_request_id
-        )
-        if self._verifier is not None and self._verifier.hold(job):
-            return  # reported once P's digests are checked (`Verifier.finish`)
-        if not job.spec.frees_only:
-            self._recved.add(job.spec.request_id)
-
-    def _fail(self, spec: RemoteRead, local_block_ids: list[int]) -> None:
-        """The read is over without the KV: its blocks are load errors and the request is
-        reported received, so the engine applies its failure policy (never for a free-only
-        notice: the engine is not waiting on that request)."""
-        if spec.frees_only:
-            logger.warning("request %s: could not tell P to free its blocks", spec.request_id)
-            return
-        self._errors.update(local_block_ids)
-        self._recved.add(spec.request_id)
-
-    def _release(self, job: ReadJob) -> None:
-        for handle in job.handles:
-            self.agent.release_xfer_handle(handle)
-        job.handles = []
-        if job.staging is not None:
-            for dlist in job.staging.dlists:
-                self.agent.release_dlist_handle(dlist)
-            self.agent.deregister_memory(job.staging.registration)
-            job.staging = None
-
-    def _abandon(self, job: ReadJob) -> None:
-        """Release what a failed read holds; a handle NIXL cannot cancel (and the staging
-        memory it may still write into) is kept and retried at shutdown."""
-        try:
-            self._release(job)
-        except Exception as exc:
-            logger.warning(
-                "request %s: releasing its transfer failed (%s); retrying at shutdown",
-                job.spec.request_id,
-                exc,
-            )
-            self._leftovers.append(job)
+        else:
+            self._reads.start(spec, remote)
 
     # -- D: notifications -----------------------------------------------------------------
 
@@ -518,18 +294,18 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     def _send_done(self) -> None:
         """Tell each P whose reads ended in this call, in one notification per P worker for
         all its requests (one seal and one send instead of one per request)."""
-        done, self._done = self._done, {}
+        done, self._reads.done = self._reads.done, {}
         for remote, ids in done.values():
             self._notify(remote, Notification("done", ids))
 
     def _heartbeat(self) -> None:
         """While reads are in flight, tell P to keep the blocks (vLLM's lease heartbeats)."""
         now = time.monotonic()
-        if not self._reading or now < self._next_heartbeat:
+        if not self._reads.reading or now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.options.kv_lease_duration / 6
         by_remote: dict[int, tuple[RemoteEngine, list[str]]] = {}
-        for job in self._reading.values():
+        for job in self._reads.reading.values():
             entry = by_remote.setdefault(id(job.remote), (job.remote, []))
             entry[1].append(job.spec.remote_request_id)
         for remote, ids in by_remote.values():
@@ -560,9 +336,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
     # -- shutdown -------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self._preconnector is not None:  # before the lock: its thread may wait for it
-            self._preconnector.close()
-            self._preconnector = None
+        self._peers.stop_preconnect()  # before the lock: its thread may wait for it
         if self._progress is not None:
             self._progress.close()
             self._progress = None
@@ -573,24 +347,12 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         if self._push is not None:
             self._push.shutdown()
             self._push = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        self._peers.stop()
         if self._verifier is not None:
             self._verifier.close()
             self._verifier = None
-        self._handshakes.clear()
-        for job in [*self._reading.values(), *self._unposted, *self._leftovers]:
-            try:
-                self._release(job)
-            except Exception as exc:
-                logger.warning("shutdown: a transfer could not be released: %s", exc)
-        self._reading.clear()
-        self._unposted.clear()
-        self._leftovers.clear()
-        for remote in self._remotes.values():
-            remote.release(self.agent)
-        self._remotes.clear()
+        self._reads.shutdown()
+        self._peers.release()
         if self._poster is not None:
             self._poster.release()
             self._poster = None

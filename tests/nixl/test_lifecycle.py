@@ -165,7 +165,7 @@ def test_preconnect_spares_the_first_request_its_handshake(preconnect: bool) -> 
     with DisaggregatedPair(p, d, processes=False) as pair:
         worker = nixl_worker(pair.decode)
         deadline = time.monotonic() + 30
-        while preconnect and not worker._remotes:
+        while preconnect and not worker._peers.remotes:
             assert time.monotonic() < deadline, "D did not pre-connect to P"
             time.sleep(0.05)
         report = pair.run({"first": first}, 3)

@@ -175,7 +175,7 @@ def test_a_notification_over_the_id_bound_goes_in_pieces_p_accepts(
     assert isinstance(pair.decode, LocalEngine) and isinstance(pair.prefill, LocalEngine)
     worker = pair.decode.engine.workers[0].connector.worker
     assert isinstance(worker, NixlWorker)
-    (remote,) = worker._remotes.values()
+    (remote,) = worker._peers.remotes.values()
     ids = [f"absent-{i}" for i in range(MAX_IDS_PER_NOTIFICATION + 5)]
     assert [
         len(open_notification(worker.secret, m).request_ids)
