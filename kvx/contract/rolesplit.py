@@ -117,6 +117,14 @@ class ConnectorWorker(ABC, Generic[M]):
     def start_load_kv(self, metadata: M) -> None:
         """Start this step's loads (before the forward pass)."""
 
+    def loads_at_bind(self) -> bool:
+        """Whether this step's loads start when its metadata is bound rather than at
+        `start_load_kv` (default False, vLLM's order). vLLM 0.32 calls an async-loading
+        connector's `start_load_kv` after launching the forward (`_get_kv_connector_output`
+        in `kv_connector_model_runner_mixin.py`), which on a CPU is after it ran: a worker whose
+        loads may overlap the forward answers True, so a load can end within the step."""
+        return False
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until `layer_name`'s KV is loaded (default: loads are not layer by layer)."""
 
@@ -182,6 +190,7 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     worker_type: Callable[[Any, KVTransferConfig, EngineContext], W] | None = None
     metadata_type: ClassVar[type[KVConnectorMetadata]] = KVConnectorMetadata
     stats_type: ClassVar[type[KVConnectorStats]] = KVConnectorStats
+    _loads_started = False  # this step's loads began at bind (`ConnectorWorker.loads_at_bind`)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Take the halves' classes from `RoleSplitConnector[S, W]` and the metadata type from
@@ -341,8 +350,19 @@ class RoleSplitConnector(KVConnectorBase_V1, Generic[S, W]):
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         self.worker.handle_preemptions(preempted_req_ids)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._loads_started = self.worker.loads_at_bind()
+        if self._loads_started:
+            self.worker.start_load_kv(self._metadata())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._metadata())
+        if not self._loads_started:
+            self.worker.start_load_kv(self._metadata())
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._loads_started = False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)

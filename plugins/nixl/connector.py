@@ -8,14 +8,10 @@ channel, `worker.py` registers memory and moves bytes. Matches vLLM's `NixlConne
 
 from __future__ import annotations
 
-from typing import Any
-
 import kvx
 from kvx import (
     ANY_GEOMETRY,
     Capability,
-    ForwardContext,
-    KVConnectorMetadata,
     KVTransferConfig,
     RoleSplitConnector,
 )
@@ -34,26 +30,6 @@ class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
     capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
     extra_config_schema = NixlConfig
     stats_type = NixlKVConnectorStats
-    _loads_started = False
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Start the step's loads here, before the forward pass, when the worker allows it
-        (`start_reads_at_bind`, CPU KV): vLLM 0.32 starts an async-loading connector's loads
-        after it has launched the forward (`kv_connector_model_runner_mixin.py`,
-        `_get_kv_connector_output`), which on CPU is after the forward has run, so a READ
-        that could finish during the step was only seen a step later."""
-        super().bind_connector_metadata(connector_metadata)
-        self._loads_started = self.worker.reads_at_bind()
-        if self._loads_started:
-            self.worker.start_load_kv(self._metadata())
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if not self._loads_started:
-            super().start_load_kv(forward_context, **kwargs)
-
-    def clear_connector_metadata(self) -> None:
-        super().clear_connector_metadata()
-        self._loads_started = False
 
     @classmethod
     def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:

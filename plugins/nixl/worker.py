@@ -175,8 +175,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         assert self._registered is not None, "register_kv_caches must run first"
         return agent_payload(self.engine_id, self.agent, self.ctx, self.layout, self._registered)
 
-    def reads_at_bind(self) -> bool:
-        """Start the step's READs when its metadata is bound (before the forward pass): only
+    def loads_at_bind(self) -> bool:
+        """Start the step's READs when its metadata is bound (`start_reads_at_bind`): only
         for CPU memory, where the engine's block zeroing has finished by then (a GPU's may
         still be queued on its stream)."""
         return self.options.start_reads_at_bind and self._mem_type == "DRAM"
