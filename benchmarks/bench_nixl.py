@@ -184,6 +184,34 @@ def prefill(shape: Shape, tp: int, conn: Connection, options: dict[str, bool]) -
 # -- decode side -------------------------------------------------------------------------------
 
 
+def timed_loads(
+    sched: Any, workers: list[Any], shape: Shape, params: dict[str, dict]
+) -> tuple[float, float]:
+    """One round through D's connector: its scheduler admits each request (P's params) into
+    consecutive blocks, every worker starts the step's loads; the wall and CPU seconds until
+    all workers report every request received (a load error fails the round)."""
+    bpr = shape.blocks_per_request
+    for i, (rid, p) in enumerate(params.items()):
+        req = Request(rid, [0] * shape.tokens, kv_transfer_params=dict(p))
+        count, _ = sched.get_num_new_matched_tokens(req, 0)
+        blocks = KVCacheBlocks((list(range(i * bpr, (i + 1) * bpr)),), (0,))
+        sched.update_state_after_alloc(req, blocks, count)
+    meta = sched.build_connector_meta(SchedulerOutput())
+    start, cpu = time.perf_counter(), time.process_time()
+    for w in workers:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(ForwardContext())
+        w.clear_connector_metadata()
+    pending = [set(params) for _ in workers]
+    while any(pending):
+        for w, left in zip(workers, pending, strict=True):
+            left -= w.get_finished(set())[1] or set()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    errors = set().union(*(w.get_block_ids_with_load_errors() for w in workers))
+    assert not errors, f"load errors on blocks {sorted(errors)[:8]}"
+    return elapsed, cpu
+
+
 class Decode:
     def __init__(self, shape: Shape, p_tp: int, d_tp: int, raw_md: list, engine: str) -> None:
         self.shape, self.p_tp, self.d_tp = shape, p_tp, d_tp
@@ -235,25 +263,7 @@ class Decode:
         return out
 
     def connector_round(self, params: dict[str, dict]) -> tuple[float, float]:
-        bpr = self.shape.blocks_per_request
-        for i, (rid, p) in enumerate(params.items()):
-            req = Request(rid, [0] * self.shape.tokens, kv_transfer_params=dict(p))
-            count, _ = self.sched.get_num_new_matched_tokens(req, 0)
-            blocks = KVCacheBlocks((list(range(i * bpr, (i + 1) * bpr)),), (0,))
-            self.sched.update_state_after_alloc(req, blocks, count)
-        meta = self.sched.build_connector_meta(SchedulerOutput())
-        start, cpu = time.perf_counter(), time.process_time()
-        for w in self.workers:
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(ForwardContext())
-            w.clear_connector_metadata()
-        pending = [set(params) for _ in self.workers]
-        while any(pending):
-            for w, left in zip(self.workers, pending):
-                left -= w.get_finished(set())[1] or set()
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-        errors = set().union(*(w.get_block_ids_with_load_errors() for w in self.workers))
-        assert not errors, f"load errors on blocks {sorted(errors)[:8]}"
+        elapsed, cpu = timed_loads(self.sched, self.workers, self.shape, params)
         moved = 0
         for w in self.workers:
             stats = w.get_kv_connector_stats()

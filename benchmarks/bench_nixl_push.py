@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from bench_nixl import caches, context, run_case
+from bench_nixl import caches, context, run_case, timed_loads
 from rich.console import Console
 from rich.table import Table
 from transfer_bench import Shape, bench_options, receive, titled
@@ -34,7 +34,6 @@ from transfer_bench import Shape, bench_options, receive, titled
 from kvx import (
     EngineContext,
     ForwardContext,
-    KVCacheBlocks,
     KVConnectorRole,
     KVTransferConfig,
     Request,
@@ -233,26 +232,7 @@ class Decode:
         ]
 
     def push_round(self, params: dict[str, dict]) -> tuple[float, float]:
-        bpr = self.shape.blocks_per_request
-        for i, (rid, p) in enumerate(params.items()):
-            req = Request(rid, [0] * self.shape.tokens, kv_transfer_params=dict(p))
-            count, _ = self.sched.get_num_new_matched_tokens(req, 0)
-            blocks = KVCacheBlocks((list(range(i * bpr, (i + 1) * bpr)),), (0,))
-            self.sched.update_state_after_alloc(req, blocks, count)
-        meta = self.sched.build_connector_meta(SchedulerOutput())
-        start, cpu = time.perf_counter(), time.process_time()
-        for w in self.workers:
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(ForwardContext())
-            w.clear_connector_metadata()
-        pending = [set(params) for _ in self.workers]
-        while any(pending):
-            for w, left in zip(self.workers, pending, strict=True):
-                left -= w.get_finished(set())[1] or set()
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-        errors = set().union(*(w.get_block_ids_with_load_errors() for w in self.workers))
-        assert not errors, f"load errors on blocks {sorted(errors)[:8]}"
-        return elapsed, cpu
+        return timed_loads(self.sched, self.workers, self.shape, params)
 
     def check_and_clear(self) -> None:
         used = self.shape.requests * self.shape.blocks_per_request
