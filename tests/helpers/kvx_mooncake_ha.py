@@ -6,7 +6,6 @@ port on 127.0.0.1; run it inside a network namespace (Mooncake listens on every 
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -132,14 +131,9 @@ class MooncakeHA(MooncakeMaster):
         proc.wait(timeout=10)
 
     def stop(self) -> None:
-        for index in range(len(self.holders)):
-            self.kill_holder(index)
         for index in range(len(self.masters)):
             self.kill_master(index)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().stop()
 
 
 def _listening(port: int) -> bool:
