@@ -212,7 +212,34 @@ def timed_loads(
     return elapsed, cpu
 
 
-class Decode:
+class DecodeSide:
+    """What every benchmark's decode process ends a round and the run with: `shape`, `d_tp`,
+    its ranks' caches `kv`, `workers`, `sched` and its raw agents `raw` (set by a subclass)."""
+
+    shape: Shape
+    d_tp: int
+    kv: list[dict[str, torch.Tensor]]
+    workers: list[Any]
+    sched: Any
+    raw: list[Any]
+
+    def check_and_clear(self) -> None:
+        used = self.shape.requests * self.shape.blocks_per_request
+        for rank, kv in enumerate(self.kv):
+            want = caches(self.shape, self.d_tp, rank, seed=7)
+            for name, t in kv.items():
+                assert torch.equal(t[:, :used], want[name][:, :used]), f"{name} differs"
+                assert not t[:, used:].any(), f"{name}: blocks past the batch were written"
+                t.zero_()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.sched.shutdown()
+        self.raw.clear()
+
+
+class Decode(DecodeSide):
     def __init__(self, shape: Shape, p_tp: int, d_tp: int, raw_md: list, engine: str) -> None:
         self.shape, self.p_tp, self.d_tp = shape, p_tp, d_tp
         torch.set_num_threads(1)
@@ -309,21 +336,6 @@ class Decode:
                 t[:, half : 2 * half].copy_(t[:, :half])
                 t[:, :half].copy_(t[:, half : 2 * half])
         return time.perf_counter() - start, time.process_time() - cpu
-
-    def check_and_clear(self) -> None:
-        used = self.shape.requests * self.shape.blocks_per_request
-        for rank, kv in enumerate(self.kv):
-            want = caches(self.shape, self.d_tp, rank, seed=7)
-            for name, t in kv.items():
-                assert torch.equal(t[:, :used], want[name][:, :used]), f"{name} differs"
-                assert not t[:, used:].any(), f"{name}: blocks past the batch were written"
-                t.zero_()
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.shutdown()
-        self.sched.shutdown()
-        self.raw.clear()
 
 
 Sample = tuple[float, float, float]  # wall, D's CPU, P's CPU (seconds)

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from bench_nixl import caches, context, run_case, timed_loads
+from bench_nixl import DecodeSide, caches, context, run_case, timed_loads
 from rich.console import Console
 from rich.table import Table
 from transfer_bench import Shape, bench_options, receive, titled
@@ -198,7 +198,7 @@ def prefill(shape: Shape, p_tp: int, d_tp: int, conn: Connection) -> None:
 # -- decode side -------------------------------------------------------------------------------
 
 
-class Decode:
+class Decode(DecodeSide):
     def __init__(self, shape: Shape, d_tp: int) -> None:
         torch.set_num_threads(1)
         self.shape, self.d_tp = shape, d_tp
@@ -233,21 +233,6 @@ class Decode:
 
     def push_round(self, params: dict[str, dict]) -> tuple[float, float]:
         return timed_loads(self.sched, self.workers, self.shape, params)
-
-    def check_and_clear(self) -> None:
-        used = self.shape.requests * self.shape.blocks_per_request
-        for rank, kv in enumerate(self.kv):
-            want = caches(self.shape, self.d_tp, rank, seed=7)
-            for name, t in kv.items():
-                assert torch.equal(t[:, :used], want[name][:, :used]), f"{name} differs"
-                assert not t[:, used:].any(), f"{name}: blocks past the batch were written"
-                t.zero_()
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.shutdown()
-        self.sched.shutdown()
-        self.raw.clear()
 
 
 def ask(conn: Connection, proc: Any, cmd: str, arg: Any = None) -> Any:
