@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the tests' real-server fixtures
 
 import s3fs  # noqa: E402
-from kvx_test_clusters import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedS3  # noqa: E402
+from kvx_seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedS3  # noqa: E402
 
 import kvx  # noqa: E402
 from kvx.plugins.storage.backends.base import BackendOptions, copy_into  # noqa: E402

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import s3fs
 from kvx_failover import request_values, run_requests
-from kvx_test_clusters import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedCluster, SeaweedS3
+from kvx_seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedCluster, SeaweedS3
 
 import kvx
 from kvx import ConfigError, KVTransferConfig, StorageBackend

@@ -14,14 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvx_test_clusters import (
-    S3_ACCESS_KEY,
-    S3_SECRET_KEY,
-    ClusterProcesses,
-    SeaweedS3,
-    mooncake_env,
-    own_network_namespace,
-)
+from kvx_seaweed import S3_ACCESS_KEY, S3_SECRET_KEY, SeaweedS3
+from kvx_test_clusters import ClusterProcesses, mooncake_env, own_network_namespace
 from store_pd import LOADABLE, pd_through
 
 pytestmark = pytest.mark.timeout(400)
