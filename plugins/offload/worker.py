@@ -93,6 +93,7 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         self._load_blocks: dict[str, list[int]] = {}
         self._pending_stores: list[StoreSpec] = []
         self._spills: list[tuple[str, Future[None]]] = []  # (chunk key, its write to disk)
+        self._spill_failures: dict[str, str] = {}  # failed spills counted, not yet reported
         self.stats = OffloadStats()
         self.rank = f"pp{ctx.parallel.pp_rank}tp{ctx.parallel.tp_rank}"
         self.block_size = ctx.cache.block_size
@@ -350,28 +351,30 @@ class OffloadWorker(ConnectorWorker[OffloadMetadata]):
         return errors
 
     def take_worker_meta(self) -> OffloadWorkerMeta | None:
-        spill_failed = self._take_spill_failures()
+        self._poll_spills()
+        spill_failed, self._spill_failures = self._spill_failures, {}
         if not self._stored and not self._failed and not spill_failed:
             return None
         meta = OffloadWorkerMeta(self._stored, self._failed, spill_failed)
         self._stored, self._failed = {}, {}
         return meta
 
-    def _take_spill_failures(self) -> dict[str, str]:
-        """Chunk key -> error of each finished spill that failed (a full disk), counted as
-        `save_errors`."""
-        failed, still = {}, []
+    def _poll_spills(self) -> None:
+        """Count each finished spill that failed (a full disk) as `save_errors` and keep its
+        error for the next worker metadata. Both `take_stats` and `take_worker_meta` poll:
+        the engine asks for stats first, so a failure is counted in the step that reports it
+        (polled only for the metadata, the last step's count was never asked for)."""
+        still = []
         for key, future in self._spills:
             if not future.done():
                 still.append((key, future))
             elif (exc := future.exception()) is not None:
-                failed[key] = f"{type(exc).__name__}: {exc}"
+                self._spill_failures[key] = f"{type(exc).__name__}: {exc}"
+                self.stats.add("save_errors", 1)
         self._spills = still
-        if failed:
-            self.stats.add("save_errors", len(failed))
-        return failed
 
     def take_stats(self) -> KVConnectorStats | None:
+        self._poll_spills()
         if self.stats.is_empty():
             return None
         return self.stats.clone_and_reset()
