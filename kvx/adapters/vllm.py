@@ -315,13 +315,18 @@ class KvxConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid allocator: one block table per KV cache group. vLLM calls it only on
         a class that is its `SupportsHMA`: the adapter class of a kvx connector implementing
-        `kvx.SupportsHMA` (`connector_class`)."""
+        `kvx.SupportsHMA` (`connector_class`). The transfer facts are added as in
+        `request_finished`, their kept blocks counted in the first group's table."""
         try:
+            kvx_request, tables = self._mirror.get(request), to_kvx.tables(block_ids)
             delay, params = self._kvx.request_finished_all_groups(  # type: ignore[attr-defined]
-                self._mirror.get(request), to_kvx.tables(block_ids)
+                kvx_request, tables
             )
             self._mirror.write_back(request)
             self._guard.note_finished(request.request_id, delay)
+            with_facts = self._facts.finished(kvx_request, tables[0], delay, params)
+            if self._guard.first:
+                params = with_facts
         finally:
             self._mirror.forget(request.request_id)
         return delay, params
