@@ -25,7 +25,7 @@ from kvx.plugins.nixl.push_wire import (
     PushMessage,
     Register,
     Release,
-    seal_push,
+    send_push,
 )
 from kvx.plugins.nixl.push_writer import agent_name
 from kvx.plugins.nixl.remote import RankKey, RemoteEngine
@@ -193,13 +193,7 @@ class PushReceiver:
 
     def _send(self, agent: str, message: PushMessage) -> bool:
         self.last_sent = time.monotonic()
-        try:
-            self.agent.send_notif(agent, seal_push(self.secret, message))
-        except Exception as exc:
-            logger.warning("push: notifying %s failed: %s", agent, exc)
-            self.stats.count("num_failed_notifications")
-            return False
-        return True
+        return send_push(self.agent, agent, self.secret, message, self.stats)
 
     @property
     def busy(self) -> bool:

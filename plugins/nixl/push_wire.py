@@ -9,7 +9,8 @@ push mode every notification is one of these, so nothing is guessed from a messa
 
 from __future__ import annotations
 
-from typing import Annotated
+import logging
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -22,6 +23,11 @@ from kvx.plugins.nixl.handshake import (
     Size,
 )
 from kvx.wire import decode_sealed, encode, seal
+
+if TYPE_CHECKING:
+    from kvx.plugins.nixl.stats import NixlKVConnectorStats
+
+logger = logging.getLogger(__name__)
 
 PUSH_DOMAIN = b"kvx-nixl-push"
 MAX_PUSH_BLOCKS = 1 << 20
@@ -77,6 +83,20 @@ PushMessage = Register | Heartbeat | Release | Pushed
 
 def seal_push(secret: str | None, message: PushMessage) -> bytes:
     return seal(secret, PUSH_DOMAIN, encode(message))
+
+
+def send_push(
+    agent: Any, target: str, secret: str | None, message: PushMessage, stats: NixlKVConnectorStats
+) -> bool:
+    """Send `message` sealed to the NIXL agent named `target`; False (logged and counted as a
+    failed notification) if the agent could not send it."""
+    try:
+        agent.send_notif(target, seal_push(secret, message))
+    except Exception as exc:
+        logger.warning("push: notifying %s failed: %s", target, exc)
+        stats.count("num_failed_notifications")
+        return False
+    return True
 
 
 def open_push(secret: str | None, data: bytes) -> PushMessage:

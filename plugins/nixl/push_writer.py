@@ -24,7 +24,7 @@ from kvx.layouts import get_layout
 from kvx.plugins.nixl.handshake import AgentMetadata, HandshakeError, Notification
 from kvx.plugins.nixl.leases import MAX_EARLY, Leases
 from kvx.plugins.nixl.posting import ReadPoster, _ids
-from kvx.plugins.nixl.push_wire import Pushed, Register, reason, seal_push
+from kvx.plugins.nixl.push_wire import Pushed, Register, reason, send_push
 from kvx.plugins.nixl.regions import heads_outermost_in_block
 from kvx.plugins.nixl.remote import LocalView, fetch_checked
 from kvx.plugins.nixl.stats import NixlKVConnectorStats
@@ -321,11 +321,7 @@ class PushWriter:
 
     def _answer(self, agent: str, message: Pushed) -> None:
         self.last_sent = time.monotonic()
-        try:
-            self.agent.send_notif(agent, seal_push(self.secret, message))
-        except Exception as exc:
-            logger.warning("push: telling D worker %s failed: %s", agent, exc)
-            self.stats.count("num_failed_notifications")
+        send_push(self.agent, agent, self.secret, message, self.stats)
 
     def _release(self, job: WriteJob) -> None:
         for handle in job.handles:
