@@ -223,6 +223,23 @@ class DecodeSide:
     sched: Any
     raw: list[Any]
 
+    def start_connectors(self, make: Any, engine: str) -> None:
+        """D's caches, one worker per rank with its caches registered, and the scheduler, each
+        from `make(role, kv_role, engine, context)` (the run's connector factory)."""
+        torch.set_num_threads(1)
+        shape, d_tp = self.shape, self.d_tp
+        self.kv = [caches(shape, d_tp, r, seed=None) for r in range(d_tp)]
+        self.workers = []
+        for rank in range(d_tp):
+            w = make(
+                KVConnectorRole.WORKER, "kv_consumer", engine, context(engine, shape, d_tp, rank)
+            )
+            w.register_kv_caches(self.kv[rank])
+            self.workers.append(w)
+        self.sched = make(
+            KVConnectorRole.SCHEDULER, "kv_consumer", engine, context(engine, shape, d_tp, 0)
+        )
+
     def check_and_clear(self) -> None:
         used = self.shape.requests * self.shape.blocks_per_request
         for rank, kv in enumerate(self.kv):
@@ -242,19 +259,8 @@ class DecodeSide:
 class Decode(DecodeSide):
     def __init__(self, shape: Shape, p_tp: int, d_tp: int, raw_md: list, engine: str) -> None:
         self.shape, self.p_tp, self.d_tp = shape, p_tp, d_tp
-        torch.set_num_threads(1)
         self.engine_id = engine
-        self.kv = [caches(shape, d_tp, r, seed=None) for r in range(d_tp)]
-        self.workers = []
-        for rank in range(d_tp):
-            w = connector(
-                KVConnectorRole.WORKER, "kv_consumer", engine, context(engine, shape, d_tp, rank)
-            )
-            w.register_kv_caches(self.kv[rank])
-            self.workers.append(w)
-        self.sched = connector(
-            KVConnectorRole.SCHEDULER, "kv_consumer", engine, context(engine, shape, d_tp, 0)
-        )
+        self.start_connectors(connector, engine)
         self.raw = self._raw_setup(raw_md)
 
     def _raw_setup(self, raw_md: list) -> list[dict[str, Any]]:

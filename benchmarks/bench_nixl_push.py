@@ -200,20 +200,8 @@ def prefill(shape: Shape, p_tp: int, d_tp: int, conn: Connection) -> None:
 
 class Decode(DecodeSide):
     def __init__(self, shape: Shape, d_tp: int) -> None:
-        torch.set_num_threads(1)
         self.shape, self.d_tp = shape, d_tp
-        engine = f"D-{uuid.uuid4().hex[:6]}"
-        self.kv = [caches(shape, d_tp, r, seed=None) for r in range(d_tp)]
-        self.workers = []
-        for rank in range(d_tp):
-            w = push_connector(
-                KVConnectorRole.WORKER, "kv_consumer", engine, context(engine, shape, d_tp, rank)
-            )
-            w.register_kv_caches(self.kv[rank])
-            self.workers.append(w)
-        self.sched = push_connector(
-            KVConnectorRole.SCHEDULER, "kv_consumer", engine, context(engine, shape, d_tp, 0)
-        )
+        self.start_connectors(push_connector, f"D-{uuid.uuid4().hex[:6]}")
         serve(self.sched, self.workers)
         self.raw = []
         for rank in range(d_tp):
