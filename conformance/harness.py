@@ -133,10 +133,10 @@ class Harness:
         try:
             yield pair
         except Exception as exc:  # a violation is the cause to name, not what it led to
-            if pair.violations and not isinstance(exc, ScenarioFailure):
-                raise ScenarioFailure(
-                    f"{_violated(pair.violations)}; then {type(exc).__name__}: {exc}"
-                ) from exc
+            named = _violated(pair.violations)
+            if pair.violations and named not in str(exc):  # e.g. a wrong token it led to
+                then = exc if isinstance(exc, ScenarioFailure) else f"{type(exc).__name__}: {exc}"
+                raise ScenarioFailure(f"{named}; then {then}") from exc
             raise
         else:
             self.expect_no_violations(pair)

@@ -121,7 +121,19 @@ def _prefill_killed(h: Harness, policy: str) -> tuple[str, list[int], list[int]]
         h.wait_for_fault_handling(
             pair, "D ended the request after P died", lambda: pair.results["r"].status != "decoding"
         )
+        _expect_kv_intact(pair, policy)
         return pair.results["r"].status, pair.results["r"].tokens, baseline
+
+
+def _expect_kv_intact(pair: DisaggregatedPair, policy: str) -> None:
+    """D's KV, checked after every step, is what the model wrote: a wrong output after a
+    fault names the first wrong position and its likely cause, not only the tokens."""
+    check(
+        not pair.kv_mismatches,
+        f"policy {policy}: after P died, D's KV bytes differ from what the model wrote "
+        f"({pair.decode.last_stats.get('load_errors', 0)} failed load(s) counted): "
+        f"{pair.kv_mismatches[:3]}",
+    )
 
 
 @scenario(
@@ -181,6 +193,7 @@ def store_pd_prefill_killed(h: Harness) -> None:
                 "D ended the request after P died",
                 lambda: pair.results["r"].status != "decoding",
             )
+            _expect_kv_intact(pair, policy)
             result = pair.results["r"]
             check(
                 (result.status, result.tokens) == ("finished_length_capped", baseline),

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from kvx import get_registry
 from kvx.conformance import FAILED, PASSED, SuiteOptions, run_suite
-from kvx.conformance.runner import load_scenarios
+from kvx.conformance.harness import Harness
+from kvx.conformance.runner import connector_claims, load_scenarios
+from kvx.conformance.scenario import ScenarioFailure, check
 
 BROKEN_DIR = Path(__file__).resolve().parent / "broken"
 EXAMPLE_EXTRA = {"directory": "{tmp}", "load_timeout_s": 5}
@@ -23,11 +26,16 @@ STORAGE_BASED = {"StoresAsConsumer", "LoadsAsProducer"}
 OPTIONS = SuiteOptions(fault_timeout_s=20, stall_timeout_s=5)  # a P/D run may take 60 s
 
 
+# P dies before writing anything: D's load times out well within the stall limit
+GIVES_UP_FAST = {"HidesLoadErrors": {**EXAMPLE_EXTRA, "load_timeout_s": 0.5}}
+
+
 def broken(name: str) -> dict[str, object]:
+    extra = STORAGE_EXTRA if name in STORAGE_BASED else GIVES_UP_FAST.get(name, EXAMPLE_EXTRA)
     return {
         "kv_connector": name,
         "kv_connector_module_path": "kvx_broken_connectors",
-        "kv_connector_extra_config": STORAGE_EXTRA if name in STORAGE_BASED else EXAMPLE_EXTRA,
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -65,6 +73,11 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
         ("RoundsUpToBlocks", "pd_short_prompt", "rule matched-tokens-in-range: "),
         ("AsyncEvenForNothing", "pd_short_prompt", "rule async-load-has-tokens: "),
         ("FailsOnlyInFailed", "pd_short_prompt", "rule failed-is-finished: worker 0 reported"),
+        (
+            "HidesLoadErrors",
+            "prefill_killed_recompute",
+            "after P died, D's KV bytes differ from what the model wrote (0 failed load(s)",
+        ),
     ],
 )
 def test_broken_connector_fails_the_suite(
@@ -198,3 +211,21 @@ def test_a_failed_load_is_named_as_the_cause_of_finished_error() -> None:
     assert result.outcome == FAILED, result
     assert "ended as 'finished_error'" in result.message, result.message
     assert "failed load(s): the connector reported this request's blocks bad" in result.message
+
+
+@pytest.mark.timeout(60)
+def test_a_violation_is_named_before_the_failed_check_it_led_to(
+    broken_importable: None, tmp_path: Path
+) -> None:
+    """A scenario check failing in a pair that broke a contract rule names the rule first:
+    the rule is the cause, the wrong tokens or bytes the check saw are what it led to."""
+    kv = broken("FailsOnlyInFailed")
+    registry = get_registry()
+    h = Harness(kv, connector_claims(kv, registry), tmp_path, registry, OPTIONS)
+    with pytest.raises(ScenarioFailure) as caught, h.pair() as pair:
+        pair.run(h.prompts([40]), 2, timeout_s=60)
+        check(False, "a check after the run")
+    message = str(caught.value)
+    assert message.startswith("contract violated (docs/contract.md): "), message
+    assert "rule failed-is-finished: worker 0 reported" in message, message
+    assert message.endswith("; then a check after the run"), message

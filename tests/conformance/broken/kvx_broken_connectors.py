@@ -75,6 +75,15 @@ class FinishesEarlyWorker(ExamplePDWorker):
         return sending, recving | {load.req_id for load in self._late}
 
 
+class HidesLoadErrorsWorker(ExamplePDWorker):
+    """Reports a failed load finished but never its blocks as load errors: the engine takes
+    the blocks as loaded and computes on whatever they hold."""
+
+    def take_load_errors(self) -> set[int]:
+        super().take_load_errors()
+        return set()
+
+
 class NeverFreesWorker(ExamplePDWorker):
     """Holds a finished prompt's blocks and never reports them sent."""
 
@@ -372,6 +381,7 @@ BROKEN_WORKERS = (
     DropsBlockWorker,
     SwapsBlocksWorker,
     FinishesEarlyWorker,
+    HidesLoadErrorsWorker,
     NeverFreesWorker,
     NeverFinishesWorker,
     WritesOtherHeadsWorker,
