@@ -20,7 +20,10 @@ def test_the_declared_wait_is_the_documented_lease() -> None:
 
 @pytest.mark.timeout(600)
 def test_lease_scenarios_pass_with_the_documented_defaults() -> None:
-    scenarios = ["abort_between_prefill_and_decode", "decode_killed"]
+    """One lease scenario: each waits out the whole 30 s lease, and the others
+    (abort_between_prefill_and_decode, ...) wait on the same lease and stall limit;
+    tests/nixl/test_conformance.py runs them all with a 5 s lease."""
+    scenarios = ["decode_killed"]
     results = run_suite(DEFAULT, only=scenarios)
     assert [(r.name, r.outcome, r.message) for r in results] == [
         (name, PASSED, "") for name in scenarios
