@@ -29,13 +29,13 @@ EDITABLE := PYTHONWARNINGS='ignore:Editable installation'
 
 NATIVE_SOURCES := layouts/_native.c layouts/_native_walk.c layouts/_native_pool.c layouts/_native.h plugins/storage/_fileio.c plugins/storage/_fileread.c plugins/storage/_filewrite.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h
 
-$(STAMP): pyproject.toml setup.py constraints.txt examples/kvx-example-connector/pyproject.toml $(NATIVE_SOURCES)
+$(STAMP): pyproject.toml setup.py constraints.txt examples/kvx-example-connector/pyproject.toml examples/kvx-example-store/pyproject.toml $(NATIVE_SOURCES)
 	$(NEED_PYTHON)
 	$(PYTHON_EXE) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(call INSTALL_TORCH,$(PY))
 	$(EDITABLE) $(PIP) install --quiet -c constraints.txt -e '.[dev,redis,nixl,bench,proxy,otel]'
-	$(EDITABLE) $(PIP) install --quiet --no-deps -e examples/kvx-example-connector
+	$(EDITABLE) $(PIP) install --quiet --no-deps -e examples/kvx-example-connector -e examples/kvx-example-store
 	rm -rf *.egg-info examples/*/*.egg-info  # build leftovers; stale entry points would shadow the venv's
 	touch $(STAMP)
 

@@ -17,7 +17,7 @@ from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import RequestStatus, SchedulerOutput
 from kvx.engine.block_pool import BlockPool, block_hashes
 from kvx.engine.finished_ids import unheld_finished_ids
-from kvx.engine.load_errors import failed_loads
+from kvx.engine.load_errors import failed_loads, stray_load_errors
 from kvx.engine.request_state import RequestState
 
 
@@ -85,6 +85,16 @@ class StepResults:
                 self._violate(problem)
             self._recved |= kv_output.finished_recving or set()
             self.recv_steps.update(dict.fromkeys(kv_output.finished_recving or (), self.steps))
+            if kv_output.invalid_block_ids:
+                stray = stray_load_errors(
+                    self.states,
+                    self._held_for_recv,
+                    kv_output,
+                    scheduler_output,
+                    self.block_size,
+                )
+                if stray is not None:
+                    self._violate(stray)
             if kv_output.invalid_block_ids or kv_output.failed_recving:
                 discard = self._handle_load_errors(kv_output, scheduler_output, outputs)
         for req_id in scheduler_output.num_scheduled_tokens:

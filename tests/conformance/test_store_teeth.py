@@ -63,6 +63,12 @@ def test_a_store_that_never_reports_a_save_fails_each_scenario_fast(scenario: st
         ("IgnoresLocalHitStore", "pd_prefix_hit_on_decode", "differs from what the", OPTIONS),
         ("SavesAfterFinishStore", "pd_long_prompts", "D loaded nothing", OPTIONS),
         ("OffersEveryToken", "pd_block_multiple", "rule one-token-computed", OPTIONS),
+        (
+            "KeepsLoadErrors",
+            "corrupted_bytes_detected",
+            "rule load-errors-name-loaded-blocks",
+            OPTIONS,
+        ),
         ("LeaksAtShutdown", "clean_shutdown", "threads still running after shutdown", OPTIONS),
         ("FixedStagingStore", "matrix", "differs from what the model wrote", ONE_CELL),
         ("ConvertsToHalfStore", "matrix", "cell dtype float32, block size 16", ONE_CELL),

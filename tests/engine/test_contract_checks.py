@@ -75,6 +75,22 @@ def test_unknown_and_repeated_finished_ids_are_recorded_not_freed() -> None:
     assert scheduler.pool.num_free_blocks == 8
 
 
+def test_load_errors_naming_blocks_no_load_wrote_into_are_recorded_and_ignored() -> None:
+    """Rule load-errors-name-loaded-blocks: a request that loaded nothing keeps its computed
+    tokens, as in vLLM, and the report is recorded with the blocks it named."""
+    scheduler = Scheduler(SchedulerConfig(num_blocks=8, block_size=4))
+    scheduler.add_request(Request("r", [1, 2, 3, 4, 5], max_tokens=2))
+    out = scheduler.schedule()
+    own = scheduler.states["r"].blocks[0]
+    stray = next(b for b in range(8) if b not in scheduler.states["r"].blocks)
+    kv = KVConnectorOutput(invalid_block_ids={own, stray})
+    scheduler.update_from_output(out, {"r": 7}, kv)
+    (violation,) = scheduler.take_violations()
+    assert "rule load-errors-name-loaded-blocks" in violation, violation
+    assert f"blocks [{', '.join(map(str, sorted({own, stray})))}] (2 of 2)" in violation
+    assert scheduler.states["r"].request.num_computed_tokens == 5  # nothing recomputed
+
+
 def test_a_shuffled_free_list_scatters_blocks_reproducibly() -> None:
     blocks = BlockPool(64, shuffle_seed=5).allocate(8)
     assert blocks == BlockPool(64, shuffle_seed=5).allocate(8)

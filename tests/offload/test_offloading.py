@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from kvx_doc_defaults import assert_documented_default
 
 from kvx import BlockRemoved, BlockStored, ConfigError, KVTransferConfig
 from kvx.conformance import run_suite
@@ -173,11 +174,22 @@ def test_config_errors_are_found_by_validation(extra: dict[str, object], message
         )
 
 
+DOCUMENTED_DEFAULTS = {"cpu_bytes_to_use": 1 << 24}  # the tier's size is required
+
+
+def test_the_first_conformance_config_is_the_documented_default() -> None:
+    config = {
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": DOCUMENTED_DEFAULTS,
+    }
+    assert_documented_default(config, "offloading.md", "cpu_bytes_to_use")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "extra",
     [
-        {"cpu_bytes_to_use": 1 << 24},
+        DOCUMENTED_DEFAULTS,
         {"cpu_bytes_to_use": 1 << 24, "block_size": 32, "eviction_policy": "arc"},
         {"cpu_bytes_to_use": 1 << 24, "blocks_per_chunk": 2, "store_threshold": 1},
         # A CPU tier of 4 chunks: reloads come from the disk tier.

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from kvx_doc_defaults import assert_documented_default
 
 from kvx.conformance import run_suite
 from kvx.conformance.runner import FAILED, PASSED
@@ -82,11 +83,13 @@ CLAIMED = {  # every scenario the connector's claims (store_reuse, hetero_tp, ..
 def test_full_conformance_suite_on_files() -> None:
     # the store-reuse scenarios; its P/D-through-the-store scenarios (store_pd) and the matrix
     # run in tests/conformance (test_the_built_in_store_passes_store_pd_and_the_matrix)
+    config = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_extra_config": {"storage_url": "file://{tmp}"},
+    }
+    assert_documented_default(config, "shared-storage.md", "storage_url")
     results = run_suite(
-        {
-            "kv_connector": "SharedStorageConnector",
-            "kv_connector_extra_config": {"storage_url": "file://{tmp}"},
-        },
+        config,
         only=sorted(CLAIMED),
         fault_timeout_s=20,
     )
@@ -99,11 +102,13 @@ def test_conformance_on_redis(redis_url: str) -> None:
     # corrupted_bytes_detected flips bytes in files under the scenario's directory; a Redis
     # store has none (the corrupt-value path on Redis is covered in test_connector.py).
     expect_passed = CLAIMED - {"corrupted_bytes_detected"}
+    config = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_extra_config": {"storage_url": redis_url},
+    }
+    assert_documented_default(config, "shared-storage.md", "storage_url")
     results = run_suite(
-        {
-            "kv_connector": "SharedStorageConnector",
-            "kv_connector_extra_config": {"storage_url": redis_url},
-        },
+        config,
         only=sorted(expect_passed),
         fault_timeout_s=20,
     )

@@ -169,3 +169,15 @@ class ConvertsToHalfStore(SharedStorageConnector):
         if isinstance(meta, StorageMetadata) and meta.loads:
             for cache in self.caches.values():
                 cache.copy_(cache.to(torch.float16).to(cache.dtype))
+
+
+class KeepsLoadErrors(SharedStorageConnector):
+    """Never clears the load errors it reported: once a load failed, every later step names
+    those blocks again, though no load writes into them any more (vLLM would truncate the
+    request that now computes them, again and again)."""
+
+    _reported: frozenset[int] = frozenset()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._reported |= super().get_block_ids_with_load_errors()
+        return set(self._reported)

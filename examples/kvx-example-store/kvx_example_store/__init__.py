@@ -1,0 +1,1 @@
+"""ExampleStoreConnector: example store of KV blocks in one SQLite file, reused across engines."""
