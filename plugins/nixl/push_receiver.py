@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvx
 from kvx.plugins.nixl.handshake import MAX_IDS_PER_NOTIFICATION
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.push_wire import (
@@ -60,8 +61,11 @@ class PushReceiver:
         transfer_timeout_s: float,
         complete: Callable[[RemoteRead], None],
         fail: Callable[[RemoteRead, list[int]], None],
+        tables: list[Any] | None = None,
     ) -> None:
+        """`tables` (`verify_transfers`): the cache block by block, digested once P wrote."""
         self.agent = agent
+        self.tables = tables
         self.engine_id, self.pp_rank, self.tp_rank, self.pp_size, self.tp_size = identity
         self.stats = stats
         self.secret = secret
@@ -148,9 +152,35 @@ class PushReceiver:
             self._fail(job.spec, job.local_block_ids)
             return
         job.waiting.discard(sender)
+        problem = self._check(job, message.digests)
+        if problem is not None:
+            logger.error("push: request %s: %s; its blocks are load errors", *problem[:2])
+            self.stats.count(problem[2])
+            del self._waiting[job.spec.request_id]
+            self._fail(job.spec, job.local_block_ids)
+            return
         if not job.waiting:
             del self._waiting[job.spec.request_id]
             self._complete(job.spec)
+
+    def _check(self, job: WaitJob, digests: list[int]) -> tuple[str, str, str] | None:
+        """With `verify_transfers`, where P wrote whole blocks of this rank (same TP size, no
+        PP): compare P's digests with the blocks that landed. None when they agree or the
+        write is not checked; else (request, reason, the counter to bump)."""
+        spec = job.spec
+        whole = job.remote.geometry.tp_size == self.tp_size
+        if self.tables is None or not whole or self.pp_size != 1 or spec.remote_pp_size != 1:
+            return None
+        if not digests:
+            why = "P sent no block digests (set verify_transfers on P too)"
+            return spec.request_id, why, "num_failed_transfers"
+        landed = kvx.cache_block_digests(self.tables, job.local_block_ids)
+        what = f"request {spec.request_id} (P's {spec.remote_request_id})"
+        try:
+            kvx.check_block_digests(what, digests, landed, job.local_block_ids)
+        except kvx.IntegrityError as exc:
+            return spec.request_id, str(exc), "num_checksum_failures"
+        return None
 
     def poll(self, now: float) -> None:
         """Fail registrations P did not answer in time, or whose P is gone; send heartbeats

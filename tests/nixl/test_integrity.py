@@ -1,7 +1,8 @@
-"""Integrity on the wire for NIXL pull (`verify_transfers`), real NIXL/UCX: a byte of P's KV
-flipped for real after P digested the hand-off and before D reads is caught, and the request is
-recomputed or failed per `kv_load_failure_policy`, never decoded on wrong KV; with the check
-off the same flip lands in D's cache (the injection is real; the check is what catches it)."""
+"""Integrity on the wire for NIXL pull and push (`verify_transfers`), real NIXL/UCX: a byte of
+P's KV flipped for real after P digested the hand-off and before D reads it (pull) or P writes
+it into D's blocks (push) is caught, and the request is recomputed or failed per
+`kv_load_failure_policy`, never decoded on wrong KV; with the check off the same flip lands in
+D's cache (the injection is real; the check is what catches it)."""
 
 from __future__ import annotations
 
@@ -58,12 +59,15 @@ def _stats(pair: DisaggregatedPair, kind: str) -> int:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("connector", ["NixlConnector", "NixlPushConnector"])
 @pytest.mark.parametrize(
     ("policy", "verify"), [("recompute", True), ("fail", True), ("recompute", False)]
 )
-def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) -> None:
+def test_a_byte_flipped_after_the_digest_is_caught(
+    connector: str, policy: str, verify: bool
+) -> None:
     kv = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": connector,
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": verify},
     }
@@ -90,10 +94,19 @@ def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) ->
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp", [(1, 1), (2, 2), (2, 1)])  # 2:1 reads slices: not checked
-def test_clean_reads_pass_the_check(tp: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("connector", "tp"),
+    [
+        ("NixlConnector", (1, 1)),
+        ("NixlConnector", (2, 2)),
+        ("NixlConnector", (2, 1)),  # 2:1 reads slices: not checked
+        ("NixlPushConnector", (2, 2)),
+        ("NixlPushConnector", (1, 2)),  # writes slices: not checked
+    ],
+)
+def test_clean_reads_pass_the_check(connector: str, tp: tuple[int, int]) -> None:
     kv = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": connector,
         "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": True},
     }
     p, d = pd_configs(BASE, kv, tp)
