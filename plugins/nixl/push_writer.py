@@ -55,6 +55,8 @@ class Target:
     writes: list[Write] | None = None
     dlists: list[Any] = field(default_factory=list)
     block_limit: int = 0
+    whole: bool = False
+    """Every head of this P rank is written into D's blocks (D's TP size at most P's)."""
 
 
 @dataclass
@@ -123,11 +125,12 @@ class PushWriter:
             self._blocks.pop(req_id, None)
             self._sums.pop(req_id, None)
 
-    def _digests_for(self, reg: Register) -> list[int]:
-        """The digests of the blocks written for `reg`, where they describe D's blocks: P
-        wrote whole blocks (same TP size, no PP on either side). Empty otherwise."""
+    def _digests_for(self, reg: Register, target: Target) -> list[int]:
+        """The digests of the blocks written for `reg`, where they describe what landed in
+        D's blocks: P wrote every head of its blocks (D's TP size at most P's), no PP on either
+        side. Empty otherwise."""
         sums = self._sums.get(reg.request_id)
-        whole = reg.tp_size == self.view.tp_size and reg.pp_size == self.view.pp_size == 1
+        whole = target.whole and reg.pp_size == self.view.pp_size == 1
         if sums is None or not whole:
             return []
         return sums[reg.first_block : reg.first_block + len(reg.block_ids)]
@@ -285,6 +288,8 @@ class PushWriter:
                 )
             )
         target.block_limit = min(r.num_blocks for r in meta.regions)
+        heads = [w for w in plan.reads if w.remote_tp_rank == self.view.tp_rank]
+        target.whole = sum(r.num_heads for r in heads) == self.poster.heads
         target.writes = writes
         return writes
 
@@ -295,7 +300,7 @@ class PushWriter:
                 self._writing.remove(job)
                 self._release(job)
                 self.stats.record_transfer(now - job.started, 0.0, job.nbytes, job.ndescs)
-                self._finish(job, "", self._digests_for(job.reg))
+                self._finish(job, "", self._digests_for(job.reg, job.target))
             elif "ERR" in states or now - job.started > self.transfer_timeout_s:
                 self._writing.remove(job)
                 why = "a WRITE failed" if "ERR" in states else "the WRITE timed out"

@@ -21,6 +21,7 @@ from kvx.plugins.nixl.side_channel import SideChannelServer
 
 BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16, block_size=16, num_blocks=64)
 PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks
+POLICIES = [("recompute", True), ("fail", True), ("recompute", False)]
 
 
 def _flip_after_digest(pair: DisaggregatedPair, flipped: list[int]) -> None:
@@ -58,20 +59,30 @@ def _stats(pair: DisaggregatedPair, kind: str) -> int:
     return sum(s.figures().failures.get(kind, 0) for s in stats)
 
 
+PULL, PUSH = "NixlConnector", "NixlPushConnector"
+MODES = {PULL: "pull", PUSH: "push"}
+FLIPS = [
+    *((c, (1, 1), policy, verify) for c in (PULL, PUSH) for policy, verify in POLICIES),
+    # D's blocks from two P ranks, P rank 0's part flipped
+    *((c, (2, 1), "recompute", True) for c in (PULL, PUSH)),
+]
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("connector", ["NixlConnector", "NixlPushConnector"])
 @pytest.mark.parametrize(
-    ("policy", "verify"), [("recompute", True), ("fail", True), ("recompute", False)]
+    ("connector", "tp", "policy", "verify"),
+    FLIPS,
+    ids=[f"{MODES[c]}-{t[0]}to{t[1]}-{p}-{'on' if v else 'off'}" for c, t, p, v in FLIPS],
 )
 def test_a_byte_flipped_after_the_digest_is_caught(
-    connector: str, policy: str, verify: bool
+    connector: str, tp: tuple[int, int], policy: str, verify: bool
 ) -> None:
     kv = {
         "kv_connector": connector,
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": verify},
     }
-    p, d = pd_configs(BASE, kv)
+    p, d = pd_configs(BASE, kv, tp)
     flipped: list[int] = []
     with DisaggregatedPair(p, d, processes=False, timeout_s=60) as pair:
         _flip_after_digest(pair, flipped)
@@ -99,9 +110,11 @@ def test_a_byte_flipped_after_the_digest_is_caught(
     [
         ("NixlConnector", (1, 1)),
         ("NixlConnector", (2, 2)),
-        ("NixlConnector", (2, 1)),  # 2:1 reads slices: not checked
+        ("NixlConnector", (2, 1)),  # each P rank's blocks land in a head range of D's
+        ("NixlConnector", (1, 2)),  # each D rank reads part of P's heads: not checked
         ("NixlPushConnector", (2, 2)),
-        ("NixlPushConnector", (1, 2)),  # writes slices: not checked
+        ("NixlPushConnector", (2, 1)),
+        ("NixlPushConnector", (1, 2)),  # each D rank gets part of P's heads: not checked
     ],
 )
 def test_clean_reads_pass_the_check(connector: str, tp: tuple[int, int]) -> None:
