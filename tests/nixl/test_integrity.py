@@ -26,7 +26,8 @@ POLICIES = [("recompute", True), ("fail", True), ("recompute", False)]
 
 def _flip_after_digest(pair: DisaggregatedPair, flipped: list[int]) -> None:
     """When P's worker has taken the hand-off (and digested it, with the check on), flip one
-    byte of the request's second block in P's KV cache (once), before D reads it."""
+    byte of the request's second block in P's KV cache (once), before D reads it (pull) or
+    registers its blocks for P to write (push)."""
     engine = pair.prefill.engine  # type: ignore[union-attr]
     scheduler = engine.scheduler_connector.scheduler
     worker = engine.workers[0].connector.worker
@@ -52,6 +53,11 @@ def _flip_after_digest(pair: DisaggregatedPair, flipped: list[int]) -> None:
 
     scheduler.request_finished = finished
     worker._start_load_kv = started
+    # D steps only once the byte is flipped: P's params reach D in the round P finished the
+    # prompt, a step before P's worker takes the hand-off, and a READ (or registration) D
+    # made in between would race the flip
+    d_step = pair.decode.step
+    pair.decode.step = lambda: d_step() if flipped else ([], True)  # type: ignore[method-assign]
 
 
 def _stats(pair: DisaggregatedPair, kind: str) -> int:
