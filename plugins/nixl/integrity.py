@@ -8,7 +8,9 @@ like the handshake). D, once its READs of a request are done, digests the blocks
 and fetches P's digests in the background (P's `pending` answer is retried until
 `transfer_timeout_s`); a difference is a load error naming the request and blocks, under
 `kv_load_failure_policy`, counted as a checksum failure. Checked where D reads whole blocks of
-the same rank (same layout, block size and TP, no PP); other reads are not checked.
+P ranks (same layout and block size, D's TP size at most P's, no PP): with more P ranks, the
+head range of D's blocks each P rank filled is digested against that rank's digests. A read of
+part of a P rank's heads (D's TP size above P's) is not checked: P digested whole blocks.
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ def layer_tables(caches: dict[str, torch.Tensor], layout: Layout) -> list[torch.
 
 @dataclass
 class Held:
-    """A finished read of D waiting for P's digests."""
+    """A finished read of D waiting for P's digests: per P rank read from, the digests of
+    the part of D's blocks it filled, and P's digests being fetched."""
 
     job: Any  # posting.ReadJob
-    local: list[int]
-    future: Future[list[int]]
+    parts: list[tuple[list[int], Future[list[int]]]]
+
+
+Slice = tuple[int, int, int]
+"""(P's TP rank, first head, heads): the heads of D's blocks one P rank's blocks filled."""
 
 
 class Verifier:
@@ -138,33 +144,49 @@ class Verifier:
         self.held: dict[str, Held] = {}
         self.context = zmq.Context()  # one for every fetch (a context per fetch costs ~40 ms)
 
-    def checkable(self, job: Any) -> bool:
-        """D read whole blocks of its own rank from P (P digests its own blocks)."""
-        local = self.parallel
-        return bool(
-            job.remote.direct
-            and job.remote.geometry.tp_size == local.tp_size
-            and job.spec.remote_pp_size == 1  # P's geometry here does not carry its PP size
-            and local.pp_size == 1
-        )
+    def slices(self, job: Any) -> list[Slice] | None:
+        """Where D read whole blocks of P ranks (P digests its own blocks): same TP size, or
+        more P ranks than D's, each P rank's heads landing whole in one head range of D's
+        blocks (no PP on either side). None when the read is not checked (D reads part of a
+        P rank's heads, a staged read)."""
+        remote, local = job.remote, self.parallel
+        if not remote.direct or job.spec.remote_pp_size != 1 or local.pp_size != 1:
+            return None
+        whole = [
+            (r.remote_tp_rank, r.local_head_offset, r.num_heads)
+            for r in remote.plan.reads
+            if r.num_heads == len(remote.geometry.heads_of(r.remote_tp_rank))
+        ]
+        return whole if len(whole) == len(remote.plan.reads) else None
 
     def hold(self, job: Any) -> bool:
         """Digest the blocks `job` wrote and start fetching P's; False when it is not checked."""
-        if job.spec.frees_only or not job.local_block_ids or not self.checkable(job):
+        if job.spec.frees_only or not job.local_block_ids:
             return False
-        local = kvx.cache_block_digests(self.tables, job.local_block_ids)
-        key = (job.spec.remote_request_id, 0, self.parallel.tp_rank)
-        future = self.submit(
-            fetch_digests,
-            job.spec.remote_host,
-            job.spec.remote_port,
-            key,
-            deadline=time.monotonic() + self.timeout_s,
-            secret=self.secret,
-            count=len(job.spec.remote_block_ids),
-            context=self.context,
-        )
-        self.held[job.spec.request_id] = Held(job, local, future)
+        slices = self.slices(job)
+        if slices is None:
+            return False
+        heads = len(job.remote.plan.local_heads)
+        parts = []
+        for rank, first, count in slices:
+            tables = self.tables
+            if count != heads:  # the byte range of these heads in each of D's rows
+                per_head = tables[0].shape[-1] // heads
+                lo, hi = first * per_head, (first + count) * per_head
+                tables = [t[:, :, lo:hi] for t in tables]
+            local = kvx.cache_block_digests(tables, job.local_block_ids)
+            future = self.submit(
+                fetch_digests,
+                job.spec.remote_host,
+                job.spec.remote_port,
+                (job.spec.remote_request_id, 0, rank),
+                deadline=time.monotonic() + self.timeout_s,
+                secret=self.secret,
+                count=len(job.spec.remote_block_ids),
+                context=self.context,
+            )
+            parts.append((local, future))
+        self.held[job.spec.request_id] = Held(job, parts)
         return True
 
     def close(self) -> None:
@@ -176,19 +198,20 @@ class Verifier:
         """Report the held reads whose check is over into `recved`; a mismatch (or P's digests
         not to be had) adds the request's blocks to `errors` (load errors) and is counted."""
         for req_id, held in list(self.held.items()):
-            if not held.future.done():
+            if not all(future.done() for _, future in held.parts):
                 continue
             del self.held[req_id]
             job = held.job
             try:
                 first = job.start_token // job.remote.geometry.block_size
-                theirs = held.future.result()[first : first + len(held.local)]
-                kvx.check_block_digests(
-                    f"request {req_id} (P's {job.spec.remote_request_id})",
-                    theirs,
-                    held.local,
-                    job.local_block_ids,
-                )
+                for local, future in held.parts:
+                    theirs = future.result()[first : first + len(local)]
+                    kvx.check_block_digests(
+                        f"request {req_id} (P's {job.spec.remote_request_id})",
+                        theirs,
+                        local,
+                        job.local_block_ids,
+                    )
             except Exception as exc:  # a mismatch, or P's digests could not be had
                 logger.error("request %s: %s; its blocks are load errors", req_id, exc)
                 integrity = isinstance(exc, kvx.IntegrityError)

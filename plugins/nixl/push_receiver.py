@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvx
 from kvx.plugins.nixl.handshake import MAX_IDS_PER_NOTIFICATION
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.push_wire import (
@@ -60,8 +61,11 @@ class PushReceiver:
         transfer_timeout_s: float,
         complete: Callable[[RemoteRead], None],
         fail: Callable[[RemoteRead, list[int]], None],
+        tables: list[Any] | None = None,
     ) -> None:
+        """`tables` (`verify_transfers`): the cache block by block, digested once P wrote."""
         self.agent = agent
+        self.tables = tables
         self.engine_id, self.pp_rank, self.tp_rank, self.pp_size, self.tp_size = identity
         self.stats = stats
         self.secret = secret
@@ -148,9 +152,44 @@ class PushReceiver:
             self._fail(job.spec, job.local_block_ids)
             return
         job.waiting.discard(sender)
+        problem = self._check(job, sender, message.digests)
+        if problem is not None:
+            logger.error("push: request %s: %s; its blocks are load errors", *problem[:2])
+            self.stats.count(problem[2])
+            del self._waiting[job.spec.request_id]
+            self._fail(job.spec, job.local_block_ids)
+            return
         if not job.waiting:
             del self._waiting[job.spec.request_id]
             self._complete(job.spec)
+
+    def _check(self, job: WaitJob, sender: str, digests: list[int]) -> tuple[str, str, str] | None:
+        """With `verify_transfers`, where P worker `sender` wrote every head of its blocks
+        into a head range of D's (D's TP size at most P's, no PP): compare its digests with
+        that range of the blocks that landed. None when they agree or the write is not
+        checked; else (request, reason, the counter to bump)."""
+        spec, remote = job.spec, job.remote
+        if self.tables is None or self.pp_size != 1 or spec.remote_pp_size != 1:
+            return None
+        ranks = [key[1] for key, name in remote.agents.items() if agent_name(name) == sender]
+        reads = [r for r in remote.plan.reads if ranks and r.remote_tp_rank == ranks[0]]
+        if len(reads) != 1 or reads[0].num_heads != len(remote.geometry.heads_of(ranks[0])):
+            return None
+        if not digests:
+            why = "P sent no block digests (set verify_transfers on P too)"
+            return spec.request_id, why, "num_failed_transfers"
+        tables, heads, read = self.tables, len(remote.plan.local_heads), reads[0]
+        if read.num_heads != heads:  # the byte range of P's heads in each of D's rows
+            per_head = tables[0].shape[-1] // heads
+            lo = read.local_head_offset * per_head
+            tables = [t[:, :, lo : lo + read.num_heads * per_head] for t in tables]
+        landed = kvx.cache_block_digests(tables, job.local_block_ids)
+        what = f"request {spec.request_id} (P's {spec.remote_request_id})"
+        try:
+            kvx.check_block_digests(what, digests, landed, job.local_block_ids)
+        except kvx.IntegrityError as exc:
+            return spec.request_id, str(exc), "num_checksum_failures"
+        return None
 
     def poll(self, now: float) -> None:
         """Fail registrations P did not answer in time, or whose P is gone; send heartbeats

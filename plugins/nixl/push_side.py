@@ -38,9 +38,12 @@ class PushSide:
         identity: tuple[str, int, int, int, int],
         complete: Callable[[RemoteRead], None],
         fail: Callable[[RemoteRead, list[int]], None],
+        tables: list[Any] | None,
     ) -> None:
         """`roles`: (producer, consumer); `identity`: engine id, pp rank, tp rank, pp size,
-        tp size of this worker; `complete` / `fail` end a D request as a finished read does."""
+        tp size of this worker; `complete` / `fail` end a D request as a finished read does;
+        `tables` (`verify_transfers`): this worker's cache block by block, which D checks
+        against P's digests."""
         o = options
         self.secret, self.leases, self.stats = secret, leases, stats
         self.writer = (
@@ -69,6 +72,7 @@ class PushSide:
                 transfer_timeout_s=o.transfer_timeout_s,
                 complete=complete,
                 fail=fail,
+                tables=tables,
             )
             if roles[1]
             else None
@@ -86,10 +90,11 @@ class PushSide:
         )
         return waiting, sent + SETTLE_S
 
-    def hold(self, meta: NixlMetadata) -> None:
-        """A step's metadata: P's handed-off blocks, D's side-channel address."""
+    def hold(self, meta: NixlMetadata, digests: dict[str, list[int]]) -> None:
+        """A step's metadata: P's handed-off blocks (and with `verify_transfers` their
+        digests), D's side-channel address."""
         if self.writer is not None:
-            self.writer.hold(meta.push_blocks)
+            self.writer.hold(meta.push_blocks, digests)
         if self.receiver is not None and meta.side_channel is not None:
             self.receiver.side_channel = meta.side_channel
 

@@ -72,10 +72,16 @@ class Release(msgspec.Struct, tag="release", array_like=True, forbid_unknown_fie
 
 
 class Pushed(msgspec.Struct, tag="pushed", array_like=True, forbid_unknown_fields=True):
-    """P to D: D's request's blocks are written (`error` empty), or why they are not."""
+    """P to D: D's request's blocks are written (`error` empty), or why they are not.
+    `digests` (with `verify_transfers`, where P wrote whole blocks): XXH3-64 of each block P
+    wrote, taken when P handed the request off, in D's registered order."""
 
     decode_request_id: Name
     error: Annotated[str, msgspec.Meta(max_length=MAX_REASON)] = ""
+    digests: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0)]],
+        msgspec.Meta(max_length=MAX_PUSH_BLOCKS),
+    ] = msgspec.field(default_factory=list)
 
 
 PushMessage = Register | Heartbeat | Release | Pushed

@@ -55,6 +55,8 @@ class Target:
     writes: list[Write] | None = None
     dlists: list[Any] = field(default_factory=list)
     block_limit: int = 0
+    whole: bool = False
+    """Every head of this P rank is written into D's blocks (D's TP size at most P's)."""
 
 
 @dataclass
@@ -101,6 +103,7 @@ class PushWriter:
         self.max_handshake_bytes = max_handshake_bytes
         self.enforce_compat = enforce_compat
         self._blocks: dict[str, list[int]] = {}
+        self._sums: dict[str, list[int]] = {}  # verify_transfers: block digests at hand-off
         self._pending: OrderedDict[tuple[str, str], tuple[Register, float]] = OrderedDict()
         self._fetching: dict[TargetKey, Future] = {}
         self._targets: dict[TargetKey, Target | str] = {}  # a target, or why there is none
@@ -110,14 +113,27 @@ class PushWriter:
 
     # -- inputs -----------------------------------------------------------------------------
 
-    def hold(self, blocks: dict[str, list[int]]) -> None:
-        """The prompt blocks of requests P's scheduler just handed off."""
+    def hold(self, blocks: dict[str, list[int]], digests: dict[str, list[int]]) -> None:
+        """The prompt blocks of requests P's scheduler just handed off, and (with
+        `verify_transfers`) their digests, taken before any WRITE."""
         self._blocks.update(blocks)
+        self._sums.update(digests)
 
     def forget(self, req_ids: set[str]) -> None:
         """Requests P freed (written, released or expired)."""
         for req_id in req_ids:
             self._blocks.pop(req_id, None)
+            self._sums.pop(req_id, None)
+
+    def _digests_for(self, reg: Register, target: Target) -> list[int]:
+        """The digests of the blocks written for `reg`, where they describe what landed in
+        D's blocks: P wrote every head of its blocks (D's TP size at most P's), no PP on either
+        side. Empty otherwise."""
+        sums = self._sums.get(reg.request_id)
+        whole = target.whole and reg.pp_size == self.view.pp_size == 1
+        if sums is None or not whole:
+            return []
+        return sums[reg.first_block : reg.first_block + len(reg.block_ids)]
 
     def on_register(self, reg: Register, sender: str, now: float) -> None:
         """Queue a registration and start the handshake with its D worker if it is new."""
@@ -272,6 +288,8 @@ class PushWriter:
                 )
             )
         target.block_limit = min(r.num_blocks for r in meta.regions)
+        heads = [w for w in plan.reads if w.remote_tp_rank == self.view.tp_rank]
+        target.whole = sum(r.num_heads for r in heads) == self.poster.heads
         target.writes = writes
         return writes
 
@@ -282,7 +300,7 @@ class PushWriter:
                 self._writing.remove(job)
                 self._release(job)
                 self.stats.record_transfer(now - job.started, 0.0, job.nbytes, job.ndescs)
-                self._finish(job, "")
+                self._finish(job, "", self._digests_for(job.reg, job.target))
             elif "ERR" in states or now - job.started > self.transfer_timeout_s:
                 self._writing.remove(job)
                 why = "a WRITE failed" if "ERR" in states else "the WRITE timed out"
@@ -300,9 +318,10 @@ class PushWriter:
 
     # -- endings ----------------------------------------------------------------------------
 
-    def _finish(self, job: WriteJob, error: str) -> None:
+    def _finish(self, job: WriteJob, error: str, digests: list[int] | None = None) -> None:
         """Answer D and count D's worker as done with P's blocks (written or not)."""
-        self._answer(job.target.agent, Pushed(job.reg.decode_request_id, reason(error)))
+        answer = Pushed(job.reg.decode_request_id, reason(error), digests or [])
+        self._answer(job.target.agent, answer)
         note = Notification("done", [job.reg.request_id], job.reg.count)
         self.leases.on_notification(note, time.monotonic(), job.sender)
 

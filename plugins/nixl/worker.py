@@ -165,6 +165,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
                 (self.engine_id, p.pp_rank, p.tp_rank, p.pp_size, p.tp_size),
                 lambda spec: self._reads.recved.add(spec.request_id),
                 self._reads.fail,
+                self._tables if self.options.verify_transfers else None,
             )
         self._reads.bind(self._poster, self._caches, self._verifier)
         preconnect = [] if self._producer else self.options.preconnect
@@ -219,12 +220,15 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         for req_id in meta.reqs_not_processed:
             self._leases.drop(req_id)
         p = self.ctx.parallel
-        for req_id, blocks in meta.send_blocks.items():  # before any D is told it may read
-            self._digests[(req_id, p.pp_rank, p.tp_rank)] = kvx.cache_block_digests(
-                self._tables, blocks
-            )
-        if self._push is not None:
-            self._push.hold(meta)
+        digests = {  # before any D is told it may read, or P writes
+            req_id: kvx.cache_block_digests(self._tables, blocks)
+            for req_id, blocks in meta.send_blocks.items()
+        }
+        if self._push is not None:  # push: they travel with P's answer to D
+            self._push.hold(meta, digests)
+        else:  # pull: P's side channel serves them
+            for req_id, sums in digests.items():
+                self._digests[(req_id, p.pp_rank, p.tp_rank)] = sums
         for spec in meta.reqs_to_recv:
             self._peers.enqueue(spec)
         self._peers.progress()

@@ -1,7 +1,8 @@
-"""Integrity on the wire for NIXL pull (`verify_transfers`), real NIXL/UCX: a byte of P's KV
-flipped for real after P digested the hand-off and before D reads is caught, and the request is
-recomputed or failed per `kv_load_failure_policy`, never decoded on wrong KV; with the check
-off the same flip lands in D's cache (the injection is real; the check is what catches it)."""
+"""Integrity on the wire for NIXL pull and push (`verify_transfers`), real NIXL/UCX: a byte of
+P's KV flipped for real after P digested the hand-off and before D reads it (pull) or P writes
+it into D's blocks (push) is caught, and the request is recomputed or failed per
+`kv_load_failure_policy`, never decoded on wrong KV; with the check off the same flip lands in
+D's cache (the injection is real; the check is what catches it)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from kvx.plugins.nixl.side_channel import SideChannelServer
 
 BASE = EngineConfig(num_layers=2, num_kv_heads=4, head_size=16, block_size=16, num_blocks=64)
 PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks
+POLICIES = [("recompute", True), ("fail", True), ("recompute", False)]
 
 
 def _flip_after_digest(pair: DisaggregatedPair, flipped: list[int]) -> None:
     """When P's worker has taken the hand-off (and digested it, with the check on), flip one
-    byte of the request's second block in P's KV cache (once), before D reads it."""
+    byte of the request's second block in P's KV cache (once), before D reads it (pull) or
+    registers its blocks for P to write (push)."""
     engine = pair.prefill.engine  # type: ignore[union-attr]
     scheduler = engine.scheduler_connector.scheduler
     worker = engine.workers[0].connector.worker
@@ -50,6 +53,11 @@ def _flip_after_digest(pair: DisaggregatedPair, flipped: list[int]) -> None:
 
     scheduler.request_finished = finished
     worker._start_load_kv = started
+    # D steps only once the byte is flipped: P's params reach D in the round P finished the
+    # prompt, a step before P's worker takes the hand-off, and a READ (or registration) D
+    # made in between would race the flip
+    d_step = pair.decode.step
+    pair.decode.step = lambda: d_step() if flipped else ([], True)  # type: ignore[method-assign]
 
 
 def _stats(pair: DisaggregatedPair, kind: str) -> int:
@@ -57,17 +65,30 @@ def _stats(pair: DisaggregatedPair, kind: str) -> int:
     return sum(s.figures().failures.get(kind, 0) for s in stats)
 
 
+PULL, PUSH = "NixlConnector", "NixlPushConnector"
+MODES = {PULL: "pull", PUSH: "push"}
+FLIPS = [
+    *((c, (1, 1), policy, verify) for c in (PULL, PUSH) for policy, verify in POLICIES),
+    # D's blocks from two P ranks, P rank 0's part flipped
+    *((c, (2, 1), "recompute", True) for c in (PULL, PUSH)),
+]
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("policy", "verify"), [("recompute", True), ("fail", True), ("recompute", False)]
+    ("connector", "tp", "policy", "verify"),
+    FLIPS,
+    ids=[f"{MODES[c]}-{t[0]}to{t[1]}-{p}-{'on' if v else 'off'}" for c, t, p, v in FLIPS],
 )
-def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) -> None:
+def test_a_byte_flipped_after_the_digest_is_caught(
+    connector: str, tp: tuple[int, int], policy: str, verify: bool
+) -> None:
     kv = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": connector,
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": verify},
     }
-    p, d = pd_configs(BASE, kv)
+    p, d = pd_configs(BASE, kv, tp)
     flipped: list[int] = []
     with DisaggregatedPair(p, d, processes=False, timeout_s=60) as pair:
         _flip_after_digest(pair, flipped)
@@ -90,10 +111,21 @@ def test_a_byte_flipped_after_the_digest_is_caught(policy: str, verify: bool) ->
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp", [(1, 1), (2, 2), (2, 1)])  # 2:1 reads slices: not checked
-def test_clean_reads_pass_the_check(tp: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    ("connector", "tp"),
+    [
+        ("NixlConnector", (1, 1)),
+        ("NixlConnector", (2, 2)),
+        ("NixlConnector", (2, 1)),  # each P rank's blocks land in a head range of D's
+        ("NixlConnector", (1, 2)),  # each D rank reads part of P's heads: not checked
+        ("NixlPushConnector", (2, 2)),
+        ("NixlPushConnector", (2, 1)),
+        ("NixlPushConnector", (1, 2)),  # each D rank gets part of P's heads: not checked
+    ],
+)
+def test_clean_reads_pass_the_check(connector: str, tp: tuple[int, int]) -> None:
     kv = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": connector,
         "kv_connector_extra_config": {"transfer_timeout_s": 10, "verify_transfers": True},
     }
     p, d = pd_configs(BASE, kv, tp)

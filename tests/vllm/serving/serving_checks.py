@@ -111,6 +111,19 @@ def kv_cache_usage(server: cluster.HttpServer) -> float:
     return max(values)
 
 
+def external_tokens(server: cluster.HttpServer) -> float:
+    """Prompt tokens vLLM counts as loaded from outside the engine, ever (its own
+    `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    found = re.findall(
+        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
+        text,
+        re.M,
+    )
+    assert found, f"{server.name} exports no external_kv_transfer prompt tokens"
+    return sum(float(v) for v in found)
+
+
 def check_all_blocks_freed(server: cluster.HttpServer) -> None:
     usage = kv_cache_usage(server)
     assert usage == 0, f"{server.name} still holds KV blocks after the run: usage {usage}"
