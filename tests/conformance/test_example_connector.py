@@ -4,6 +4,7 @@ point: the Python API, `kvx conformance` and the pytest plugin."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,7 @@ UNCLAIMED = {
     "store_pd_prefill_killed",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
+EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "kvx-example-connector"
 
 
 @pytest.mark.timeout(600)
@@ -52,6 +54,26 @@ def test_full_suite_passes_with_unclaimed_reported() -> None:
     assert not failed
     assert {n for n, o in outcomes.items() if o == NOT_CLAIMED} == UNCLAIMED
     assert all(o == PASSED for n, o in outcomes.items() if n not in UNCLAIMED)
+
+
+@pytest.mark.timeout(1200)
+def test_its_own_tests_pass_composed_with_a_redis_store() -> None:
+    """The example's own kit tests, as its author runs them, for the class that composes it with
+    kvx's shared-storage connector on Redis: every scenario the composition claims passes (the
+    Redis store's corrupted_bytes_detected is the one expected failure, an xfail)."""
+    argv = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider"]
+    result = subprocess.run(
+        [*argv, "-k", "TestExampleWithRedisStore"],
+        capture_output=True,
+        text=True,
+        timeout=1150,
+        check=False,
+        cwd=EXAMPLE_DIR,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    composed = re.search(r"MultiConnector: (\d+) passed", output)
+    assert composed and int(composed.group(1)) >= 25, output[-4000:]  # the whole suite ran
 
 
 @pytest.mark.timeout(300)

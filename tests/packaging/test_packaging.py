@@ -3,9 +3,8 @@ kvx's own packaging (setuptools' notes on ext-modules, undeclared package data, 
 its native extensions, typing markers and licenses, and a fresh venv installs it with an extra,
 then installs the example connector from its own directory (its `kvx>=0.1,<2` requirement met
 by that wheel, as docs/writing-a-connector.md tells third parties to do before kvx is on an
-index) and runs the connector's own tests there: the whole suite composed with a Redis store,
-and a few scenarios of the connector alone (tests/conformance/test_example_connector.py runs
-it alone through the whole suite)."""
+index) and runs a few of the connector's own tests there
+(tests/conformance/test_example_connector.py runs its whole suite, alone and with a Redis store)."""
 
 from __future__ import annotations
 
@@ -108,15 +107,13 @@ def test_a_fresh_venv_installs_the_wheel_and_the_example_connector(
     run([*pip, "."], repo)  # kvx>=0.1,<2 is met by the installed wheel: no index asked for kvx
     listed = run([str(venv / "bin" / "kvx"), "list"], repo)
     assert "ExamplePDConnector" in listed
-    # the example alone: a few scenarios (its whole suite runs in
-    # tests/conformance/test_example_connector.py); composed with a Redis store: all of them
-    chosen = "not TestExampleConnector or pd_short_prompt or abort_on_prefill or claims_cover"
+    # the connector's own tests run from the wheel: a few scenarios, alone and composed with a
+    # Redis store (both whole suites run in tests/conformance/test_example_connector.py)
+    chosen = "pd_short_prompt or abort_on_prefill or store_and_reuse or claims_cover"
     pytest_argv = ["-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-k", chosen]
     tests = run([str(venv / "bin" / "python"), *pytest_argv], repo, timeout=1500)
     composed = re.search(r"MultiConnector: (\d+) passed", tests)
-    assert composed and int(composed.group(1)) >= 25, tests[-3000:]  # the whole suite ran
-    # pytest's closing line (the suite's own report above it counts an expected failure, the
-    # Redis store's corrupted_bytes_detected, as "1 failed"; pytest counts it "1 xfailed")
+    assert composed and int(composed.group(1)) >= 3, tests[-3000:]  # the composition ran
     summary = tests.strip().splitlines()[-1]
     assert " passed" in summary, tests[-3000:]
     assert not re.search(r"\b\d+ (failed|errors?)\b", summary), tests[-3000:]
