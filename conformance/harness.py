@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -75,7 +76,11 @@ class Harness:
         )
         self._open_pairs: list[DisaggregatedPair] = []
         self._open_engines: list[Engine] = []
+        # Every scenario names its own model: stores key by model name, so what an earlier
+        # scenario (or run) left in a store every scenario reaches (one Redis, a process's
+        # LMCache tier) is never found here, and no scenario passes on another's saves.
         self.base = EngineConfig(
+            model_name=f"kvx-toy-{name or 'scenario'}-{uuid.uuid4().hex[:8]}",
             num_layers=2,
             num_kv_heads=4,
             head_size=16,

@@ -20,7 +20,7 @@ from kvx import (
     TransferFigures,
     create_connector,
 )
-from kvx.conformance.harness import PD_ROLES, Harness
+from kvx.conformance.harness import PD_ROLES, STORE_PD_PROOF_TOKENS, Harness
 from kvx.conformance.scenario import PD_EITHER, check, scenario
 from kvx.engine.server import LocalEngine
 
@@ -133,7 +133,8 @@ def stats_and_events_shape(h: Harness) -> None:
     roles=BOTH,
 )
 def stats_and_events_shape_stored(h: Harness) -> None:
-    prompts = h.prompts([33, 70], seed=5)
+    # the longest spans a whole chunk of every store's documented default (LMCache: 256)
+    prompts = h.prompts([33, 70, STORE_PD_PROOF_TOKENS], seed=5)
     with h.engine("kv_both") as first:
         h.run_engine(first, prompts, 4)
         with h.engine("kv_both") as second:

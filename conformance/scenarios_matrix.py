@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvx import Capability
-from kvx.conformance.harness import Harness
+from kvx.conformance.harness import STORE_PD_PROOF_TOKENS, Harness
 from kvx.conformance.scenario import check, scenario
 from kvx.conformance.scenarios_contract import store_then_load
 
@@ -15,11 +15,14 @@ LONG_BLOCKS = 70  # a prompt beyond 64 blocks: past any fixed staging size of 64
 
 
 def cell_prompts(h: Harness, block_size: int, seed: int) -> dict[str, list[int]]:
-    """1 token, around one block, several blocks, and (at the smallest block size) 70 blocks
-    and a partial one."""
+    """1 token, around one block, several blocks, and one long prompt: at the smallest block
+    size 70 blocks and a partial one, at the others a whole chunk of every store's documented
+    default (LMCache: 256 tokens) and a partial one."""
     lengths = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
     if block_size == min(h.options.block_sizes):
         lengths.append(LONG_BLOCKS * block_size + 5)
+    else:
+        lengths.append(STORE_PD_PROOF_TOKENS)
     return h.prompts(lengths, seed=seed, name=f"bs{block_size}")
 
 

@@ -10,7 +10,7 @@ the window's blocks, and the tokens equal a single engine's with the same window
 from __future__ import annotations
 
 from kvx import Capability
-from kvx.conformance.harness import Harness
+from kvx.conformance.harness import STORE_PD_PROOF_TOKENS, Harness
 from kvx.conformance.scenario import check, scenario
 
 WINDOW = 32  # tokens: two 16-token blocks of the suite's engines
@@ -40,7 +40,8 @@ def window_pd(h: Harness) -> None:
     group="contract",
 )
 def window_store_reuse(h: Harness) -> None:
-    prompts = h.prompts([100, 75, 130, 48], seed=62)
+    # the longest spans a whole chunk of every store's documented default (LMCache: 256)
+    prompts = h.prompts([100, 75, 130, 48, STORE_PD_PROOF_TOKENS], seed=62)
     expected = h.baseline(prompts, 4, sliding_window=WINDOW)
     with h.engine("kv_both", sliding_window=WINDOW) as engine:
         first = h.run_engine(engine, prompts, 4)

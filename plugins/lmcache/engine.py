@@ -4,10 +4,12 @@ An LMCache engine lives as long as its process, as in vLLM (one engine per worke
 kvx engines of one process with the same LMCache options and the same shard (model, world
 size, rank, KV shape) share one, and an engine whose last user shut down is kept while only its
 local tier holds the chunks (its CPU or disk chunks are the cache a restarted kvx engine in the
-process finds) - at most `MAX_IDLE` such, the oldest destroyed first - and destroyed at process
-exit. Engines with a remote tier (the chunks outlive them there) are destroyed when their last
-user shuts down, and once no engine is left, LMCache's process-wide pin monitor thread is
-stopped too (LMCache's own destroy leaves it running).
+process finds) until the process builds another engine (each allocates its whole CPU tier
+up front, LMCache's default 5 GB: idle ones are destroyed before a new one is built, so
+an idle tier never sits beside a newly allocated one), and destroyed at process exit.
+Engines with a remote tier (the chunks outlive them there) are destroyed when their last user
+shuts down, and once no engine is left, LMCache's process-wide pin monitor thread is stopped
+too (LMCache's own destroy leaves it running).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from kvx.plugins.lmcache.paged_copy import (
 logger = logging.getLogger(__name__)
 
 DESTROY_TIMEOUT_S = 10.0
-MAX_IDLE = 4
 
 
 class _Pooled:
@@ -86,6 +87,7 @@ def acquire_engine(
     with _lock:
         pooled = _pool.pop(key, None)
         if pooled is None:
+            _destroy_idle()
             instance, engine = build_engine(options, ctx, layout, tensors)
             local = options.local_cpu or options.local_disk is not None
             keep = local and options.remote_url is None
@@ -95,24 +97,26 @@ def acquire_engine(
         return key, pooled.engine
 
 
+def _destroy_idle() -> None:
+    """Destroy every engine no kvx engine uses (called, holding `_lock`, before a new engine is
+    built: its CPU tier is allocated in full, so idle tiers are freed first)."""
+    for key in [k for k, p in _pool.items() if p.users <= 0]:
+        destroy_engine(_pool.pop(key).instance)
+
+
 def release_engine(key: str) -> None:
-    """One user is done: destroy the engine now if it has no local tier, and the oldest idle
-    engines beyond `MAX_IDLE` (each destroy bounded, see `destroy_engine`)."""
-    doomed = []
+    """One user is done: destroy the engine now if it has no local tier (bounded, see
+    `destroy_engine`); one with a local tier stays, idle, until another engine is built."""
     with _lock:
         pooled = _pool.get(key)
         if pooled is None:
             return
         pooled.users -= 1
-        if pooled.users <= 0 and not pooled.keep:
-            doomed.append(_pool.pop(key).instance)
-        idle = [k for k, p in _pool.items() if p.users <= 0]
-        for old in idle[: max(0, len(idle) - MAX_IDLE)]:
-            doomed.append(_pool.pop(old).instance)
-    for instance in doomed:
-        destroy_engine(instance)
-    if doomed:
-        _stop_process_threads()
+        if pooled.users > 0 or pooled.keep:
+            return
+        instance = _pool.pop(key).instance
+    destroy_engine(instance)
+    _stop_process_threads()
 
 
 def _stop_process_threads() -> None:

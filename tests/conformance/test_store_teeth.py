@@ -130,3 +130,21 @@ def test_the_built_in_store_passes_store_pd_and_the_matrix(
     assert sorted((r.name, r.outcome, r.message) for r in results) == sorted(
         (name, PASSED, "") for name in scenarios
     )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("broken_importable")
+def test_a_scenario_never_loads_what_an_earlier_run_left_in_a_shared_store(
+    redis_store: str,
+) -> None:
+    """A store every scenario reaches (one Redis, a process's LMCache tier) keeps what earlier
+    scenarios saved; each scenario names its own model, so it finds none of it: a P that saves
+    too late still fails, though the good store stored the same prompts there just before."""
+    extra = {"storage_url": redis_store}
+    good = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra}
+    late = {**broken_store("SavesAfterFinishStore"), "kv_connector_extra_config": extra}
+    (first,) = run_suite(good, only=["pd_long_prompts"], options=OPTIONS)
+    assert first.outcome == PASSED, first
+    (result,) = run_suite(late, only=["pd_long_prompts"], options=OPTIONS)
+    assert result.outcome == FAILED, f"passed on the earlier run's saves: {result}"
+    assert "D loaded nothing" in result.message, result.message

@@ -28,3 +28,15 @@ def test_doc_lists_every_config_key() -> None:
     text = DOC.read_text()
     missing = [key for key in LMCacheConfig.__struct_fields__ if f"| `{key}` |" not in text]
     assert not missing
+
+
+def test_doc_defaults_are_the_config_defaults() -> None:
+    """The table's default column is what an empty extra config gives (the config
+    test_conformance.py runs the suite with as "the documented defaults")."""
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", DOC.read_text(), flags=re.M)
+    documented = {key: cell.strip().strip("`") for key, cell in rows}
+    defaults = LMCacheConfig()
+    for key in LMCacheConfig.__struct_fields__:
+        cell = documented[key]
+        want = None if cell == "—" else json.loads(cell)
+        assert getattr(defaults, key) == want, (key, cell)
