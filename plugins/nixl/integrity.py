@@ -4,9 +4,10 @@ the bytes P computed, per block.
 P's worker digests a request's blocks (`kvx.cache_block_digests`, XXH3-64 over every layer's
 block bytes) when the hand-off reaches it, before it tells anyone it may free them; the digests
 go to P's scheduler as worker metadata and its side channel serves them (`get_digests`, sealed
-like the handshake). D, once its READs of a request are done, digests the blocks that landed
-and fetches P's digests in the background (P's `pending` answer is retried until
-`transfer_timeout_s`); a difference is a load error naming the request and blocks, under
+like the handshake). D fetches P's digests in the background from when it posts a request's
+READs (P's `pending` answer is retried until `transfer_timeout_s`) and, once the READs are
+done, digests the blocks that landed in the background too (one native call, without the
+GIL); a difference is a load error naming the request and blocks, under
 `kv_load_failure_policy`, counted as a checksum failure. Checked where D reads whole blocks of
 the same rank (same layout, block size and TP, no PP); other reads are not checked.
 """
@@ -114,16 +115,17 @@ def layer_tables(caches: dict[str, torch.Tensor], layout: Layout) -> list[torch.
 
 @dataclass
 class Held:
-    """A finished read of D waiting for P's digests."""
+    """A finished read of D waiting for its blocks' digests and P's."""
 
     job: Any  # posting.ReadJob
-    local: list[int]
-    future: Future[list[int]]
+    local: Future[list[int]]
+    theirs: Future[list[int]]
 
 
 class Verifier:
-    """D: holds each checkable finished read until P's digests are fetched (in the background)
-    and compared with the digests of the blocks that landed."""
+    """D: fetches P's digests of each checkable read in the background from when its READs are
+    posted, digests the blocks that landed (in the background too: the C call drops the GIL)
+    once they are done, and holds the read until both are in and compared."""
 
     def __init__(
         self,
@@ -136,57 +138,75 @@ class Verifier:
         self.tables, self.parallel, self.secret = tables, parallel, secret
         self.timeout_s, self.submit = timeout_s, submit
         self.held: dict[str, Held] = {}
+        self.fetching: dict[str, Future[list[int]]] = {}  # P's digests, asked for at post
         self.context = zmq.Context()  # one for every fetch (a context per fetch costs ~40 ms)
 
     def checkable(self, job: Any) -> bool:
-        """D read whole blocks of its own rank from P (P digests its own blocks)."""
+        """D reads whole blocks of its own rank from P (P digests its own blocks)."""
         local = self.parallel
         return bool(
-            job.remote.direct
+            not job.spec.frees_only
+            and job.local_block_ids
+            and job.remote.direct
             and job.remote.geometry.tp_size == local.tp_size
             and job.spec.remote_pp_size == 1  # P's geometry here does not carry its PP size
             and local.pp_size == 1
         )
 
+    def prefetch(self, job: Any) -> None:
+        """Start fetching P's digests of `job` as its READs are posted, so that they are
+        usually in by the time the READs end (nothing for a read that is not checked)."""
+        if self.checkable(job):
+            self.fetching[job.spec.request_id] = self._fetch(job)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a read that failed before its check (its fetch, if any, is left to end)."""
+        self.fetching.pop(request_id, None)
+
     def hold(self, job: Any) -> bool:
-        """Digest the blocks `job` wrote and start fetching P's; False when it is not checked."""
-        if job.spec.frees_only or not job.local_block_ids or not self.checkable(job):
+        """Digest the blocks `job` wrote, in the background, and hold it until P's digests are
+        in too; False when it is not checked."""
+        fetched = self.fetching.pop(job.spec.request_id, None)
+        if not self.checkable(job):
             return False
-        local = kvx.cache_block_digests(self.tables, job.local_block_ids)
-        key = (job.spec.remote_request_id, 0, self.parallel.tp_rank)
-        future = self.submit(
+        local = self.submit(kvx.cache_block_digests, self.tables, job.local_block_ids)
+        self.held[job.spec.request_id] = Held(job, local, fetched or self._fetch(job))
+        return True
+
+    def _fetch(self, job: Any) -> Future[list[int]]:
+        return self.submit(
             fetch_digests,
             job.spec.remote_host,
             job.spec.remote_port,
-            key,
+            (job.spec.remote_request_id, 0, self.parallel.tp_rank),
             deadline=time.monotonic() + self.timeout_s,
             secret=self.secret,
             count=len(job.spec.remote_block_ids),
             context=self.context,
         )
-        self.held[job.spec.request_id] = Held(job, local, future)
-        return True
 
     def close(self) -> None:
         """Drop the held reads and the sockets' context (the fetches were cancelled first)."""
         self.held.clear()
+        self.fetching.clear()
         self.context.term()
 
     def finish(self, recved: set[str], errors: set[int], stats: Any) -> None:
         """Report the held reads whose check is over into `recved`; a mismatch (or P's digests
         not to be had) adds the request's blocks to `errors` (load errors) and is counted."""
         for req_id, held in list(self.held.items()):
-            if not held.future.done():
+            if not (held.local.done() and held.theirs.done()):
                 continue
             del self.held[req_id]
             job = held.job
             try:
+                local = held.local.result()
                 first = job.start_token // job.remote.geometry.block_size
-                theirs = held.future.result()[first : first + len(held.local)]
+                theirs = held.theirs.result()[first : first + len(local)]
                 kvx.check_block_digests(
                     f"request {req_id} (P's {job.spec.remote_request_id})",
                     theirs,
-                    held.local,
+                    local,
                     job.local_block_ids,
                 )
             except Exception as exc:  # a mismatch, or P's digests could not be had
