@@ -40,7 +40,11 @@ setup(
         # vendored xxhash.h
         Extension(
             "kvx.contract._digest",
-            sources=["kvx/contract/_digest.c", "kvx/contract/_digest_avx2.c"],
+            sources=[
+                "kvx/contract/_digest.c",
+                "kvx/contract/_digest_avx2.c",
+                "kvx/contract/_digest_avx512.c",
+            ],
             depends=["kvx/contract/_digest.h", "plugins/storage/vendor/xxhash/xxhash.h"],
             include_dirs=["plugins/storage/vendor/xxhash"],
             optional=True,

@@ -5,7 +5,7 @@
  * row (e.g. each layer's K and V), each at `start + block * step`. `chunk_digests` digests
  * blocks whose memory-order bytes are the concatenation of buffers cut anywhere, laid out
  * `[outer, blocks, bytes per block]`. Digests equal `xxhash.xxh3_64()` fed the same bytes (the
- * vendored xxhash header, with an AVX2 build chosen at import where the CPU has it).
+ * vendored xxhash header, with AVX-512 and AVX2 builds chosen at import where the CPU has them).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -192,7 +192,9 @@ done:
 }
 
 static PyObject *vector(PyObject *self, PyObject *unused) {
-    return PyUnicode_FromString(best_update == update_baseline ? "baseline" : "avx2");
+    return PyUnicode_FromString(best_update == update_baseline      ? "baseline"
+                                : best_update == kvx_digest_update_avx2 ? "avx2"
+                                                                        : "avx512");
 }
 
 static PyMethodDef methods[] = {
@@ -205,7 +207,7 @@ static PyMethodDef methods[] = {
      "[outer, num_blocks, bytes per block]; per block, XXH3-64 of its bytes in every outer "
      "index in order. ValueError when they do not split into outer x num_blocks equal chunks. "
      "Without the GIL."},
-    {"vector", vector, METH_NOARGS, "vector() -> 'avx2' or 'baseline': the XXH3 build in use."},
+    {"vector", vector, METH_NOARGS, "vector() -> 'avx512', 'avx2' or 'baseline': the XXH3 build in use."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -217,7 +219,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__digest(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) best_update = kvx_digest_update_avx2;
+    if (__builtin_cpu_supports("avx512f"))
+        best_update = kvx_digest_update_avx512;
+    else if (__builtin_cpu_supports("avx2"))
+        best_update = kvx_digest_update_avx2;
 #endif
     return PyModule_Create(&module);
 }

@@ -10,5 +10,7 @@
 typedef void (*kvx_digest_update_fn)(XXH3_state_t *, const void *, size_t);
 /* XXH3_64bits_update built for AVX2 (only called on CPUs that have it). */
 void kvx_digest_update_avx2(XXH3_state_t *state, const void *data, size_t len);
+/* The same for AVX-512 (only called on CPUs that have it). */
+void kvx_digest_update_avx512(XXH3_state_t *state, const void *data, size_t len);
 
 #endif
