@@ -6,10 +6,10 @@ block bytes) when the hand-off reaches it, before it tells anyone it may free th
 go to P's scheduler as worker metadata and its side channel serves them (`get_digests`, sealed
 like the handshake). D fetches P's digests in the background from when it posts a request's
 READs (P's `pending` answer is retried until `transfer_timeout_s`) and, once the READs are
-done, digests the blocks that landed in the background too (one native call, without the
-GIL); a difference is a load error naming the request and blocks, under
-`kv_load_failure_policy`, counted as a checksum failure. Checked where D reads whole blocks of
-the same rank (same layout, block size and TP, no PP); other reads are not checked.
+done, digests the blocks that landed (one native call); a difference is a load error naming
+the request and blocks, under `kv_load_failure_policy`, counted as a checksum failure.
+Checked where D reads whole blocks of the same rank (same layout, block size and TP, no PP);
+other reads are not checked.
 """
 
 from __future__ import annotations
@@ -118,14 +118,15 @@ class Held:
     """A finished read of D waiting for its blocks' digests and P's."""
 
     job: Any  # posting.ReadJob
-    local: Future[list[int]]
+    local: list[int]
     theirs: Future[list[int]]
 
 
 class Verifier:
     """D: fetches P's digests of each checkable read in the background from when its READs are
-    posted, digests the blocks that landed (in the background too: the C call drops the GIL)
-    once they are done, and holds the read until both are in and compared."""
+    posted, digests the blocks that landed once they are done, and holds the read until P's
+    digests are in and compared. The digest runs in the caller's thread: in a background
+    thread it would cost as much CPU, plus whatever the caller does while it waits."""
 
     def __init__(
         self,
@@ -164,12 +165,12 @@ class Verifier:
         self.fetching.pop(request_id, None)
 
     def hold(self, job: Any) -> bool:
-        """Digest the blocks `job` wrote, in the background, and hold it until P's digests are
-        in too; False when it is not checked."""
+        """Digest the blocks `job` wrote and hold it until P's digests are in; False when it is
+        not checked."""
         fetched = self.fetching.pop(job.spec.request_id, None)
         if not self.checkable(job):
             return False
-        local = self.submit(kvx.cache_block_digests, self.tables, job.local_block_ids)
+        local = kvx.cache_block_digests(self.tables, job.local_block_ids)
         self.held[job.spec.request_id] = Held(job, local, fetched or self._fetch(job))
         return True
 
@@ -195,18 +196,17 @@ class Verifier:
         """Report the held reads whose check is over into `recved`; a mismatch (or P's digests
         not to be had) adds the request's blocks to `errors` (load errors) and is counted."""
         for req_id, held in list(self.held.items()):
-            if not (held.local.done() and held.theirs.done()):
+            if not held.theirs.done():
                 continue
             del self.held[req_id]
             job = held.job
             try:
-                local = held.local.result()
                 first = job.start_token // job.remote.geometry.block_size
-                theirs = held.theirs.result()[first : first + len(local)]
+                theirs = held.theirs.result()[first : first + len(held.local)]
                 kvx.check_block_digests(
                     f"request {req_id} (P's {job.spec.remote_request_id})",
                     theirs,
-                    local,
+                    held.local,
                     job.local_block_ids,
                 )
             except Exception as exc:  # a mismatch, or P's digests could not be had
