@@ -1,9 +1,11 @@
-"""kvx's two optional native extensions; everything else is in pyproject.toml. Declared here
+"""kvx's three optional native extensions; everything else is in pyproject.toml. Declared here
 because setuptools calls `[tool.setuptools.ext-modules]` experimental and warns on every build.
 
-Both are optional: without a C compiler kvx still installs, kvx.layouts warns and uses its
-PyTorch path (tests/layouts fail, so CI cannot miss a broken build), and the storage
-connector's file IO and checksum take two passes instead of one.
+All are optional: without a C compiler kvx still installs, kvx.layouts warns and uses its
+PyTorch path (tests/layouts fail, so CI cannot miss a broken build), the storage
+connector's file IO and checksum take two passes instead of one, and the per-block digests of
+P/D transfers (`verify_transfers`) are computed through the `xxhash` package, one Python call
+per block region.
 """
 
 from setuptools import Extension, setup
@@ -31,6 +33,20 @@ setup(
                 "plugins/storage/_segment.c",
             ],
             depends=["plugins/storage/_fileio.h", "plugins/storage/vendor/xxhash/xxhash.h"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        ),
+        # per-block XXH3 digests of KV blocks in place (kvx.contract.integrity), the same
+        # vendored xxhash.h
+        Extension(
+            "kvx.contract._digest",
+            sources=[
+                "kvx/contract/_digest.c",
+                "kvx/contract/_digest_avx2.c",
+                "kvx/contract/_digest_avx512.c",
+            ],
+            depends=["kvx/contract/_digest.h", "plugins/storage/vendor/xxhash/xxhash.h"],
+            include_dirs=["plugins/storage/vendor/xxhash"],
             optional=True,
             extra_compile_args=["-O3"],
         ),

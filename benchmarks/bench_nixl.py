@@ -92,6 +92,7 @@ def caches(shape: Shape, tp: int, rank: int, seed: int | None) -> dict[str, torc
     return out
 
 
+CHECKED = {True: " (verify_transfers)", False: ""}  # the plot's label, from --verify
 # set from --no-idle-progress / --no-huge-pages (read by both processes)
 OPTIONS = {"idle_progress": True, "huge_pages": True}
 
@@ -491,16 +492,21 @@ def plot(rows: list[tuple[str, float, float, float]], gib: float, path: str, qui
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    checked = CHECKED[OPTIONS["verify_transfers"]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = range(len(rows))
     for k, (offset, label) in enumerate(
-        ((-0.27, "NixlConnector"), (0, "raw NIXL READ"), (0.27, "memcpy (1 thread)"))
+        (
+            (-0.27, f"NixlConnector{checked}"),
+            (0, "raw NIXL READ"),
+            (0.27, "memcpy (1 thread)"),
+        )
     ):
         ax.bar([i + offset for i in x], [gib / row[k + 1] for row in rows], 0.27, label=label)
     ax.set_xticks(list(x), [row[0] for row in rows])
     ax.set_xlabel("P:D TP")
     ax.set_ylabel("GiB/s (median)")
-    ax.set_title(f"NixlConnector vs raw NIXL READ{f' - {QUICK_LABEL}' if quick else ''}")
+    ax.set_title(f"NixlConnector{checked} vs raw NIXL READ{f' - {QUICK_LABEL}' if quick else ''}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -119,9 +119,11 @@ ROOT = SELF.parents[1]
 
 def _is_module(dotted: str, name: str) -> bool:
     """Whether `dotted.name` is a module of the current tree (a wing's module this table does
-    not list, e.g. one added after the move), so `dotted` is a wing, not an old module."""
+    not list, e.g. one added after the move; a native one by its `.pyi`), so `dotted` is a
+    wing, not an old module."""
     folder = ROOT.joinpath(*dotted.split("."))
-    return (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file()
+    files = (f"{name}.py", f"{name}.pyi", f"{name}/__init__.py")
+    return any((folder / file).is_file() for file in files)
 
 
 def _dotted(match: re.Match[str]) -> str:
@@ -135,7 +137,10 @@ def _dotted(match: re.Match[str]) -> str:
     if after and _is_module(match.group(0), after.group(1)):
         return match.group(0)
     imported = _IMPORTED.match(text, match.end())  # `from kvx.<wing> import <its module>`
-    if imported and f"{match.group(0)}.{imported.group(1)}" in _NEW:
+    if imported and (
+        f"{match.group(0)}.{imported.group(1)}" in _NEW
+        or _is_module(match.group(0), imported.group(1))
+    ):
         return match.group(0)
     return MOVES[match.group(0)]
 

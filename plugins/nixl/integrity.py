@@ -4,13 +4,14 @@ the bytes P computed, per block.
 P's worker digests a request's blocks (`kvx.cache_block_digests`, XXH3-64 over every layer's
 block bytes) when the hand-off reaches it, before it tells anyone it may free them; the digests
 go to P's scheduler as worker metadata and its side channel serves them (`get_digests`, sealed
-like the handshake). D, once its READs of a request are done, digests the blocks that landed
-and fetches P's digests in the background (P's `pending` answer is retried until
-`transfer_timeout_s`); a difference is a load error naming the request and blocks, under
-`kv_load_failure_policy`, counted as a checksum failure. Checked where D reads whole blocks of
-P ranks (same layout and block size, D's TP size at most P's, no PP): with more P ranks, the
-head range of D's blocks each P rank filled is digested against that rank's digests. A read of
-part of a P rank's heads (D's TP size above P's) is not checked: P digested whole blocks.
+like the handshake). D fetches P's digests in the background from when it posts a request's
+READs (P's `pending` answer is retried until `transfer_timeout_s`) and, once the READs are
+done, digests the blocks that landed (one native call); a difference is a load error naming
+the request and blocks, under `kv_load_failure_policy`, counted as a checksum failure. Checked
+where D reads whole blocks of P ranks (same layout and block size, D's TP size at most P's, no
+PP): with more P ranks, the head range of D's blocks each P rank filled is digested against
+that rank's digests. A read of part of a P rank's heads (D's TP size above P's) is not checked:
+P digested whole blocks.
 """
 
 from __future__ import annotations
@@ -128,8 +129,10 @@ Slice = tuple[int, int, int]
 
 
 class Verifier:
-    """D: holds each checkable finished read until P's digests are fetched (in the background)
-    and compared with the digests of the blocks that landed."""
+    """D: fetches P's digests of each checkable read in the background from when its READs are
+    posted, digests the blocks that landed once they are done, and holds the read until P's
+    digests are in and compared. The digest runs in the caller's thread: in a background
+    thread it would cost as much CPU, plus whatever the caller does while it waits."""
 
     def __init__(
         self,
@@ -142,14 +145,17 @@ class Verifier:
         self.tables, self.parallel, self.secret = tables, parallel, secret
         self.timeout_s, self.submit = timeout_s, submit
         self.held: dict[str, Held] = {}
+        self.fetching: dict[str, list[Future[list[int]]]] = {}  # P's, asked for at post
         self.context = zmq.Context()  # one for every fetch (a context per fetch costs ~40 ms)
 
     def slices(self, job: Any) -> list[Slice] | None:
         """Where D read whole blocks of P ranks (P digests its own blocks): same TP size, or
         more P ranks than D's, each P rank's heads landing whole in one head range of D's
-        blocks (no PP on either side). None when the read is not checked (D reads part of a
-        P rank's heads, a staged read)."""
+        blocks (no PP on either side). None when the read is not checked (nothing read, D
+        reads part of a P rank's heads, a staged read)."""
         remote, local = job.remote, self.parallel
+        if job.spec.frees_only or not job.local_block_ids:
+            return None
         if not remote.direct or job.spec.remote_pp_size != 1 or local.pp_size != 1:
             return None
         whole = [
@@ -159,39 +165,54 @@ class Verifier:
         ]
         return whole if len(whole) == len(remote.plan.reads) else None
 
+    def prefetch(self, job: Any) -> None:
+        """Start fetching P's digests of `job` as its READs are posted, so that they are
+        usually in by the time the READs end (nothing for a read that is not checked)."""
+        slices = self.slices(job)
+        if slices is not None:
+            self.fetching[job.spec.request_id] = [self._fetch(job, rank) for rank, _, _ in slices]
+
+    def drop(self, request_id: str) -> None:
+        """Forget a read that failed before its check (its fetches, if any, are left to end)."""
+        self.fetching.pop(request_id, None)
+
     def hold(self, job: Any) -> bool:
-        """Digest the blocks `job` wrote and start fetching P's; False when it is not checked."""
-        if job.spec.frees_only or not job.local_block_ids:
-            return False
+        """Digest the blocks `job` wrote and hold it until P's digests are in; False when it is
+        not checked."""
+        fetched = self.fetching.pop(job.spec.request_id, None)
         slices = self.slices(job)
         if slices is None:
             return False
         heads = len(job.remote.plan.local_heads)
         parts = []
-        for rank, first, count in slices:
+        for i, (rank, first, count) in enumerate(slices):
             tables = self.tables
             if count != heads:  # the byte range of these heads in each of D's rows
                 per_head = tables[0].shape[-1] // heads
                 lo, hi = first * per_head, (first + count) * per_head
                 tables = [t[:, :, lo:hi] for t in tables]
             local = kvx.cache_block_digests(tables, job.local_block_ids)
-            future = self.submit(
-                fetch_digests,
-                job.spec.remote_host,
-                job.spec.remote_port,
-                (job.spec.remote_request_id, 0, rank),
-                deadline=time.monotonic() + self.timeout_s,
-                secret=self.secret,
-                count=len(job.spec.remote_block_ids),
-                context=self.context,
-            )
-            parts.append((local, future))
+            parts.append((local, fetched[i] if fetched else self._fetch(job, rank)))
         self.held[job.spec.request_id] = Held(job, parts)
         return True
+
+    def _fetch(self, job: Any, rank: int) -> Future[list[int]]:
+        """P's digests of `job`'s request, from P's TP rank `rank`."""
+        return self.submit(
+            fetch_digests,
+            job.spec.remote_host,
+            job.spec.remote_port,
+            (job.spec.remote_request_id, 0, rank),
+            deadline=time.monotonic() + self.timeout_s,
+            secret=self.secret,
+            count=len(job.spec.remote_block_ids),
+            context=self.context,
+        )
 
     def close(self) -> None:
         """Drop the held reads and the sockets' context (the fetches were cancelled first)."""
         self.held.clear()
+        self.fetching.clear()
         self.context.term()
 
     def finish(self, recved: set[str], errors: set[int], stats: Any) -> None:

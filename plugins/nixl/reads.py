@@ -84,6 +84,8 @@ class Reads:
                 assert self._poster is not None
                 self._poster.post(job)
                 self.reading[job.spec.request_id] = job
+                if self._verifier is not None:
+                    self._verifier.prefetch(job)
             except Exception as exc:  # a NIXL error: never crash the step
                 self._not_started(job, exc)
 
@@ -152,6 +154,8 @@ class Reads:
         """The read is over without the KV: its blocks are load errors and the request is
         reported received, so the engine applies its failure policy (never for a free-only
         notice: the engine is not waiting on that request)."""
+        if self._verifier is not None:
+            self._verifier.drop(spec.request_id)
         if spec.frees_only:
             logger.warning("request %s: could not tell P to free its blocks", spec.request_id)
             return

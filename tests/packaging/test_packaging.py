@@ -78,12 +78,14 @@ def test_the_wheel_carries_extensions_markers_and_licenses(built: tuple[Path, st
     for wanted in (
         "kvx/py.typed",
         "kvx/plugins/storage/_fileio.pyi",
+        "kvx/contract/_digest.pyi",
         "kvx-0.1.0.dist-info/licenses/LICENSE",
         "kvx-0.1.0.dist-info/licenses/plugins/storage/vendor/xxhash/LICENSE",
     ):
         assert wanted in names, wanted
     native = sorted(n for n in names if n.endswith(".so"))
     assert [n.split(".")[0] for n in native] == [
+        "kvx/contract/_digest",
         "kvx/layouts/_native",
         "kvx/plugins/storage/_fileio",
     ]
