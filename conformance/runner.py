@@ -109,6 +109,7 @@ def load_scenarios() -> dict[str, Scenario]:
         scenarios_roles,
         scenarios_mla,
         scenarios_window,
+        scenarios_groups,
         scenarios_matrix,
     )
 

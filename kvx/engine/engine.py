@@ -7,7 +7,10 @@ driven through the full contract. `kvx.engine.server` runs one in its own OS pro
 
 from __future__ import annotations
 
+import itertools
+import os
 import uuid
+import zlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,12 +31,15 @@ from kvx.contract.types import (
 )
 from kvx.engine.aggregator import KVOutputAggregator
 from kvx.engine.diagnosis import diagnose
+from kvx.engine.kv_groups import WindowGroups
 from kvx.engine.metadata_wire import decode_metadata, encode_metadata
 from kvx.engine.mismatch import likely_cause
 from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.engine.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from kvx.engine.worker import Worker
 from kvx.registry.core import Registry, create_connector, get_registry
+
+_ENGINES = itertools.count()  # engines created in this process
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class EngineConfig:
     seed: int = 0
     free_list_seed: int | None = None  # start with a shuffled (fragmented) block free list
     sliding_window: int | None = None  # tokens attention reads (the last ones); None: all
+    # 2: even layers full attention, odd layers `sliding_window`, one table each (Gemma-3)
+    kv_groups: int = 1
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
     kv_transfer_config: KVTransferConfig | None = None
 
@@ -84,6 +92,14 @@ class EngineConfig:
                 f"EngineConfig.sliding_window {window} needs a window >= 1 token and "
                 f"num_blocks >= 2 (the last block is the null block), got {self.num_blocks}"
             )
+        if self.kv_groups not in (1, 2):
+            raise ValueError(f"EngineConfig.kv_groups must be 1 or 2, got {self.kv_groups!r}")
+        if self.kv_groups == 2 and (window is None or self.num_layers < 2 or self.num_blocks < 3):
+            raise ValueError(
+                "EngineConfig.kv_groups 2 (full-attention and sliding-window layers) needs "
+                f"sliding_window set, num_layers >= 2 and num_blocks >= 3, got sliding_window "
+                f"{window}, num_layers {self.num_layers}, num_blocks {self.num_blocks}"
+            )
         if self.pp_size > self.num_layers:
             raise ValueError(
                 f"EngineConfig.pp_size {self.pp_size} exceeds num_layers "
@@ -101,7 +117,15 @@ class EngineConfig:
             self.use_mla,
         )
 
+    @property
+    def groups(self) -> WindowGroups | None:
+        """The two groups' block ids (`kv_groups=2`); None with one group."""
+        if self.kv_groups == 1 or self.sliding_window is None:
+            return None
+        return WindowGroups(self.num_blocks, self.sliding_window, self.block_size)
+
     def cache_spec(self) -> KVCacheSpec:
+        groups = self.groups
         return KVCacheSpec(
             layer_names=tuple(f"model.layers.{i}.self_attn" for i in range(self.num_layers)),
             num_kv_heads=self.num_kv_heads,
@@ -111,7 +135,9 @@ class EngineConfig:
             layout=self.layout,
             use_mla=self.use_mla,
             num_blocks=self.num_blocks,
-            sliding_window=self.sliding_window,
+            # with two groups the window is group 1's: the tables carry its NULL_BLOCKs
+            sliding_window=None if groups else self.sliding_window,
+            layer_groups=groups.layer_groups(self.num_layers) if groups else (),
         )
 
     def context(self, parallel: ParallelInfo, registry: Registry | None = None) -> EngineContext:
@@ -120,6 +146,7 @@ class EngineConfig:
             model_name=self.model_name,
             cache=self.cache_spec(),
             parallel=parallel,
+            enable_hma=self.kv_groups > 1,
             registry=registry,
         )
 
@@ -171,11 +198,14 @@ class Engine:
                 kv_load_failure_policy=ktc.kv_load_failure_policy if ktc else "fail",
                 kv_role=ktc.kv_role if ktc else None,
                 free_list_seed=config.free_list_seed,
-                sliding_window=config.sliding_window,
+                sliding_window=None if config.groups else config.sliding_window,
+                groups=config.groups,
             ),
             self.scheduler_connector,
         )
         self.workers: list[Worker] = []
+        # differs between engines (also two of one config): see Worker's guard_salt
+        guard_salt = zlib.crc32(config.engine_id.encode()) + os.getpid() + next(_ENGINES)
         spec = config.cache_spec()
         for pp_rank in range(config.pp_size):
             for tp_rank in range(config.tp_size):
@@ -191,7 +221,17 @@ class Engine:
                         config.context(parallel, registry),
                         registry=registry,
                     )
-                self.workers.append(Worker(self.model, spec, parallel, connector, layouts=registry))
+                self.workers.append(
+                    Worker(
+                        self.model,
+                        spec,
+                        parallel,
+                        connector,
+                        layouts=registry,
+                        groups=config.groups,
+                        guard_salt=guard_salt,
+                    )
+                )
         self.aggregator: KVOutputAggregator | None = None
         if self.scheduler_connector is not None:
             self.aggregator = KVOutputAggregator.from_connector(
@@ -244,6 +284,12 @@ class Engine:
         kv_output = None
         if self.aggregator is not None:
             kv_output = self.aggregator.aggregate([r.kv_connector_output for r in results])
+            groups = self.config.groups
+            if groups is not None and kv_output is not None and kv_output.invalid_block_ids:
+                # either group's id names the scheduler's logical block
+                kv_output.invalid_block_ids = {
+                    groups.logical(b) for b in kv_output.invalid_block_ids
+                }
             if kv_output is not None and kv_output.kv_connector_stats is not None:
                 self.kv_stats.append(kv_output.kv_connector_stats)
             if kv_output is not None and kv_output.kv_cache_events is not None:
@@ -280,14 +326,15 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """Step count, scheduler counters, block usage and the connector's failed saves."""
         held = sum(len(b) for b in self.scheduler.held_blocks().values())
+        pool = self.scheduler.pool
         save_errors = sum(int(s.data.get("save_errors", 0)) for s in self.kv_stats)
         return {
             "steps": self.steps,
             **self.scheduler.stats,
             "held_blocks": held,
-            # the null block (sliding window) is no request's: it counts as free
-            "free_blocks": self.scheduler.pool.num_free_blocks
-            + (self.config.sliding_window is not None),
+            # blocks no request holds (the null block, the other group's half, too)
+            "free_blocks": self.config.num_blocks
+            - self.config.kv_groups * (pool.num_blocks - pool.num_free_blocks),
             "kv_save_errors": save_errors,
         }
 
@@ -304,28 +351,31 @@ class Engine:
             if req.is_finished() or (loading and req.request_id not in self.scheduler.received):
                 continue
             if req.num_computed_tokens:
-                targets.append((req, state.blocks, req.num_computed_tokens))
+                tables = self.scheduler.block_tables(state.blocks, state.window_skipped)
+                targets.append((req, tables, req.num_computed_tokens))
         for req_id, blocks in self.scheduler.held_blocks().items():
-            req = self.scheduler.states[req_id].request
+            state = self.scheduler.states[req_id]
+            req = state.request
             computed = min(req.num_computed_tokens, len(blocks) * self.config.block_size)
             if computed and req.status is not RequestStatus.FINISHED_ABORTED:
-                targets.append((req, blocks, computed))
+                tables = self.scheduler.block_tables(blocks, state.window_skipped)
+                targets.append((req, tables, computed))
         problems = [
             f"{self.config.engine_id} worker pp{worker.parallel.pp_rank}/"
-            f"tp{worker.parallel.tp_rank} {name}: the null block (no request's; a write "
-            f"through a NULL_BLOCK table entry lands there) was written"
+            f"tp{worker.parallel.tp_rank} {name}: {what}"
             for worker in self.workers
-            for name in worker.null_block_written()
+            for name, what in worker.guarded_blocks_written()
         ]
         expected = {}
-        for req, blocks, n in targets:
+        for req, tables, n in targets:
             entry = self._expected_kv(req.request_id, req.all_token_ids, n)
             expected[req.request_id] = entry
-            start = skipped_blocks(blocks) * self.config.block_size
-            if start >= n:
-                continue
             for w, worker in enumerate(self.workers):
                 for name in worker.layers:
+                    blocks = tables[worker.group_of[name]]
+                    start = skipped_blocks(blocks) * self.config.block_size
+                    if start >= n:
+                        continue
                     want = entry.kv[(w, name)][start:n].contiguous().view(torch.uint8)
                     got = worker.cache.read(name, blocks, n, start).contiguous().view(torch.uint8)
                     got, want = got.view(n - start, -1), want.view(n - start, -1)

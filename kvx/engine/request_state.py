@@ -20,4 +20,5 @@ class RequestState:
     loaded: bool = False  # promoted after a remote load, not yet scheduled
     kv_transfer_params_out: dict[str, Any] | None = None
     finished_step: int = -1  # the scheduler step in which the request finished
+    window_skipped: int = 0  # two KV-cache groups: the window group's leading null entries
     asked_later: bool = False  # get_num_new_matched_tokens last answered None

@@ -34,6 +34,7 @@ from kvx.contract.types import (
     skipped_blocks,
 )
 from kvx.engine.block_pool import BlockPool, block_hashes
+from kvx.engine.kv_groups import WindowGroups
 from kvx.engine.match_rules import checked_match
 from kvx.engine.request_state import RequestState
 from kvx.engine.step_results import RequestOutput, StepResults
@@ -52,6 +53,7 @@ class SchedulerConfig:
     kv_role: str | None = None  # the connector's role; None: no role checks
     free_list_seed: int | None = None  # start with a shuffled (fragmented) free list
     sliding_window: int | None = None  # tokens attention reads; None: every token
+    groups: WindowGroups | None = None  # two KV-cache groups (then sliding_window is None)
 
 
 class Scheduler(StepResults):
@@ -72,6 +74,9 @@ class Scheduler(StepResults):
         # write through a NULL_BLOCK table entry, tensor index -1, lands there: the engine
         # checks it stays untouched).
         pool_blocks = config.num_blocks - (config.sliding_window is not None)
+        self.groups = config.groups
+        if self.groups is not None:  # one logical block is a block in each group
+            pool_blocks = self.groups.logical_blocks
         self.pool = BlockPool(pool_blocks, config.enable_prefix_caching, config.free_list_seed)
         self.steps = 0
         self.violations: list[str] = []  # contract violations not yet taken
@@ -104,10 +109,10 @@ class Scheduler(StepResults):
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
         need = math.ceil((request.num_prompt_tokens + request.max_tokens) / self.block_size)
-        if need > self.config.num_blocks:
+        if need > self.pool.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} needs up to {need} blocks but the engine has "
-                f"{self.config.num_blocks}; shorten it or give the engine more blocks"
+                f"{self.pool.num_blocks}; shorten it or give the engine more blocks"
             )
         request.status = RequestStatus.WAITING
         request.block_hashes = block_hashes(request.all_token_ids, self.block_size)
@@ -165,7 +170,7 @@ class Scheduler(StepResults):
             scheduled[req.request_id] = num_new
             budget -= num_new
             cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append((added,))
+            cached.new_block_ids.append(self.block_tables(added))
             cached.new_token_ids.append(req.output_token_ids[-1:])
             cached.all_token_ids[req.request_id] = req.all_token_ids
             cached.num_computed_tokens.append(req.num_computed_tokens)
@@ -263,7 +268,7 @@ class Scheduler(StepResults):
             if resumed:
                 cached.req_ids.append(req_id)
                 cached.resumed_req_ids.add(req_id)
-                cached.new_block_ids.append((list(state.blocks),))
+                cached.new_block_ids.append(self.block_tables(state.blocks, state.window_skipped))
                 cached.new_token_ids.append(list(req.output_token_ids))
                 cached.all_token_ids[req_id] = req.all_token_ids
                 cached.num_computed_tokens.append(num_computed)
@@ -272,7 +277,7 @@ class Scheduler(StepResults):
                     NewRequestData(
                         req_id,
                         list(req.prompt_token_ids),
-                        (list(state.blocks),),
+                        self.block_tables(state.blocks, state.window_skipped),
                         num_computed,
                         req.kv_transfer_params,
                         list(req.mm_hashes),
@@ -289,7 +294,12 @@ class Scheduler(StepResults):
     def _skip_outside_window(self, state: RequestState, num_computed: int) -> None:
         """Free the leading blocks no position from `num_computed` on attends to, leaving
         `NULL_BLOCK` in their place (vLLM's `remove_skipped_blocks`: skipped tokens are
-        `num_computed - window + 1`). The connector is not told of a running request's."""
+        `num_computed - window + 1`). The connector is not told of a running request's.
+        With two groups only the window group's entries turn null (its blocks stay reserved)."""
+        if self.groups is not None:
+            skipped = self.groups.skipped(num_computed, len(state.blocks))
+            state.window_skipped = max(state.window_skipped, skipped)
+            return
         window = self.config.sliding_window
         if window is None:
             return
@@ -299,8 +309,10 @@ class Scheduler(StepResults):
 
     def _after_alloc(self, state: RequestState, num_hits: int, n_ext: int) -> None:
         if self.connector is not None:
-            num_hits = max(num_hits, skipped_blocks(state.blocks))  # nulls need no KV either
-            blocks = KVCacheBlocks((list(state.blocks),), (num_hits,))
+            tables = self.block_tables(state.blocks, state.window_skipped)
+            # null entries need no KV either
+            hashed = tuple(max(num_hits, skipped_blocks(table)) for table in tables)
+            blocks = KVCacheBlocks(tables, hashed)
             self.connector.update_state_after_alloc(state.request, blocks, n_ext)
 
     def _allocate(self, state: RequestState, hits: list[int], num_tokens: int) -> bool:
@@ -310,6 +322,7 @@ class Scheduler(StepResults):
             return False
         self.pool.touch(hits)
         state.blocks = list(hits) + self.pool.allocate(max(0, need))
+        state.window_skipped = 0
         return True
 
     def _grow(self, state: RequestState, num_tokens: int) -> list[int] | None:

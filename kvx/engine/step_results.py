@@ -9,14 +9,16 @@ the scheduler itself decides what each step computes, loads and frees.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from kvx.contract.auxiliary import KVConnectorOutput
+from kvx.contract.auxiliary import KVConnectorOutput, SupportsHMA
 from kvx.contract.base import KVConnectorBase_V1
 from kvx.contract.types import RequestStatus, SchedulerOutput
 from kvx.engine.block_pool import BlockPool, block_hashes
 from kvx.engine.finished_ids import unheld_finished_ids
+from kvx.engine.kv_groups import WindowGroups
 from kvx.engine.load_errors import failed_loads, stray_load_errors
 from kvx.engine.request_state import RequestState
 
@@ -63,10 +65,16 @@ class StepResults:
     _held_for_send: dict[str, list[int]]
     _held_for_recv: dict[str, list[int]]
     _aborted: list[RequestOutput]
+    groups: WindowGroups | None
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def block_tables(self, blocks: Sequence[int], skipped: int = 0) -> tuple[list[int], ...]:
+        """The table of each KV-cache group for a request's (logical) `blocks`; `skipped`:
+        the window group's leading `NULL_BLOCK` entries (two groups only)."""
+        return (list(blocks),) if self.groups is None else self.groups.tables(blocks, skipped)
 
     def update_from_output(
         self,
@@ -176,7 +184,12 @@ class StepResults:
         self._finished_since_last_step.add(req.request_id)
         delay_free, params = False, None
         if self.connector is not None:
-            delay_free, params = self.connector.request_finished(req, list(state.blocks))
+            tables = self.block_tables(state.blocks, state.window_skipped)
+            if len(tables) == 1:
+                delay_free, params = self.connector.request_finished(req, tables[0])
+            else:  # the engine refused a connector without SupportsHMA
+                hma = cast(SupportsHMA, self.connector)
+                delay_free, params = hma.request_finished_all_groups(req, tables)
             if self.config.kv_role == "kv_consumer" and (delay_free or params):
                 self._violate(
                     f"role kv_consumer: request_finished({req.request_id!r}) returned "

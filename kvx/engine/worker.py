@@ -23,6 +23,7 @@ from kvx.contract.types import (
 )
 from kvx.engine.hooks import LayerHooks, run_connector_step
 from kvx.engine.kv_cache import PagedKVCache
+from kvx.engine.kv_groups import WINDOW_GROUP, WindowGroups
 from kvx.engine.model import SCORE_PRIME, ToyModel, extend_prefix_hashes
 from kvx.topology import pp_layer_range
 
@@ -38,8 +39,11 @@ class WorkerResult:
 @dataclass
 class _ReqState:
     token_ids: list[int]
-    block_ids: list[int]
+    tables: list[list[int]]  # block ids per KV-cache group
     hashes: list[int] = field(default_factory=list)
+
+
+NULL_WRITTEN = "the null block (no request's; a write through a NULL_BLOCK table entry lands there)"
 
 
 class Worker:
@@ -53,24 +57,48 @@ class Worker:
         connector: KVConnectorBase_V1 | None = None,
         *,
         layouts: PluginRegistry,
+        groups: WindowGroups | None = None,
+        guard_salt: int = 0,
     ) -> None:
-        """`layouts`: the registry the cache's layout is looked up in (the engine's)."""
+        """`layouts`: the registry the cache's layout is looked up in (the engine's);
+        `groups`: the two KV-cache groups' block ids (`spec.layer_groups` says each layer's);
+        `guard_salt` shifts the pattern of blocks nobody may write (engines differ, so bytes
+        another engine copied from its own such blocks still show)."""
         self.model = model
         self.parallel = parallel
         self.connector = connector
         layers = pp_layer_range(len(spec.layer_names), parallel.pp_rank, parallel.pp_size)
         self.layers = {spec.layer_names[i]: i for i in layers}
         self.cache = PagedKVCache(spec, parallel, list(self.layers), layouts)
-        self.window = spec.sliding_window
+        groups_of = spec.layer_groups or (0,) * spec.num_layers
+        self.group_of = {name: groups_of[i] for name, i in self.layers.items()}
+        self.windows = {
+            name: spec.sliding_window
+            if groups is None
+            else groups.window
+            if self.group_of[name] == WINDOW_GROUP
+            else None
+            for name in self.layers
+        }
         self.requests: dict[str, _ReqState] = {}
-        self._null_block: dict[str, torch.Tensor] = {}
-        if self.window is not None:  # the last block: no request's, a pattern nobody may write
-            for i, name in enumerate(self.layers):
-                view = self.cache.token_view(name)
-                shape = view[-1].shape
-                pattern = torch.arange(shape.numel(), dtype=torch.float64) % 997 + 1000 * i
-                view[-1] = pattern.view(shape).to(view.dtype)
-                self._null_block[name] = view[-1].clone()
+        # Blocks no request of a layer owns, filled with a pattern nobody may write: the null
+        # block (the last) and, with two groups, the other group's blocks.
+        self._guarded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._null_id = spec.num_blocks - 1
+        for i, name in enumerate(self.layers):
+            if groups is not None:
+                guarded = groups.guarded_blocks(self.group_of[name])
+            elif spec.sliding_window is not None:
+                guarded = [spec.num_blocks - 1]
+            else:
+                continue
+            index = torch.tensor(guarded, dtype=torch.long)
+            view = self.cache.token_view(name)
+            shape = view[index].shape
+            pattern = (torch.arange(shape.numel(), dtype=torch.float64) + guard_salt) % 997
+            pattern += 1000 * i
+            view[index] = pattern.view(shape).to(view.dtype)
+            self._guarded[name] = (index, view[index].clone())
         if connector is not None:
             connector.register_kv_caches(dict(self.cache.tensors))
 
@@ -78,14 +106,30 @@ class Worker:
     def heads(self) -> range:
         return self.cache.heads
 
-    def null_block_written(self) -> list[str]:
-        """Layers whose null block (the last, owned by no request: where a write through a
-        `NULL_BLOCK` entry lands) changed; always empty without a sliding window."""
-        return [
-            name
-            for name, kept in self._null_block.items()
-            if not torch.equal(self.cache.token_view(name)[-1], kept)
-        ]
+    def guarded_blocks_written(self) -> list[tuple[str, str]]:
+        """(layer, what) for each layer whose null block (the last, where a write through a
+        `NULL_BLOCK` entry lands) or, with two groups, a block of the other group changed;
+        always empty with one group and no sliding window."""
+        found = []
+        for name, (index, kept) in self._guarded.items():
+            now = self.cache.token_view(name)[index]
+            same = (now.reshape(len(index), -1) == kept.reshape(len(index), -1)).all(dim=1)
+            if bool(same.all()):
+                continue
+            bad = [int(b) for b in index[~same]]
+            if bad[-1] == self._null_id:
+                found.append((name, f"{NULL_WRITTEN} was written"))
+                bad = bad[:-1]
+            if bad:
+                found.append(
+                    (
+                        name,
+                        f"block(s) {bad[:5]} of this layer's other KV-cache group were written "
+                        f"(group {1 - self.group_of[name]}'s ids; a connector used one group's "
+                        f"block ids for group {self.group_of[name]}'s layers)",
+                    )
+                )
+        return found
 
     def execute(self, out: SchedulerOutput) -> WorkerResult:
         self._update_states(out)
@@ -105,7 +149,7 @@ class Worker:
             self.requests.pop(req_id, None)
         for new in out.scheduled_new_reqs:
             self.requests[new.req_id] = _ReqState(
-                list(new.prompt_token_ids), list(new.block_ids[0])
+                list(new.prompt_token_ids), [list(table) for table in new.block_ids]
             )
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -113,11 +157,12 @@ class Worker:
             blocks = cached.new_block_ids[i]
             state = self.requests.get(req_id)
             if state is None or req_id in cached.resumed_req_ids:
-                self.requests[req_id] = _ReqState(list(tokens), list(blocks[0]) if blocks else [])
+                tables = [list(table) for table in blocks] if blocks else []
+                self.requests[req_id] = _ReqState(list(tokens), tables)
                 continue
             state.token_ids = list(tokens)
-            if blocks:
-                state.block_ids.extend(blocks[0])
+            for table, more in zip(state.tables, blocks or (), strict=False):
+                table.extend(more)
 
     def _forward(
         self, out: SchedulerOutput, result: WorkerResult, hooks: LayerHooks | None
@@ -136,13 +181,14 @@ class Worker:
         for name, layer in self.layers.items():
             if hooks is not None:
                 hooks.before_attention(name)
+            group, window = self.group_of[name], self.windows[name]
             for _, state, start, end, _ in work:
                 kv = self.model.token_kv(state.hashes[start:end], layer, self.heads, dtype)
-                self.cache.write(name, state.block_ids, start, kv)
+                self.cache.write(name, state.tables[group], start, kv)
             for req_id, state, _, end, sample in work:
                 if sample and self.cache.primary:
-                    first = 0 if self.window is None else max(0, end - self.window)
-                    read = self.cache.read(name, state.block_ids, end, first)
+                    first = 0 if window is None else max(0, end - window)
+                    read = self.cache.read(name, state.tables[group], end, first)
                     positions = torch.arange(first, end)
                     score = self.model.score(read, positions, layer, self.heads)
                     result.scores[req_id] = (result.scores.get(req_id, 0) + score) % SCORE_PRIME

@@ -39,6 +39,9 @@ UNCLAIMED = {
     "window_store_reuse",
     "window_offload",
     "store_pd_prefill_killed",
+    "groups_pd",
+    "groups_store_reuse",
+    "groups_offload",
 }
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))
 EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "kvx-example-connector"

@@ -5,8 +5,8 @@ hand-off, every capability).
 
 The runs use a 2 s stall limit (`--stall-timeout`, which every scenario honours) and one
 scenario per way the suite waits (a P/D run, a single engine, a fault being handled, a step
-before a fault, the matrix, the MLA and sliding-window engines), to keep CI short; the whole
-suite fails the same way (docs/conformance.md, "Hangs fail fast", gives the command). A
+before a fault, the matrix, the MLA, sliding-window and two-group engines), to keep CI short;
+the whole suite fails the same way (docs/conformance.md, "Hangs fail fast", gives the command). A
 failure on the stall limit takes the set-up plus that limit, so at the default 10 s a
 scenario fails in well under 15 s on an idle machine (tests/conformance/test_suite_has_teeth.py
 times one at the default).
@@ -43,6 +43,7 @@ NEVER_FINISHING = {
             "roles_store_reuse",
             "mla_stored_hetero_tp",
             "window_store_reuse",
+            "groups_store_reuse",
             "matrix",
         ],
     ),

@@ -22,7 +22,7 @@ from kvx.conformance.scenario import ScenarioFailure, check
 BROKEN_DIR = Path(__file__).resolve().parent / "broken"
 EXAMPLE_EXTRA = {"directory": "{tmp}", "load_timeout_s": 5}
 STORAGE_EXTRA = {"storage_url": "file://{tmp}/store"}
-STORAGE_BASED = {"StoresAsConsumer", "LoadsAsProducer"}
+STORAGE_BASED = {"StoresAsConsumer", "LoadsAsProducer", "SharesGroupTables"}
 OPTIONS = SuiteOptions(fault_timeout_s=20, stall_timeout_s=5)  # a P/D run may take 60 s
 
 
@@ -69,6 +69,8 @@ def broken_importable(monkeypatch: pytest.MonkeyPatch) -> None:
         ("SavesLate", "pd_prefill_block_pressure", "differ"),
         ("SendsALock", "pd_short_prompt", "cannot be sent to a worker process"),
         ("WritesNullBlock", "window_pd", "the null block (no request's; a write through"),
+        ("SharesGroupTables", "groups_store_reuse", "of this layer's other KV-cache group were"),
+        ("SharesGroupTables", "groups_pd", "a connector used one group's block ids for group 1"),
         ("SlicesLatent", "mla_pd", "differ"),
         ("RoundsUpToBlocks", "pd_short_prompt", "rule matched-tokens-in-range: "),
         ("AsyncEvenForNothing", "pd_short_prompt", "rule async-load-has-tokens: "),
@@ -170,8 +172,9 @@ def test_the_good_connectors_pass_the_same_scenarios(broken_importable: None) ->
     (mla,) = run_suite(broken("ClaimsMla"), only=["mla_pd"], options=OPTIONS)
     assert (mla.outcome, mla.message) == (PASSED, "")  # the control for SlicesLatent
     storage = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": STORAGE_EXTRA}
-    (result,) = run_suite(storage, only=["roles_store_reuse"], options=OPTIONS)
-    assert (result.outcome, result.message) == (PASSED, "")
+    # groups_pd: the control for SharesGroupTables (groups_store_reuse runs in tests/storage)
+    results = run_suite(storage, only=["roles_store_reuse", "groups_pd"], options=OPTIONS)
+    assert [(r.outcome, r.message) for r in results] == [(PASSED, "")] * 2
 
 
 KVX = shutil.which("kvx", path=str(Path(sys.executable).parent))

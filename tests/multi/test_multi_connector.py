@@ -235,4 +235,7 @@ def test_conformance_with_example_and_scripted_children(plugin_env: Path) -> Non
         "window_store_reuse",
         "window_offload",
         "store_pd_prefill_killed",
+        "groups_pd",  # HMA only when every child supports it
+        "groups_store_reuse",
+        "groups_offload",
     }

@@ -215,6 +215,7 @@ def test_conformance(extra: dict[str, object]) -> None:
     assert not {r.name: r.message for r in results if r.outcome == FAILED}
     assert outcomes["offload_and_reload"] == PASSED
     assert outcomes["window_offload"] == PASSED
+    assert outcomes["groups_offload"] == PASSED
     assert outcomes["idempotent_matching"] == PASSED
 
 

@@ -76,6 +76,7 @@ CLAIMED = {  # every scenario the connector's claims (store_reuse, hetero_tp, ..
     "roles_store_reuse",
     "stats_and_events_shape_stored",
     "window_store_reuse",
+    "groups_store_reuse",
 }
 
 

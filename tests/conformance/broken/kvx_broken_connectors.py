@@ -145,6 +145,40 @@ class StoresAsConsumer(SharedStorageConnector):
             self._scheduler.store = True
 
 
+class _Group0Tables(kvx.GroupScheduler):
+    """Per-group scheduler halves, each handed group 0's block table."""
+
+    def update_state_after_alloc(
+        self, request: kvx.Request, blocks: kvx.KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        first = blocks.block_ids[0]
+        hashed = blocks.num_hashed_blocks
+        shared = kvx.KVCacheBlocks(
+            tuple(list(first) for _ in blocks.block_ids),
+            None if hashed is None else tuple(hashed[0] for _ in hashed),
+        )
+        super().update_state_after_alloc(request, shared, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: kvx.SchedulerOutput) -> kvx.GroupsMetadata:
+        first = kvx.one_group_output(scheduler_output, 0)
+        return kvx.GroupsMetadata(tuple(h.build_connector_meta(first) for h in self.halves))
+
+    def request_finished_all_groups(
+        self, request: kvx.Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return super().request_finished_all_groups(request, (block_ids[0],) * len(block_ids))
+
+
+class SharesGroupTables(SharedStorageConnector):
+    """Claims HMA but moves every KV-cache group's layers through group 0's block table (a
+    connector that reads only `block_ids[0]`)."""
+
+    def build_scheduler(self) -> ConnectorScheduler:
+        return kvx.split_by_group(
+            self.engine_context, self._scheduler_for, lambda halves, _: _Group0Tables(halves)
+        )
+
+
 class LoadsAsProducer(SharedStorageConnector):
     """Ignores its kv_role: a pure producer loads what is stored."""
 

@@ -23,13 +23,19 @@ LEAKED: list[Any] = []  # what LeaksAtShutdown left open; the test closes it aft
 
 
 class NeverFinishesStore(SharedStorageConnector):
-    """Holds every finished request's blocks for a save it never reports finished (unless a
-    pure consumer, which saves nothing)."""
+    """Holds every finished request's blocks (of every KV-cache group) for a save it never
+    reports finished (unless a pure consumer, which saves nothing)."""
 
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         super().request_finished(request, block_ids)
+        return self._kv_transfer_config.is_kv_producer, None
+
+    def request_finished_all_groups(
+        self, request: kvx.Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished_all_groups(request, block_ids)
         return self._kv_transfer_config.is_kv_producer, None
 
 

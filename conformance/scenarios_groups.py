@@ -1,0 +1,89 @@
+"""Two KV-cache groups (`kvx.SupportsHMA`, vLLM's hybrid allocator), as Gemma-3: the reference
+engine's `kv_groups=2` gives even layers full attention (group 0) and odd layers a sliding
+window (group 1), each group its own block table per request, group 1's leading entries
+`kvx.NULL_BLOCK` once outside its window.
+
+A connector must move each group's layers through that group's table: the engine's groups never
+share a block id, and each layer's blocks of the other group, like the null block, are filled
+with a pattern `check_kv` fails a scenario for changing. Every KV element of both groups is
+compared after every step, and the tokens equal a single engine's with the same groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvx import Capability
+from kvx.conformance.harness import Harness
+from kvx.conformance.scenario import PD_EITHER, check, scenario
+
+BOTH = "kv_both on every engine"
+# two 16-token blocks of window; layer 0 full attention, layer 1 the window
+GROUPS: dict[str, Any] = {"kv_groups": 2, "sliding_window": 32}
+
+
+@scenario(
+    "groups_pd",
+    "two KV-cache groups P/D: D loads the full-attention group's blocks and the window "
+    "group's last ones, each through its own table",
+    (Capability.HMA,),
+    any_of=PD_EITHER,
+    group="pd",
+)
+def groups_pd(h: Harness) -> None:
+    with h.pair(**GROUPS) as pair:
+        report = h.run_pair(pair, h.prompts([100, 75, 320, 48], seed=71))
+        check(
+            report.decode_stats["external_tokens"] > 0,
+            f"D loaded nothing ({report.decode_stats}); the scenario needs a load",
+        )
+
+
+@scenario(
+    "groups_store_reuse",
+    "two KV-cache groups: a fresh engine reuses stored KV of both groups, prompts longer "
+    "than the window group's window",
+    (Capability.STORE_REUSE, Capability.HMA),
+    roles=BOTH,
+    group="contract",
+)
+def groups_store_reuse(h: Harness) -> None:
+    prompts = h.prompts([100, 75, 130, 48], seed=72)
+    expected = h.baseline(prompts, 4, **GROUPS)
+    with h.engine("kv_both", **GROUPS) as engine:
+        first = h.run_engine(engine, prompts, 4)
+    with h.engine("kv_both", **GROUPS) as engine:
+        again = h.run_engine(engine, prompts, 4)
+        check(
+            engine.stats()["external_tokens"] > 0,
+            "a fresh engine loaded nothing of prompts another engine had run",
+        )
+    check(first == expected, f"outputs of the storing engine differ: {first} != {expected}")
+    check(again == expected, f"outputs of the loading engine differ: {again} != {expected}")
+
+
+@scenario(
+    "groups_offload",
+    "two KV-cache groups: KV offloaded from an engine is loaded back into each group's "
+    "blocks, the window group's NULL_BLOCK entries skipped",
+    (Capability.OFFLOAD, Capability.HMA),
+    roles=BOTH,
+    group="contract",
+)
+def groups_offload(h: Harness) -> None:
+    target = h.prompts([120, 70], seed=73)
+    fillers = h.prompts([100, 90, 110, 95], seed=74, name="filler")
+    expected = h.baseline(target, 4, **GROUPS)
+    expected |= h.baseline(fillers, 8, **GROUPS)
+    # 20 blocks per group: the fillers push the targets' blocks out of the engine
+    with h.engine("kv_both", num_blocks=41, **GROUPS) as engine:
+        got = h.run_engine(engine, target, 4)
+        got |= h.run_engine(engine, fillers, 8)
+        before = engine.stats()["external_tokens"]
+        again = h.run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
+        check(
+            engine.stats()["external_tokens"] > before,
+            "nothing was loaded back from the offload tier for prompts it stored",
+        )
+    got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
+    check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
