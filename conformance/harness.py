@@ -174,6 +174,24 @@ class Harness:
             progress=self.progress,
         )
 
+    def store_then_reuse(
+        self, prompts: dict[str, list[int]], max_tokens: int, **engine: Any
+    ) -> None:
+        """One kv_both engine runs `prompts`, a fresh one runs them again: the fresh one must
+        load some of their KV and both must give a single engine's tokens (`engine` overrides
+        engine fields, e.g. `sliding_window`)."""
+        expected = self.baseline(prompts, max_tokens, **engine)
+        with self.engine("kv_both", **engine) as first_engine:
+            first = self.run_engine(first_engine, prompts, max_tokens)
+        with self.engine("kv_both", **engine) as fresh:
+            again = self.run_engine(fresh, prompts, max_tokens)
+            check(
+                fresh.stats()["external_tokens"] > 0,
+                "a fresh engine loaded nothing of prompts another engine had run",
+            )
+        check(first == expected, f"outputs of the storing engine differ: {first} != {expected}")
+        check(again == expected, f"outputs of the loading engine differ: {again} != {expected}")
+
     def wait_for_fault_handling(
         self, pair: DisaggregatedPair, what: str, done: Callable[[], bool] | None = None
     ) -> None:

@@ -49,17 +49,7 @@ def groups_pd(h: Harness) -> None:
 )
 def groups_store_reuse(h: Harness) -> None:
     prompts = h.prompts([100, 75, 130, 48], seed=72)
-    expected = h.baseline(prompts, 4, **GROUPS)
-    with h.engine("kv_both", **GROUPS) as engine:
-        first = h.run_engine(engine, prompts, 4)
-    with h.engine("kv_both", **GROUPS) as engine:
-        again = h.run_engine(engine, prompts, 4)
-        check(
-            engine.stats()["external_tokens"] > 0,
-            "a fresh engine loaded nothing of prompts another engine had run",
-        )
-    check(first == expected, f"outputs of the storing engine differ: {first} != {expected}")
-    check(again == expected, f"outputs of the loading engine differ: {again} != {expected}")
+    h.store_then_reuse(prompts, 4, **GROUPS)
 
 
 @scenario(

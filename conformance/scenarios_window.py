@@ -42,17 +42,7 @@ def window_pd(h: Harness) -> None:
 def window_store_reuse(h: Harness) -> None:
     # the longest spans a whole chunk of every store's documented default (LMCache: 256)
     prompts = h.prompts([100, 75, 130, 48, STORE_PD_PROOF_TOKENS], seed=62)
-    expected = h.baseline(prompts, 4, sliding_window=WINDOW)
-    with h.engine("kv_both", sliding_window=WINDOW) as engine:
-        first = h.run_engine(engine, prompts, 4)
-    with h.engine("kv_both", sliding_window=WINDOW) as engine:
-        again = h.run_engine(engine, prompts, 4)
-        check(
-            engine.stats()["external_tokens"] > 0,
-            "a fresh engine loaded nothing of prompts another engine had run",
-        )
-    check(first == expected, f"outputs of the storing engine differ: {first} != {expected}")
-    check(again == expected, f"outputs of the loading engine differ: {again} != {expected}")
+    h.store_then_reuse(prompts, 4, sliding_window=WINDOW)
 
 
 @scenario(
