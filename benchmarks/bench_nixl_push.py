@@ -26,7 +26,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from bench_nixl import DecodeSide, caches, context, run_case, timed_loads
+from bench_nixl import run_case
+from nixl_bench_sides import DecodeSide, caches, context, timed_loads
 from rich.console import Console
 from rich.table import Table
 from transfer_bench import Shape, bench_options, receive, titled
