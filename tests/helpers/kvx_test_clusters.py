@@ -177,27 +177,27 @@ class ClusterProcesses:
             time.sleep(0.1)
 
     def healthy(self, replicas: int | None = None) -> bool:
-        """Whether a live node says cluster_state:ok (and, with `replicas`, that many replicas
-        are connected)."""
-        for port in self.live_ports():
-            client = redis.Redis(port=port, socket_timeout=2)
-            try:
-                if client.cluster("info").get("cluster_state") != "ok":
-                    return False
-                if replicas is None:
-                    return True
-                nodes = client.cluster("nodes")
-                replica_ports = [
-                    int(addr.rpartition(":")[2].split("@")[0])
-                    for addr, n in nodes.items()
-                    if "slave" in n["flags"] and n["connected"]
-                ]
-                return len(replica_ports) >= replicas and all(map(self._synced, replica_ports))
-            except redis.RedisError:
-                continue
-            finally:
+        """Whether every live node says cluster_state:ok (a node that has not yet learned the
+        slot map answers CLUSTERDOWN to a command routed to it) and, with `replicas`, that
+        many replicas are connected and synced."""
+        ports = self.live_ports()
+        clients = [redis.Redis(port=port, socket_timeout=2) for port in ports]
+        try:
+            if not ports or any(c.cluster("info").get("cluster_state") != "ok" for c in clients):
+                return False
+            if replicas is None:
+                return True
+            replica_ports = [
+                int(addr.rpartition(":")[2].split("@")[0])
+                for addr, n in clients[0].cluster("nodes").items()
+                if "slave" in n["flags"] and n["connected"]
+            ]
+            return len(replica_ports) >= replicas and all(map(self._synced, replica_ports))
+        except redis.RedisError:
+            return False
+        finally:
+            for client in clients:
                 client.close()
-        return False
 
     @staticmethod
     def _synced(port: int) -> bool:
