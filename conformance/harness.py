@@ -259,6 +259,14 @@ class Harness:
         return report
 
     @staticmethod
+    def expect_loaded(report: DisaggReport) -> None:
+        """D loaded some KV: a scenario about loads fails when nothing moved."""
+        check(
+            report.decode_stats["external_tokens"] > 0,
+            f"D loaded nothing ({report.decode_stats}); the scenario needs a load",
+        )
+
+    @staticmethod
     def expect_no_violations(pair: DisaggregatedPair) -> None:
         check(not pair.violations, _violated(pair.violations))
 
