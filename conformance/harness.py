@@ -192,6 +192,29 @@ class Harness:
         check(first == expected, f"outputs of the storing engine differ: {first} != {expected}")
         check(again == expected, f"outputs of the loading engine differ: {again} != {expected}")
 
+    def offload_then_reload(
+        self,
+        target: dict[str, list[int]],
+        fillers: dict[str, list[int]],
+        num_blocks: int,
+        **engine: Any,
+    ) -> None:
+        """One kv_both engine of `num_blocks` runs `target` (4 tokens each), then `fillers` (8
+        each), which push the targets' blocks out of it; `target` run again must load some KV
+        back from the offload tier, and every output must be a single engine's."""
+        expected = self.baseline(target, 4, **engine) | self.baseline(fillers, 8, **engine)
+        with self.engine("kv_both", num_blocks=num_blocks, **engine) as running:
+            got = self.run_engine(running, target, 4)
+            got |= self.run_engine(running, fillers, 8)
+            before = running.stats()["external_tokens"]
+            again = self.run_engine(running, {f"{rid}-again": p for rid, p in target.items()}, 4)
+            check(
+                running.stats()["external_tokens"] > before,
+                "nothing was loaded back from the offload tier for prompts it stored",
+            )
+        got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
+        check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
+
     def wait_for_fault_handling(
         self, pair: DisaggregatedPair, what: str, done: Callable[[], bool] | None = None
     ) -> None:

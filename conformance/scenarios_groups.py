@@ -15,7 +15,7 @@ from typing import Any
 
 from kvx import Capability
 from kvx.conformance.harness import Harness
-from kvx.conformance.scenario import PD_EITHER, check, scenario
+from kvx.conformance.scenario import PD_EITHER, scenario
 
 BOTH = "kv_both on every engine"
 # two 16-token blocks of window; layer 0 full attention, layer 1 the window
@@ -60,17 +60,5 @@ def groups_store_reuse(h: Harness) -> None:
 def groups_offload(h: Harness) -> None:
     target = h.prompts([120, 70], seed=73)
     fillers = h.prompts([100, 90, 110, 95], seed=74, name="filler")
-    expected = h.baseline(target, 4, **GROUPS)
-    expected |= h.baseline(fillers, 8, **GROUPS)
     # 20 blocks per group: the fillers push the targets' blocks out of the engine
-    with h.engine("kv_both", num_blocks=41, **GROUPS) as engine:
-        got = h.run_engine(engine, target, 4)
-        got |= h.run_engine(engine, fillers, 8)
-        before = engine.stats()["external_tokens"]
-        again = h.run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
-        check(
-            engine.stats()["external_tokens"] > before,
-            "nothing was loaded back from the offload tier for prompts it stored",
-        )
-    got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
-    check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
+    h.offload_then_reload(target, fillers, num_blocks=41, **GROUPS)

@@ -52,19 +52,7 @@ def window_store_reuse(h: Harness) -> None:
 def window_offload(h: Harness) -> None:
     target = h.prompts([120, 70], seed=63)
     fillers = h.prompts([100, 90, 110, 95], seed=64, name="filler")
-    expected = h.baseline(target, 4, sliding_window=WINDOW)
-    expected |= h.baseline(fillers, 8, sliding_window=WINDOW)
-    with h.engine("kv_both", sliding_window=WINDOW, num_blocks=40) as engine:
-        got = h.run_engine(engine, target, 4)
-        got |= h.run_engine(engine, fillers, 8)  # pushes the targets' blocks out of the engine
-        before = engine.stats()["external_tokens"]
-        again = h.run_engine(engine, {f"{rid}-again": p for rid, p in target.items()}, 4)
-        check(
-            engine.stats()["external_tokens"] > before,
-            "nothing was loaded back from the offload tier for prompts it stored",
-        )
-    got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
-    check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
+    h.offload_then_reload(target, fillers, num_blocks=40, sliding_window=WINDOW)
 
 
 @scenario(
