@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvx_package_tests import run_package_tests
 
 from kvx.conformance import SCENARIOS, run_suite
 from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED, load_scenarios
@@ -64,15 +65,7 @@ def test_its_own_tests_pass_composed_with_a_redis_store() -> None:
     """The example's own kit tests, as its author runs them, for the class that composes it with
     kvx's shared-storage connector on Redis: every scenario the composition claims passes (the
     Redis store's corrupted_bytes_detected is the one expected failure, an xfail)."""
-    argv = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider"]
-    result = subprocess.run(
-        [*argv, "-k", "TestExampleWithRedisStore"],
-        capture_output=True,
-        text=True,
-        timeout=1150,
-        check=False,
-        cwd=EXAMPLE_DIR,
-    )
+    result = run_package_tests(EXAMPLE_DIR, "-q", "-k", "TestExampleWithRedisStore", timeout=1150)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     composed = re.search(r"MultiConnector: (\d+) passed", output)
@@ -175,34 +168,13 @@ def test_docs_list_every_scenario() -> None:
     assert not missing, f"docs/conformance.md does not describe {missing}"
 
 
-EXAMPLE_TESTS = Path(__file__).resolve().parents[2] / "examples" / "kvx-example-connector" / "tests"
-
-
 @pytest.mark.timeout(600)
 def test_the_example_packages_own_tests_run_the_kit_on_two_configs(tmp_path: Path) -> None:
     """The example package's three-line test file runs the kit from plain pytest, once with the
     connector alone and once composed with a store on a Redis server its conftest starts."""
     chosen = "pd_short_prompt or pd_prefill_block_pressure or roles_store_reuse or claims_cover"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            str(EXAMPLE_TESTS),
-            "-k",
-            chosen,
-            "-rs",
-            "-p",
-            "no:cacheprovider",
-            "--basetemp",
-            str(tmp_path / "base"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=580,
-        check=False,
-        cwd=EXAMPLE_TESTS.parent,
-    )
+    base = str(tmp_path / "base")
+    result = run_package_tests(EXAMPLE_DIR, "-k", chosen, "-rs", "--basetemp", base, timeout=580)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "7 passed, 1 skipped" in out, out

@@ -4,11 +4,10 @@ file, from plain pytest: a lean subset of what it claims (its full run passes ev
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from kvx_package_tests import run_package_tests
 
 from kvx import Capability
 from kvx_example_store.connector import ExampleStoreConnector
@@ -31,29 +30,18 @@ def test_the_packages_own_kit_passes_store_reuse_store_pd_and_a_bfloat16_cell(
         "pd_long_prompts or store_and_reuse or clean_shutdown or matrix or claims_cover "
         "or window_pd"
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests",
-            "-k",
-            chosen,
-            "--kvx-dtype",
-            "bfloat16",
-            "--kvx-block-size",
-            "16",
-            "-rs",
-            "-p",
-            "no:cacheprovider",
-            "--basetemp",
-            str(tmp_path / "base"),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_package_tests(
+        PACKAGE,
+        "-k",
+        chosen,
+        "--kvx-dtype",
+        "bfloat16",
+        "--kvx-block-size",
+        "16",
+        "-rs",
+        "--basetemp",
+        str(tmp_path / "base"),
         timeout=580,
-        check=False,
-        cwd=PACKAGE,
     )
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
