@@ -8,9 +8,10 @@ K and V), cut anywhere: the digest of a block covers its bytes in every outer in
 so P and D agree however each side's segments were cut.
 
 The digests are computed in place, one C call for a whole batch of blocks without the GIL
-(`_digest`, built with kvx: the vendored xxhash with its AVX2 build), or through the `xxhash`
-package, one call per block region, where that extension was not built. Either way the cost is
-a read of every byte: memory bandwidth, about half a memcpy of the same bytes (nixl.md).
+(`_digest`, built with kvx: the vendored xxhash, its AVX-512 or AVX2 build chosen at import),
+or through the `xxhash` package, one call per block region, where that extension was not built.
+Either way the cost is a read of every byte: memory bandwidth, about half a memcpy of the same
+bytes (nixl.md).
 """
 
 from __future__ import annotations
