@@ -27,7 +27,7 @@ INSTALL_TORCH = $(1) -m pip install --quiet '$(TORCH)' 2>/dev/null || $(1) -m pi
 # so the editable installs below silence that one message and nothing else.
 EDITABLE := PYTHONWARNINGS='ignore:Editable installation'
 
-NATIVE_SOURCES := layouts/_native.c layouts/_native_walk.c layouts/_native_pool.c layouts/_native.h plugins/storage/_fileio.c plugins/storage/_fileread.c plugins/storage/_filewrite.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h plugins/storage/vendor/xxhash/xxhash.h kvx/contract/_digest.c kvx/contract/_digest_avx2.c kvx/contract/_digest_avx512.c kvx/contract/_digest.h
+NATIVE_SOURCES := layouts/_native.c layouts/_native_walk.c layouts/_native_pool.c layouts/_native.h plugins/storage/_fileio.c plugins/storage/_fileread.c plugins/storage/_filewrite.c plugins/storage/_fileio_avx2.c plugins/storage/_segment.c plugins/storage/_fileio.h vendor/xxhash/xxhash.h kvx/contract/_digest.c kvx/contract/_digest_avx2.c kvx/contract/_digest_avx512.c kvx/contract/_digest.h
 
 $(STAMP): pyproject.toml setup.py constraints.txt examples/kvx-example-connector/pyproject.toml examples/kvx-example-store/pyproject.toml $(NATIVE_SOURCES)
 	$(NEED_PYTHON)

@@ -22,7 +22,7 @@ setup(
             extra_link_args=["-pthread"],
         ),
         # the storage connector's one-pass file IO + checksum, built against the vendored
-        # xxhash.h (plugins/storage/vendor/xxhash/)
+        # xxhash.h (vendor/xxhash/, beside core and plugins: both build against it)
         Extension(
             "kvx.plugins.storage._fileio",
             sources=[
@@ -32,7 +32,8 @@ setup(
                 "plugins/storage/_fileio_avx2.c",
                 "plugins/storage/_segment.c",
             ],
-            depends=["plugins/storage/_fileio.h", "plugins/storage/vendor/xxhash/xxhash.h"],
+            depends=["plugins/storage/_fileio.h", "vendor/xxhash/xxhash.h"],
+            include_dirs=["vendor/xxhash"],
             optional=True,
             extra_compile_args=["-O3"],
         ),
@@ -45,8 +46,8 @@ setup(
                 "kvx/contract/_digest_avx2.c",
                 "kvx/contract/_digest_avx512.c",
             ],
-            depends=["kvx/contract/_digest.h", "plugins/storage/vendor/xxhash/xxhash.h"],
-            include_dirs=["plugins/storage/vendor/xxhash"],
+            depends=["kvx/contract/_digest.h", "vendor/xxhash/xxhash.h"],
+            include_dirs=["vendor/xxhash"],
             optional=True,
             extra_compile_args=["-O3"],
         ),

@@ -5,7 +5,7 @@
 #include <stddef.h>
 
 #define XXH_INLINE_ALL
-#include "xxhash.h" /* vendored: plugins/storage/vendor/xxhash (setup.py's include_dirs) */
+#include "xxhash.h" /* vendored: vendor/xxhash (setup.py's include_dirs) */
 
 typedef void (*kvx_digest_update_fn)(XXH3_state_t *, const void *, size_t);
 /* XXH3_64bits_update built for AVX2 (only called on CPUs that have it). */

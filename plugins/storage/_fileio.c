@@ -11,7 +11,7 @@
  * piece is hashed (XXH3-64) right before it is written or right after it is read, while it is
  * in the cache. `hash_buffers` hashes regions moved some other way (Redis). Digests equal
  * `xxhash.xxh3_64()` fed the same bytes: the same algorithm, from the vendored xxhash header
- * (vendor/xxhash/), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
+ * (vendor/xxhash/, top level), with an AVX2 build (`_fileio_avx2.c`) chosen at import on CPUs
  * that have it.
  */
 #define PY_SSIZE_T_CLEAN

@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 
 #define XXH_INLINE_ALL
-#include "vendor/xxhash/xxhash.h" /* vendored, see vendor/xxhash/README.md */
+#include "xxhash.h" /* vendored: vendor/xxhash (setup.py's include_dirs), see its README.md */
 
 /* XXH3_64bits_update built for AVX2 (only called on CPUs that have it). */
 void kvx_xxh3_update_avx2(XXH3_state_t *state, const void *data, size_t len);
