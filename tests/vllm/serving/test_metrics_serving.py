@@ -10,6 +10,11 @@ proxy carries both legs' facts in `kv_transfer_params.kvx_transfer`, equal to wh
 D logs one `kvx.requests` line per request whose bytes add up to what D's series counted, and
 the corrupted block's answer says its load was recomputed after a checksum failure.
 
+The NIXL deployment also serves pre-connect through `vllm serve`: P on a fixed
+`side_channel_port`, D with it in `preconnect`; once D logged its pre-connect, the requests
+make no handshake of their own, D still READs each prompt, and the tokens equal P's asked
+directly (one engine, no transfer).
+
 One deployment at a time (two vLLM engines at most on this machine)."""
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ def check_facts(
         assert d["connector"] == p["connector"] == connector, legs
         assert p["kept"]["blocks"] >= blocks and "load" not in p, p
         assert 0 < load["seconds"] <= d["seconds"], d
-    logged = request_log(dep.decodes[0])
+    logged = {k: r for k, r in request_log(dep.decodes[0]).items() if LOOK not in k}
     assert len(logged) == len(requests), logged
     for result in results:
         if result.kv_transfer_params:
@@ -160,6 +165,25 @@ def check_series_moved(
     assert external == external_tokens, external
 
 
+LOOK = "kvx-test-look-"
+"""The request id's prefix of `wait_preconnected`'s requests (left out of the facts checked)."""
+
+
+def wait_preconnected(d: cluster.HttpServer, model: str, engines: int) -> None:
+    """Until D's logged stats count `engines` pre-connects. D reports its connector's stats
+    only from an engine step, so each look sends D a plain one-token request (no P, no load)."""
+    body = {"model": model, "prompt": [5], "max_tokens": 1}
+
+    def preconnected() -> None:
+        look = {"x-request-id": f"{LOOK}{uuid.uuid4().hex}"}
+        reply = httpx.post(f"{d.url}/v1/completions", json=body, headers=look, timeout=60)
+        assert reply.status_code == 200, reply.text[:300]
+        stats = checks.logged_stats(d)
+        assert stats.get("Num preconnects", 0) >= engines, f"{d.name} pre-connected: {stats}"
+
+    kit.eventually(preconnected, 120)
+
+
 @pytest.fixture
 def own_fleet(tmp_path: Path) -> Iterator[kit.Fleet]:
     fleet = kit.Fleet(tmp_path / "logs", [])
@@ -172,12 +196,26 @@ def own_fleet(tmp_path: Path) -> Iterator[kit.Fleet]:
 
 def test_nixl_pd_series_move_by_what_moved(own_fleet: kit.Fleet, long_tiny_model: Path) -> None:
     extra = {"required_layout": None, "handshake_timeout_s": 5, "transfer_timeout_s": 15}
+    side_channel = cluster.free_port()
     dep = kit.deploy(
         own_fleet,
         long_tiny_model,
-        [kit.kvx_json("NixlConnector", "kv_producer", kv_lease_duration=8, **extra)],
-        [kit.kvx_json("NixlConnector", "kv_consumer", **extra)],
+        [
+            kit.kvx_json(
+                "NixlConnector",
+                "kv_producer",
+                kv_lease_duration=8,
+                side_channel_port=side_channel,
+                **extra,
+            )
+        ],
+        [
+            kit.kvx_json(
+                "NixlConnector", "kv_consumer", preconnect=[f"127.0.0.1:{side_channel}"], **extra
+            )
+        ],
     )
+    wait_preconnected(dep.decodes[0], dep.model.name, 1)
     servers = [dep.prefills[0].url, dep.decodes[0].url, dep.proxy.url]
     before = [scrape(u) for u in servers]
     requests = prompts(11)
@@ -199,6 +237,17 @@ def test_nixl_pd_series_move_by_what_moved(own_fleet: kit.Fleet, long_tiny_model
         assert failed == 0
 
     kit.eventually(stats_arrived, 30)
+
+    def no_handshake() -> None:  # pre-connected at start-up: no request made a handshake
+        stats = checks.logged_stats(dep.decodes[0])
+        checks.check_nixl_reads(stats, requests)  # the log holds every request's step
+        assert (stats.get("Num preconnects"), stats.get("Num handshakes")) == (1, 0), stats
+
+    kit.eventually(no_handshake, 30)
+    with httpx.Client(timeout=120, trust_env=False) as client:  # one engine: P, no transfer
+        alone = [complete(client, dep.prefills[0].url, dep.model.name, r) for r in requests]
+    assert all(a.ok for a in alone), [a.error for a in alone]
+    assert [r.tokens for r in results] == [r.tokens for r in alone], (results, alone)
 
     # The fault: P prefills a request whose D never comes; its lease (8 s) runs out.
     p = dep.prefills[0]
