@@ -46,6 +46,7 @@ from kvx.contract.integrity import (
     block_digests,
     cache_block_digests,
     check_block_digests,
+    merge_digests,
 )
 from kvx.contract.planning import (
     LoadsAndStores,
@@ -192,6 +193,7 @@ __all__ = [
     "install_hint",
     "load_cli_arg",
     "make_private_dirs",
+    "merge_digests",
     "one_group_output",
     "open_storage_backend",
     "path_problem",

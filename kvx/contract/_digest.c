@@ -2,7 +2,9 @@
  * and without copying: what `kvx.contract.integrity` computes on both sides of a P/D transfer.
  *
  * `region_digests` digests blocks of a paged cache: a block's bytes are one region per table
- * row (e.g. each layer's K and V), each at `start + block * step`. `chunk_digests` digests
+ * row (e.g. each layer's K and V), each at `start + block * step`, optionally per part of each
+ * region (a head range of a block: `merge_digests` turns a range of parts into one digest).
+ * `chunk_digests` digests
  * blocks whose memory-order bytes are the concatenation of buffers cut anywhere, laid out
  * `[outer, blocks, bytes per block]`. Digests equal `xxhash.xxh3_64()` fed the same bytes (the
  * vendored xxhash header, with AVX-512 and AVX2 builds chosen at import where the CPU has them).
@@ -68,10 +70,33 @@ static Py_ssize_t hold_regions(PyObject *seq, region_t *regions) {
     return n;
 }
 
-/* region_digests(regions, blocks) -> digests */
+/* XXH3-64 of `count` digests as little-endian 8-byte words: a head range's digest. */
+static uint64_t merge_words(const uint64_t *digests, Py_ssize_t count) {
+    unsigned char bytes[8 * 64];
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (Py_ssize_t i = 0; i < count;) {
+        Py_ssize_t n = count - i < 64 ? count - i : 64;
+        for (Py_ssize_t k = 0; k < n; k++)
+            for (int byte = 0; byte < 8; byte++)
+                bytes[8 * k + byte] = (unsigned char)(digests[i + k] >> (8 * byte));
+        XXH3_64bits_update(&state, bytes, (size_t)(8 * n));
+        i += n;
+    }
+    return XXH3_64bits_digest(&state);
+}
+
+/* region_digests(regions, blocks, parts=1, merge=False) -> digests */
 static PyObject *region_digests(PyObject *self, PyObject *args) {
     PyObject *spec, *blocks;
-    if (!PyArg_ParseTuple(args, "OO:region_digests", &spec, &blocks)) return NULL;
+    Py_ssize_t parts = 1;
+    int merge = 0;
+    if (!PyArg_ParseTuple(args, "OO|np:region_digests", &spec, &blocks, &parts, &merge))
+        return NULL;
+    if (parts < 1 || parts > (1 << 16)) {
+        PyErr_Format(PyExc_ValueError, "parts must be 1..65536, not %zd", parts);
+        return NULL;
+    }
     PyObject *rseq = PySequence_Fast(spec, "regions must be a sequence");
     if (rseq == NULL) return NULL;
     PyObject *bseq = PySequence_Fast(blocks, "blocks must be a sequence of ints");
@@ -80,9 +105,10 @@ static PyObject *region_digests(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t nr = PySequence_Fast_GET_SIZE(rseq), nb = PySequence_Fast_GET_SIZE(bseq);
+    Py_ssize_t nd = nb > 0 ? nb * parts : 1;
     region_t *regions = PyMem_Calloc(nr > 0 ? (size_t)nr : 1, sizeof(region_t));
     Py_ssize_t *ids = PyMem_Calloc(nb > 0 ? (size_t)nb : 1, sizeof(Py_ssize_t));
-    uint64_t *digests = PyMem_Calloc(nb > 0 ? (size_t)nb : 1, sizeof(uint64_t));
+    uint64_t *digests = PyMem_Calloc((size_t)nd, sizeof(uint64_t));
     PyObject *out = NULL;
     Py_ssize_t held = -1;
     if (regions == NULL || ids == NULL || digests == NULL) {
@@ -91,6 +117,13 @@ static PyObject *region_digests(PyObject *self, PyObject *args) {
     }
     held = hold_regions(rseq, regions);
     if (held < 0) goto done;
+    for (Py_ssize_t j = 0; j < nr; j++) {
+        if (regions[j].size % parts) {
+            PyErr_Format(PyExc_ValueError, "region %zd: %zd bytes do not split into %zd parts",
+                         j, regions[j].size, parts);
+            goto done;
+        }
+    }
     for (Py_ssize_t i = 0; i < nb; i++) {
         Py_ssize_t b = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(bseq, i), PyExc_OverflowError);
         if (b == -1 && PyErr_Occurred()) goto done;
@@ -112,16 +145,20 @@ static PyObject *region_digests(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t state;
     for (Py_ssize_t i = 0; i < nb; i++) {
-        XXH3_64bits_reset(&state);
-        for (Py_ssize_t j = 0; j < nr; j++) {
-            const region_t *r = &regions[j];
-            best_update(&state, (const char *)r->view.buf + r->start + ids[i] * r->step,
-                        (size_t)r->size);
+        for (Py_ssize_t p = 0; p < parts; p++) {
+            XXH3_64bits_reset(&state);
+            for (Py_ssize_t j = 0; j < nr; j++) {
+                const region_t *r = &regions[j];
+                Py_ssize_t part = r->size / parts;
+                best_update(&state, (const char *)r->view.buf + r->start + ids[i] * r->step + p * part,
+                            (size_t)part);
+            }
+            digests[i * parts + p] = XXH3_64bits_digest(&state);
         }
-        digests[i] = XXH3_64bits_digest(&state);
+        if (merge) digests[i] = merge_words(&digests[i * parts], parts);
     }
     Py_END_ALLOW_THREADS
-    out = as_list(digests, nb);
+    out = as_list(digests, merge ? nb : nb * parts);
 done:
     if (held > 0) {
         for (Py_ssize_t j = 0; j < held; j++) PyBuffer_Release(&regions[j].view);
@@ -131,6 +168,47 @@ done:
     PyMem_Free(digests);
     Py_DECREF(rseq);
     Py_DECREF(bseq);
+    return out;
+}
+
+/* merge_digests(digests, parts, first, count) -> digests */
+static PyObject *merge_digests(PyObject *self, PyObject *args) {
+    PyObject *given;
+    Py_ssize_t parts, first, count;
+    if (!PyArg_ParseTuple(args, "Onnn:merge_digests", &given, &parts, &first, &count))
+        return NULL;
+    PyObject *seq = PySequence_Fast(given, "digests must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (parts < 1 || first < 0 || count < 1 || first > parts - count || n % parts) {
+        PyErr_Format(PyExc_ValueError,
+                     "cannot merge %zd parts from part %zd of %zd digests in groups of %zd: need "
+                     "0 <= first, 1 <= count, first + count <= parts and whole groups",
+                     count, first, n, parts);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t nb = n / parts;
+    uint64_t *words = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(uint64_t));
+    uint64_t *digests = PyMem_Calloc((size_t)(nb > 0 ? nb : 1), sizeof(uint64_t));
+    PyObject *out = NULL;
+    if (words == NULL || digests == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        for (Py_ssize_t k = 0; k < count; k++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, b * parts + first + k);
+            words[k] = PyLong_AsUnsignedLongLong(item);
+            if (words[k] == (uint64_t)-1 && PyErr_Occurred()) goto done;
+        }
+        digests[b] = merge_words(words, count);
+    }
+    out = as_list(digests, nb);
+done:
+    PyMem_Free(words);
+    PyMem_Free(digests);
+    Py_DECREF(seq);
     return out;
 }
 
@@ -199,9 +277,16 @@ static PyObject *vector(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"region_digests", region_digests, METH_VARARGS,
-     "region_digests(regions, blocks) -> digests: per block id b of `blocks`, XXH3-64 of the "
-     "bytes buffer[start + b * step:][:size] of every (buffer, start, size, step) of `regions` "
-     "in order. ValueError when a block's region lies outside its buffer. Without the GIL."},
+     "region_digests(regions, blocks, parts=1, merge=False) -> digests: per block id b of "
+     "`blocks` and part p, XXH3-64 of part p of `parts` equal parts of the bytes "
+     "buffer[start + b * step:][:size] of every (buffer, start, size, step) of `regions` in "
+     "order (block-major). With `merge`, per block the merge of its parts' digests (see "
+     "merge_digests). ValueError when a block's region lies outside its buffer or a region's "
+     "size does not split into `parts`. Without the GIL."},
+    {"merge_digests", merge_digests, METH_VARARGS,
+     "merge_digests(digests, parts, first, count) -> digests: `digests` in groups of `parts` "
+     "(one group per block); per group, XXH3-64 of its digests first..first+count-1 as "
+     "little-endian 8-byte words. ValueError for a range outside a group."},
     {"chunk_digests", chunk_digests, METH_VARARGS,
      "chunk_digests(buffers, num_blocks, outer) -> digests: the buffers' bytes in order are "
      "[outer, num_blocks, bytes per block]; per block, XXH3-64 of its bytes in every outer "

@@ -28,7 +28,13 @@ try:
 except ImportError:  # built without a C compiler: the xxhash package, one call per region
     _native = None
 
-__all__ = ["IntegrityError", "block_digests", "cache_block_digests", "check_block_digests"]
+__all__ = [
+    "IntegrityError",
+    "block_digests",
+    "cache_block_digests",
+    "check_block_digests",
+    "merge_digests",
+]
 
 
 class IntegrityError(ValueError):
@@ -85,13 +91,21 @@ def block_digests(segments: Sequence[Any], num_blocks: int, outer: int = 1) -> l
     return [h.intdigest() for h in hashers]
 
 
-def cache_block_digests(tables: Sequence[Any], block_ids: Sequence[int]) -> list[int]:
+def cache_block_digests(
+    tables: Sequence[Any], block_ids: Sequence[int], parts: int = 1, merge: bool = False
+) -> list[int]:
     """XXH3-64 of each block of `block_ids` over every table in order (e.g. one per layer):
     a table is a uint8 tensor `[outer, num_blocks, bytes per block]` viewing a KV cache in
     its memory order. What a connector that moves whole blocks of a paged cache (NIXL pull and
     push) digests on both sides. From a GPU only the blocks asked for are copied to the host.
 
-    Raises ValueError for a table of another shape or type, or a block id outside a table."""
+    With `parts` > 1 each table row's block bytes are cut into `parts` equal parts (a block's
+    heads, where they come first) and each part is digested over every table: `parts` digests
+    per block, block-major. With `merge`, each block's part digests are merged into one
+    (`merge_digests` over all of them): what a head range of a block digests to.
+
+    Raises ValueError for a table of another shape or type, a block id outside a table, or
+    rows that do not split into `parts`."""
     ids = list(block_ids)
     if any(t.device.type != "cpu" for t in tables):
         tables = [t[:, ids].cpu() for t in tables]
@@ -105,17 +119,45 @@ def cache_block_digests(tables: Sequence[Any], block_ids: Sequence[int]) -> list
             )
         if low < 0 or high >= t.shape[1]:
             raise ValueError(f"block ids {low}..{high}: a table has blocks 0..{t.shape[1] - 1}")
+        if parts < 1 or t.shape[2] % parts:
+            raise ValueError(f"{t.shape[2]} bytes per block do not split into {parts} parts")
     if _native is not None:
-        return _native.region_digests(_regions(tables), ids)
+        return _native.region_digests(_regions(tables), ids, parts, merge)
     arrays = [t.numpy() for t in tables]
     out = []
     for b in ids:
-        hasher = xxhash.xxh3_64()
-        for array in arrays:
-            for rows in array:
-                hasher.update(rows[b].data)
-        out.append(hasher.intdigest())
+        sums = []
+        for p in range(parts):
+            hasher = xxhash.xxh3_64()
+            for array in arrays:
+                per = array.shape[2] // parts
+                for rows in array:
+                    hasher.update(rows[b, p * per : (p + 1) * per].data)
+            sums.append(hasher.intdigest())
+        out += merge_digests(sums, parts, 0, parts) if merge else sums
     return out
+
+
+def merge_digests(digests: Sequence[int], parts: int, first: int, count: int) -> list[int]:
+    """Per group of `parts` digests (one group per block, as `cache_block_digests` with
+    `parts` makes them), the XXH3-64 of its digests `first`..`first + count - 1` as
+    little-endian 8-byte words: the digest of that part range of the block.
+
+    Raises ValueError for a range outside a group or digests that are not whole groups."""
+    if parts < 1 or first < 0 or count < 1 or first + count > parts or len(digests) % parts:
+        raise ValueError(
+            f"cannot merge {count} parts from part {first} of {len(digests)} digests in "
+            f"groups of {parts}: need 0 <= first, 1 <= count, first + count <= parts and "
+            "whole groups"
+        )
+    if _native is not None:
+        return _native.merge_digests(digests, parts, first, count)
+    return [
+        xxhash.xxh3_64_intdigest(
+            b"".join(d.to_bytes(8, "little") for d in digests[at + first : at + first + count])
+        )
+        for at in range(0, len(digests), parts)
+    ]
 
 
 def _regions(tables: Sequence[Any]) -> list[tuple[Any, int, int, int]]:

@@ -43,8 +43,8 @@ class NixlConfig(msgspec.Struct, forbid_unknown_fields=True):
     - `backends`: NIXL backends to instantiate; `num_threads`: backend threads (0: default).
     - `idle_progress`: P keeps NIXL progressing from a thread while it holds blocks and its
       engine does not poll (D's reads stall on an idle P otherwise).
-    - `verify_transfers`: P digests every block it hands off (XXH3-64), D checks the blocks it
-      read against them; a difference is a load error naming the blocks, under
+    - `verify_transfers`: P digests every block it hands off per head (XXH3-64), D checks the
+      heads it read against them; a difference is a load error naming the blocks, under
       `kv_load_failure_policy`. Off by default: it costs more than 10% of D's CPU per read
       (docs/connectors/nixl.md gives the measurement). Set it on P and D.
     - `huge_pages`: move a CPU KV cache onto transparent huge pages before registering it

@@ -39,6 +39,8 @@ NOTIFICATION_DOMAIN = b"kvx-nixl-notification"
 REPLY_OK, REPLY_REFUSED = b"K", b"E"
 """First byte of a side-channel reply: a (sealed) `HandshakePayload`, or a refusal as text."""
 
+MAX_HEADS = 1 << 16
+"""KV heads a worker may hold (a bound on what a peer names)."""
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANK)]
@@ -61,9 +63,13 @@ class HandshakeRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=Tr
 
 class DigestRequest(HandshakeRequest, array_like=True, forbid_unknown_fields=True):
     """D asks (`get_digests`) for worker (`pp_rank`, `tp_rank`)'s block digests of P's request
-    `request_id` (`verify_transfers`); a P without it refuses it as a bad request."""
+    `request_id` (`verify_transfers`), of the heads `first_head`.. of that worker's own that D
+    holds (`num_heads` of them); a P without it refuses it as a bad request, a P whose worker
+    has not those heads refuses the range."""
 
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    first_head: Annotated[int, msgspec.Meta(ge=0, lt=MAX_HEADS)]
+    num_heads: Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
 
 
 class Region(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -1,17 +1,19 @@
 """Integrity on the wire for NIXL pull (`verify_transfers`): D checks that the bytes it read are
 the bytes P computed, per block.
 
-P's worker digests a request's blocks (`kvx.cache_block_digests`, XXH3-64 over every layer's
-block bytes) when the hand-off reaches it, before it tells anyone it may free them; the digests
-go to P's scheduler as worker metadata and its side channel serves them (`get_digests`, sealed
-like the handshake). D fetches P's digests in the background from when it posts a request's
-READs (P's `pending` answer is retried until `transfer_timeout_s`) and, once the READs are
-done, digests the blocks that landed (one native call); a difference is a load error naming
-the request and blocks, under `kv_load_failure_policy`, counted as a checksum failure. Checked
-where D reads whole blocks of P ranks (same layout and block size, D's TP size at most P's, no
-PP): with more P ranks, the head range of D's blocks each P rank filled is digested against
-that rank's digests. A read of part of a P rank's heads (D's TP size above P's) is not checked:
-P digested whole blocks.
+P's worker digests a request's blocks per head (`kvx.cache_block_digests` with `parts`, XXH3-64
+over every layer's bytes of each head of a block) when the hand-off reaches it, before it
+tells anyone it may free them; the digests go to P's scheduler as worker metadata and its side
+channel serves them (`get_digests`, sealed like the handshake): D names the heads of that P
+worker it holds (bounded, checked against what P digested) and P merges those heads' digests
+into one per block (`kvx.merge_digests`), so the reply is one digest per block whatever the TP
+sizes. D fetches P's digests in the background from when it posts a request's READs (P's
+`pending` answer is retried until `transfer_timeout_s`) and, once the READs are done, digests
+the head range of its blocks each P worker filled, merged the same way (one native call per P
+worker); a difference is a load error naming the request and blocks, under
+`kv_load_failure_policy`, counted as a checksum failure. Checked where D reads P's blocks as
+they are (same layout and block size, no PP), at any TP sizes. Where a layout does not put a
+block's heads first, P digests whole blocks and only reads of whole P blocks are checked.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import torch
 import zmq
 
 import kvx
-from kvx.layouts import Layout
+from kvx.layouts import Layout, get_layout
 from kvx.plugins.nixl.handshake import (
     NONCE_BYTES,
     REPLY_DOMAIN,
@@ -43,6 +45,7 @@ from kvx.plugins.nixl.handshake import (
     HandshakeError,
     rank_bytes,
 )
+from kvx.plugins.nixl.regions import heads_outermost_in_block
 from kvx.wire import WireError, curve_client, decode_sealed, encode, seal
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,49 @@ RETRY_S = 0.02
 DigestKey = tuple[str, int, int]  # (P's request id, pp_rank, tp_rank)
 
 
+class PartDigests(NamedTuple):
+    """P's digests of a request's blocks, `parts` per block (block-major), each over
+    `per_part` of the worker's heads."""
+
+    per_part: int
+    parts: int
+    digests: list[int]
+
+    def merged(self, first_head: int, num_heads: int) -> list[int] | None:
+        """One digest per block of heads `first_head`.. (`num_heads` of them, in this worker's
+        own head numbering); None when they are not whole parts of what was digested."""
+        per, parts = self.per_part, self.parts
+        if first_head % per or num_heads % per or first_head + num_heads > per * parts:
+            return None
+        return kvx.merge_digests(self.digests, parts, first_head // per, num_heads // per)
+
+
+def heads_per_part(layout: str, heads: int) -> int:
+    """How many of a worker's `heads` one part digest covers: one where each head of a block is
+    one byte range of every row (any head range can then be checked), else all of them."""
+    return 1 if heads_outermost_in_block(get_layout(layout)) else heads
+
+
+def part_digests(
+    tables: list[torch.Tensor], block_ids: list[int], layout: str, heads: int
+) -> PartDigests:
+    """P at hand-off: the digests of `block_ids`, one per part of the worker's `heads`."""
+    per = heads_per_part(layout, heads)
+    parts = heads // per
+    return PartDigests(per, parts, kvx.cache_block_digests(tables, block_ids, parts))
+
+
+def head_range_digests(
+    tables: list[torch.Tensor], block_ids: list[int], heads: int, first: int, count: int, per: int
+) -> list[int]:
+    """D: one digest per block of its heads `first`..`first + count - 1` (of its `heads`), in
+    parts of `per` heads merged: what P's `PartDigests.merged` gives for the same heads."""
+    if count != heads:  # the byte range of these heads in each of D's rows
+        per_head = tables[0].shape[-1] // heads
+        tables = [t[:, :, first * per_head : (first + count) * per_head] for t in tables]
+    return kvx.cache_block_digests(tables, block_ids, count // per, merge=True)
+
+
 class DigestReply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     request_id: Annotated[str, msgspec.Meta(max_length=512)]
     digests: Annotated[
@@ -68,7 +114,7 @@ class DigestReply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 class NixlWorkerMeta(kvx.KVConnectorWorkerMetadata):
     """P's workers to P's scheduler: the block digests of the requests handed off this step."""
 
-    digests: dict[DigestKey, list[int]] = field(default_factory=dict)
+    digests: dict[DigestKey, PartDigests] = field(default_factory=dict)
 
     def aggregate(self, other: kvx.KVConnectorWorkerMetadata) -> kvx.KVConnectorWorkerMetadata:
         if not isinstance(other, NixlWorkerMeta):
@@ -81,22 +127,35 @@ class DigestTable:
     """P's scheduler: the digests its side channel serves, bounded (FIFO), thread-safe."""
 
     def __init__(self, max_requests: int = MAX_DIGEST_REQUESTS) -> None:
-        self._items: OrderedDict[DigestKey, list[int]] = OrderedDict()
+        self._items: OrderedDict[DigestKey, PartDigests] = OrderedDict()
         self._max = max_requests
         self._lock = threading.Lock()
 
-    def put(self, digests: dict[DigestKey, list[int]]) -> None:
+    def put(self, digests: dict[DigestKey, PartDigests]) -> None:
         with self._lock:
             self._items.update(digests)
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
 
     def answer(self, req: DigestRequest, secret: str | None) -> bytes:
-        """The side channel's reply to a `get_digests` request (already authenticated)."""
+        """The side channel's reply to a `get_digests` request (already authenticated): the
+        digests of the heads D named, merged per block; refused when they are not heads of
+        that worker's, in whole parts of what it digested (an untrusted peer)."""
         with self._lock:
-            digests = self._items.get((req.request_id, req.pp_rank, req.tp_rank))
-        if digests is None:
+            entry = self._items.get((req.request_id, req.pp_rank, req.tp_rank))
+        if entry is None:
             return REPLY_REFUSED + PENDING
+        digests = entry.merged(req.first_head, req.num_heads)
+        if digests is None:
+            last = req.first_head + req.num_heads - 1
+            return (
+                REPLY_REFUSED
+                + (
+                    f"get_digests: heads {req.first_head}..{last} of worker tp{req.tp_rank}: it "
+                    f"digested heads 0..{entry.per_part * entry.parts - 1} in parts of "
+                    f"{entry.per_part}"
+                ).encode()
+            )
         body = encode(DigestReply(req.request_id, digests))
         return REPLY_OK + seal(
             secret, REPLY_DOMAIN, body, req.nonce, rank_bytes(req.pp_rank, req.tp_rank)
@@ -124,8 +183,15 @@ class Held:
     parts: list[tuple[list[int], Future[list[int]]]]
 
 
-Slice = tuple[int, int, int]
-"""(P's TP rank, first head, heads): the heads of D's blocks one P rank's blocks filled."""
+class Slice(NamedTuple):
+    """The heads of D's blocks one P rank's blocks filled: `heads` heads from D's head `first`,
+    from that rank's head `remote_first`, checked in parts of `per` heads."""
+
+    rank: int
+    first: int
+    heads: int
+    remote_first: int
+    per: int
 
 
 class Verifier:
@@ -149,28 +215,33 @@ class Verifier:
         self.context = zmq.Context()  # one for every fetch (a context per fetch costs ~40 ms)
 
     def slices(self, job: Any) -> list[Slice] | None:
-        """Where D read whole blocks of P ranks (P digests its own blocks): same TP size, or
-        more P ranks than D's, each P rank's heads landing whole in one head range of D's
-        blocks (no PP on either side). None when the read is not checked (nothing read, D
-        reads part of a P rank's heads, a staged read)."""
+        """Where D read P's blocks as they are (no PP on either side), at any TP sizes: the
+        head range of D's blocks each P rank filled. None when the read is not checked
+        (nothing read, a staged read, or a head range P's digests cannot describe: part of
+        a P rank's heads where the layout does not put a block's heads first)."""
         remote, local = job.remote, self.parallel
         if job.spec.frees_only or not job.local_block_ids:
             return None
         if not remote.direct or job.spec.remote_pp_size != 1 or local.pp_size != 1:
             return None
-        whole = [
-            (r.remote_tp_rank, r.local_head_offset, r.num_heads)
-            for r in remote.plan.reads
-            if r.num_heads == len(remote.geometry.heads_of(r.remote_tp_rank))
-        ]
-        return whole if len(whole) == len(remote.plan.reads) else None
+        slices = []
+        for r in remote.plan.reads:
+            per = heads_per_part(
+                remote.geometry.layout, len(remote.geometry.heads_of(r.remote_tp_rank))
+            )
+            if r.remote_head_offset % per or r.num_heads % per:
+                return None
+            slices.append(
+                Slice(r.remote_tp_rank, r.local_head_offset, r.num_heads, r.remote_head_offset, per)
+            )
+        return slices
 
     def prefetch(self, job: Any) -> None:
         """Start fetching P's digests of `job` as its READs are posted, so that they are
         usually in by the time the READs end (nothing for a read that is not checked)."""
         slices = self.slices(job)
         if slices is not None:
-            self.fetching[job.spec.request_id] = [self._fetch(job, rank) for rank, _, _ in slices]
+            self.fetching[job.spec.request_id] = [self._fetch(job, part) for part in slices]
 
     def drop(self, request_id: str) -> None:
         """Forget a read that failed before its check (its fetches, if any, are left to end)."""
@@ -185,24 +256,22 @@ class Verifier:
             return False
         heads = len(job.remote.plan.local_heads)
         parts = []
-        for i, (rank, first, count) in enumerate(slices):
-            tables = self.tables
-            if count != heads:  # the byte range of these heads in each of D's rows
-                per_head = tables[0].shape[-1] // heads
-                lo, hi = first * per_head, (first + count) * per_head
-                tables = [t[:, :, lo:hi] for t in tables]
-            local = kvx.cache_block_digests(tables, job.local_block_ids)
-            parts.append((local, fetched[i] if fetched else self._fetch(job, rank)))
+        for i, part in enumerate(slices):
+            local = head_range_digests(
+                self.tables, job.local_block_ids, heads, part.first, part.heads, part.per
+            )
+            parts.append((local, fetched[i] if fetched else self._fetch(job, part)))
         self.held[job.spec.request_id] = Held(job, parts)
         return True
 
-    def _fetch(self, job: Any, rank: int) -> Future[list[int]]:
-        """P's digests of `job`'s request, from P's TP rank `rank`."""
+    def _fetch(self, job: Any, part: Slice) -> Future[list[int]]:
+        """P's digests of `job`'s request, from P's TP rank of `part`, of its heads there."""
         return self.submit(
             fetch_digests,
             job.spec.remote_host,
             job.spec.remote_port,
-            (job.spec.remote_request_id, 0, rank),
+            (job.spec.remote_request_id, 0, part.rank),
+            (part.remote_first, part.heads),
             deadline=time.monotonic() + self.timeout_s,
             secret=self.secret,
             count=len(job.spec.remote_block_ids),
@@ -245,20 +314,24 @@ def fetch_digests(
     host: str,
     port: int,
     key: DigestKey,
+    heads: tuple[int, int],
     *,
     deadline: float,
     secret: str | None,
     count: int,
     context: zmq.Context,
 ) -> list[int]:
-    """P's digests of `key`, from its side channel; retried while P answers `pending`.
+    """P's digests of `key`, of that worker's `heads` (first, count) merged per block, from its
+    side channel; retried while P answers `pending`.
     Raises `HandshakeError` past `deadline`, on a refusal or a bad reply, or when P sends
     another number of digests than `count` (an untrusted peer)."""
     request_id, pp_rank, tp_rank = key
     where = f"side channel tcp://{host}:{port} (digests of {request_id})"
     while True:
         nonce = os.urandom(NONCE_BYTES)
-        body = encode(DigestRequest(GET_DIGESTS, pp_rank, tp_rank, nonce, time.time(), request_id))
+        body = encode(
+            DigestRequest(GET_DIGESTS, pp_rank, tp_rank, nonce, time.time(), request_id, *heads)
+        )
         data = _ask(
             context, host, port, seal(secret, REQUEST_DOMAIN, body), deadline, secret, where
         )

@@ -59,10 +59,12 @@ class IdleProgress:
         (a notification just sent completes only while its agent progresses: UCX sets up a
         new connection in several round trips); sleep otherwise."""
         self._holding, self._until = holding, until
-        if holding or until > time.monotonic():
-            self._wanted.set()
-        else:
-            self._wanted.clear()
+        wanted = holding or until > time.monotonic()
+        if wanted != self._wanted.is_set():  # called every engine step: wake nobody needlessly
+            if wanted:
+                self._wanted.set()
+            else:
+                self._wanted.clear()
 
     def take_notifs(self) -> dict[str, list[bytes]]:
         """The engine's poll (caller holds the lock): what the thread kept, then what is new."""

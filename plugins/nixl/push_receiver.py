@@ -19,6 +19,7 @@ from typing import Any
 
 import kvx
 from kvx.plugins.nixl.handshake import MAX_IDS_PER_NOTIFICATION
+from kvx.plugins.nixl.integrity import head_range_digests, heads_per_part
 from kvx.plugins.nixl.metadata import RemoteRead
 from kvx.plugins.nixl.push_wire import (
     Heartbeat,
@@ -164,26 +165,32 @@ class PushReceiver:
             self._complete(job.spec)
 
     def _check(self, job: WaitJob, sender: str, digests: list[int]) -> tuple[str, str, str] | None:
-        """With `verify_transfers`, where P worker `sender` wrote every head of its blocks
-        into a head range of D's (D's TP size at most P's, no PP): compare its digests with
-        that range of the blocks that landed. None when they agree or the write is not
-        checked; else (request, reason, the counter to bump)."""
+        """With `verify_transfers`, where P worker `sender` wrote one head range of its blocks
+        into one of D's (any TP sizes, no PP): compare its digests with that range of the
+        blocks that landed. None when they agree or the write is not checked; else
+        (request, reason, the counter to bump)."""
         spec, remote = job.spec, job.remote
         if self.tables is None or self.pp_size != 1 or spec.remote_pp_size != 1:
             return None
         ranks = [key[1] for key, name in remote.agents.items() if agent_name(name) == sender]
         reads = [r for r in remote.plan.reads if ranks and r.remote_tp_rank == ranks[0]]
-        if len(reads) != 1 or reads[0].num_heads != len(remote.geometry.heads_of(ranks[0])):
+        if len(reads) != 1:
             return None
+        read = reads[0]
+        per = heads_per_part(remote.geometry.layout, len(remote.geometry.heads_of(ranks[0])))
+        if read.remote_head_offset % per or read.num_heads % per:
+            return None  # P digested whole blocks (see `heads_per_part`)
         if not digests:
             why = "P sent no block digests (set verify_transfers on P too)"
             return spec.request_id, why, "num_failed_transfers"
-        tables, heads, read = self.tables, len(remote.plan.local_heads), reads[0]
-        if read.num_heads != heads:  # the byte range of P's heads in each of D's rows
-            per_head = tables[0].shape[-1] // heads
-            lo = read.local_head_offset * per_head
-            tables = [t[:, :, lo : lo + read.num_heads * per_head] for t in tables]
-        landed = kvx.cache_block_digests(tables, job.local_block_ids)
+        landed = head_range_digests(
+            self.tables,
+            job.local_block_ids,
+            len(remote.plan.local_heads),
+            read.local_head_offset,
+            read.num_heads,
+            per,
+        )
         what = f"request {spec.request_id} (P's {spec.remote_request_id})"
         try:
             kvx.check_block_digests(what, digests, landed, job.local_block_ids)

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvx.plugins.nixl.config import NixlConfig
 from kvx.plugins.nixl.handshake import Notification
+from kvx.plugins.nixl.integrity import PartDigests
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.posting import ReadPoster
@@ -90,7 +91,7 @@ class PushSide:
         )
         return waiting, sent + SETTLE_S
 
-    def hold(self, meta: NixlMetadata, digests: dict[str, list[int]]) -> None:
+    def hold(self, meta: NixlMetadata, digests: dict[str, PartDigests]) -> None:
         """A step's metadata: P's handed-off blocks (and with `verify_transfers` their
         digests), D's side-channel address."""
         if self.writer is not None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvx.layouts import get_layout
 from kvx.plugins.nixl.handshake import AgentMetadata, HandshakeError, Notification
+from kvx.plugins.nixl.integrity import PartDigests
 from kvx.plugins.nixl.leases import MAX_EARLY, Leases
 from kvx.plugins.nixl.posting import ReadPoster, _ids
 from kvx.plugins.nixl.push_wire import Pushed, Register, reason, send_push
@@ -55,8 +56,9 @@ class Target:
     writes: list[Write] | None = None
     dlists: list[Any] = field(default_factory=list)
     block_limit: int = 0
-    whole: bool = False
-    """Every head of this P rank is written into D's blocks (D's TP size at most P's)."""
+    heads: tuple[int, int] | None = None
+    """The heads of this P rank written into D's blocks (first, count), when they are one
+    range: what `verify_transfers` digests cover."""
 
 
 @dataclass
@@ -103,7 +105,7 @@ class PushWriter:
         self.max_handshake_bytes = max_handshake_bytes
         self.enforce_compat = enforce_compat
         self._blocks: dict[str, list[int]] = {}
-        self._sums: dict[str, list[int]] = {}  # verify_transfers: block digests at hand-off
+        self._sums: dict[str, PartDigests] = {}  # verify_transfers: digests at hand-off
         self._pending: OrderedDict[tuple[str, str], tuple[Register, float]] = OrderedDict()
         self._fetching: dict[TargetKey, Future] = {}
         self._targets: dict[TargetKey, Target | str] = {}  # a target, or why there is none
@@ -113,7 +115,7 @@ class PushWriter:
 
     # -- inputs -----------------------------------------------------------------------------
 
-    def hold(self, blocks: dict[str, list[int]], digests: dict[str, list[int]]) -> None:
+    def hold(self, blocks: dict[str, list[int]], digests: dict[str, PartDigests]) -> None:
         """The prompt blocks of requests P's scheduler just handed off, and (with
         `verify_transfers`) their digests, taken before any WRITE."""
         self._blocks.update(blocks)
@@ -126,14 +128,15 @@ class PushWriter:
             self._sums.pop(req_id, None)
 
     def _digests_for(self, reg: Register, target: Target) -> list[int]:
-        """The digests of the blocks written for `reg`, where they describe what landed in
-        D's blocks: P wrote every head of its blocks (D's TP size at most P's), no PP on either
-        side. Empty otherwise."""
+        """The digests of the blocks written for `reg`, of the heads P wrote into D's blocks
+        (merged per block), where they describe what landed: one head range of P's into D's
+        worker, no PP on either side. Empty otherwise."""
         sums = self._sums.get(reg.request_id)
-        whole = target.whole and reg.pp_size == self.view.pp_size == 1
-        if sums is None or not whole:
+        if sums is None or target.heads is None or not reg.pp_size == self.view.pp_size == 1:
             return []
-        return sums[reg.first_block : reg.first_block + len(reg.block_ids)]
+        first, last = reg.first_block * sums.parts, reg.first_block + len(reg.block_ids)
+        written = PartDigests(sums.per_part, sums.parts, sums.digests[first : last * sums.parts])
+        return written.merged(*target.heads) or []
 
     def on_register(self, reg: Register, sender: str, now: float) -> None:
         """Queue a registration and start the handshake with its D worker if it is new."""
@@ -289,7 +292,8 @@ class PushWriter:
             )
         target.block_limit = min(r.num_blocks for r in meta.regions)
         heads = [w for w in plan.reads if w.remote_tp_rank == self.view.tp_rank]
-        target.whole = sum(r.num_heads for r in heads) == self.poster.heads
+        if len(heads) == 1:
+            target.heads = (heads[0].remote_head_offset, heads[0].num_heads)
         target.writes = writes
         return writes
 

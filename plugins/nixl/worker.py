@@ -35,7 +35,13 @@ from kvx.plugins.nixl.handshake import (
     compatibility_factors,
     open_notification,
 )
-from kvx.plugins.nixl.integrity import NixlWorkerMeta, Verifier, layer_tables
+from kvx.plugins.nixl.integrity import (
+    NixlWorkerMeta,
+    PartDigests,
+    Verifier,
+    layer_tables,
+    part_digests,
+)
 from kvx.plugins.nixl.leases import Leases
 from kvx.plugins.nixl.metadata import NixlMetadata, RemoteRead
 from kvx.plugins.nixl.peers import Peers
@@ -97,7 +103,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         self._progress: IdleProgress | None = None
         self._held_reported = False
         self._tables: list[torch.Tensor] = []  # verify_transfers: the caches block by block
-        self._digests: dict[tuple[str, int, int], list[int]] = {}  # P: to the scheduler
+        self._digests: dict[tuple[str, int, int], PartDigests] = {}  # P: to the scheduler
         self._verifier: Verifier | None = None  # D: reads waiting for P's digests
         self._peers = Peers(
             self.agent,
@@ -220,8 +226,8 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
         for req_id in meta.reqs_not_processed:
             self._leases.drop(req_id)
         p = self.ctx.parallel
-        digests = {  # before any D is told it may read, or P writes
-            req_id: kvx.cache_block_digests(self._tables, blocks)
+        digests = {  # before any D is told it may read, or P writes; per head, for any D
+            req_id: part_digests(self._tables, blocks, self.layout.name, self.heads)
             for req_id, blocks in meta.send_blocks.items()
         }
         if self._push is not None:  # push: they travel with P's answer to D

@@ -116,3 +116,37 @@ def test_native_regions_outside_their_buffer_are_refused() -> None:
         native.region_digests([(buf, 0, 10, 10)], [-1])
     with pytest.raises(ValueError, match="do not split into 3 x 2"):
         native.chunk_digests([buf], 2, 3)
+
+
+def test_part_digests_digest_each_head_range_and_merge_into_any_sub_range(path: str) -> None:
+    """A block cut into parts (its heads) digests each part over every table; a range of parts
+    merges into what the same range sliced out of the rows digests to, merged: so P, holding
+    all its heads, and D, holding a head range of them, agree on that range."""
+    tables = tables_of((2, 6, 96), (1, 6, 48))
+    ids = [5, 0, 3]
+    parts = kvx.cache_block_digests(tables, ids, 4)
+    assert len(parts) == 12
+    for p in range(4):  # part p of every row, gathered with copies
+        sliced = [t[:, :, p * t.shape[2] // 4 : (p + 1) * t.shape[2] // 4] for t in tables]
+        assert parts[p::4] == reference(sliced, ids)
+    for first, count in [(0, 4), (1, 2), (3, 1)]:
+        sliced = [
+            t[:, :, first * t.shape[2] // 4 : (first + count) * t.shape[2] // 4] for t in tables
+        ]
+        merged = kvx.merge_digests(parts, 4, first, count)
+        assert kvx.cache_block_digests(sliced, ids, count, merge=True) == merged
+        words = [
+            b"".join(d.to_bytes(8, "little") for d in parts[at + first : at + first + count])
+            for at in (0, 4, 8)
+        ]
+        assert merged == [xxhash.xxh3_64_intdigest(w) for w in words]
+    tables[0][1, 3, 30] ^= 0x10  # block 3, part 1 of the first table's second row
+    changed = kvx.cache_block_digests(tables, ids, 4)
+    assert [a != b for a, b in zip(parts, changed, strict=True)] == [i == 9 for i in range(12)]
+    with pytest.raises(ValueError, match="do not split into 5 parts"):
+        kvx.cache_block_digests(tables, ids, 5)
+    for first, count in [(3, 2), (-1, 1), (0, 0)]:
+        with pytest.raises(ValueError, match=f"cannot merge {count} parts from part {first}"):
+            kvx.merge_digests(parts, 4, first, count)
+    with pytest.raises(ValueError, match="whole groups"):
+        kvx.merge_digests(parts[:-1], 4, 0, 4)
