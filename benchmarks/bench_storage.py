@@ -275,6 +275,13 @@ def run(args: argparse.Namespace, console: Console) -> list[tuple[str, str, floa
             f"target {name} >= {want}x {base}: save {save:.2f}x, load {load:.2f}x -> {met}"
         )
         verdicts.append((name, base, save, load, want))
+        cpu_save = results[base]["save cpu"] / results[name]["save cpu"]
+        cpu_load = results[base]["load cpu"] / results[name]["load cpu"]
+        console.print(
+            f"  CPU time (medians, this process, all threads) {name} vs {base}: "
+            f"save {cpu_save:.2f}x, load {cpu_load:.2f}x",
+            soft_wrap=True,
+        )
     bare, example = results["raw file per block"], results["safetensors per layer"]
     console.print(
         f"for scale: raw file per block vs safetensors per layer: save "

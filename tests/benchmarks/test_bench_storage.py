@@ -23,6 +23,8 @@ def test_bench_storage_tiny_run(tmp_path: Path, run_bench: Callable[..., str]) -
         ("kvx redis://", "raw redis"),
         ("kvx offload CPU", "copy_ (memcpy)"),
     ]
+    cpu = r"^  CPU time \(medians, this process, all threads\) (.+?) vs (.+?): save [\d.]+x, load"
+    assert re.findall(cpu, out, re.M) == [(t[0], t[2]) for t in targets], out
     ab = r"^A/B RESP client vs redis-py .*: save [\d.]+x wall .*, [\d.]+x CPU .*; load [\d.]+x wall"
     assert re.search(ab, out, re.M), out
     assert "kvx redis:// redis-py" in out
