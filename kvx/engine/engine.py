@@ -339,13 +339,20 @@ class Engine:
         }
 
     def check_kv(self) -> list[str]:
-        """Compare every computed KV element of every live or held request, on every worker
-        and layer, with what the model wrote (with a sliding window: from the first block not
-        `NULL_BLOCK`); return one line per mismatching (worker, layer, request), naming the
-        first bad position, and one per layer whose null block was written."""
+        """Compare every computed KV element of every live or held request, and of every
+        request that finished normally in the last step (its freed blocks stay untouched until
+        the next step allocates: a prompt prefilled and finished in one step on a store
+        connector's P is checked too), on every worker and layer, with what the model wrote
+        (with a sliding window: from the first block not `NULL_BLOCK`); return one line per
+        mismatching (worker, layer, request), naming the first bad position, and one per layer
+        whose null block was written."""
         targets = []
         for state in self.scheduler.states.values():
             req = state.request
+            if state.freed_blocks and state.finished_step == self.scheduler.steps:
+                size = len(state.freed_blocks) * self.config.block_size
+                tables = self.scheduler.block_tables(state.freed_blocks, state.window_skipped)
+                targets.append((req, tables, min(req.num_computed_tokens, size)))
             loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
             # A load reported received (finished_recving) must have landed already.
             if req.is_finished() or (loading and req.request_id not in self.scheduler.received):

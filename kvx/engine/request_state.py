@@ -22,3 +22,6 @@ class RequestState:
     finished_step: int = -1  # the scheduler step in which the request finished
     window_skipped: int = 0  # two KV-cache groups: the window group's leading null entries
     asked_later: bool = False  # get_num_new_matched_tokens last answered None
+    # Finished normally and freed at once: its table, whose bytes stay untouched until the
+    # next step allocates (`Engine.check_kv` checks them until then).
+    freed_blocks: list[int] = field(default_factory=list)

@@ -206,6 +206,8 @@ class StepResults:
         else:
             self._recved.discard(req.request_id)
             self.pool.free(blocks)
+            if status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                state.freed_blocks = blocks
 
     @property
     def received(self) -> set[str]:

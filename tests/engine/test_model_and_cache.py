@@ -146,10 +146,20 @@ def live_engine(**config: Any) -> Engine:
     return engine
 
 
-def corrupt(engine: Engine, worker: int, layer: str, req_id: str, pos: int, index: int = 0) -> None:
-    """Move one KV element of `req_id` at token `pos` (`index` into [kv, head, dim]) one ulp."""
+def corrupt(
+    engine: Engine,
+    worker: int,
+    layer: str,
+    req_id: str,
+    pos: int,
+    index: int = 0,
+    blocks: list[int] | None = None,
+) -> None:
+    """Move one KV element of `req_id` at token `pos` (`index` into [kv, head, dim]) one ulp
+    (in `blocks`, default: the request's live ones)."""
     cache = engine.workers[worker].cache
-    block = engine.scheduler.blocks_of(req_id)[pos // cache.block_size]
+    table = engine.scheduler.blocks_of(req_id) if blocks is None else blocks
+    block = table[pos // cache.block_size]
     view, slot = cache.token_view(layer), (block, pos % cache.block_size)
     token = view[slot]  # a copy for CPU_PACKED (K and V orders differ): written back below
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), token.shape))
@@ -168,6 +178,24 @@ def test_check_kv_names_worker_layer_request_and_position(layout: str) -> None:
         f"{engine.config.engine_id} worker pp0/tp1 {LAYER1}: request a position 21 (of 37) "
         "differs from what the model wrote"
     ]
+
+
+def test_check_kv_checks_a_request_finished_in_its_only_step_until_the_next_step() -> None:
+    """A prompt prefilled and finished in one step (as on a store connector's P, which holds
+    no blocks) is checked after that step: its freed blocks are untouched until the next step
+    allocates. Before, such a P's KV was never checked at all."""
+    engine = Engine(BASE)
+    engine.add_request("a", PROMPTS["a"], 1)
+    (out,) = engine.step()
+    assert out.finished and engine.check_kv() == []
+    corrupt(engine, 0, LAYER1, "a", 21, blocks=engine.scheduler.states["a"].freed_blocks)
+    assert engine.check_kv() == [
+        f"{engine.config.engine_id} worker pp0/tp0 {LAYER1}: request a position 21 (of 37) "
+        "differs from what the model wrote"
+    ]
+    engine.add_request("b", PROMPTS["b"], 1)
+    engine.step()  # allocates: a's freed blocks are no longer its KV to check
+    assert engine.check_kv() == []
 
 
 def test_check_kv_catches_a_corrupted_replica_head() -> None:
