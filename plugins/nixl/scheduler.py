@@ -152,12 +152,13 @@ class NixlScheduler(kvx.ConnectorScheduler):
     ) -> RemoteRead:
         """The read of P's blocks into `local` (per group the blocks D lacks; empty: free)."""
         remote = params["remote_block_ids"]
-        hybrid = self.groups > 1 and bool(local)
+        hybrid = self.groups > 1
+        tables = hybrid and bool(local)  # a free-only notice reads nothing
         return RemoteRead(
             request_id=request.request_id,
             local_block_ids=[b for table in local for b in table],
-            local_groups=local if hybrid else [],
-            remote_groups=[list(t) for t in remote] if hybrid else [],
+            local_groups=local if tables else [],
+            remote_groups=[list(t) for t in remote] if tables else [],
             remote_engine_id=params["remote_engine_id"],
             remote_request_id=params["remote_request_id"],
             remote_block_ids=list(remote[0] if hybrid else remote),
