@@ -31,10 +31,6 @@ import vllm
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
-# imported before vLLM looks the connector up, so its adapter class is vLLM's SupportsHMA
-# (docs/vllm.md, "Hybrid KV cache groups"): the allocator stays on when engine.json asks
-import kvx.plugins.nixl.connector  # noqa: F401
-
 
 def nixl_producer(lease_s: int) -> KVTransferConfig:
     return KVTransferConfig(

@@ -33,12 +33,10 @@ HMA_ON = {"disable_hybrid_kv_cache_manager": False}
 
 @pytest.fixture(autouse=True)
 def recorder_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recorder's and NixlConnector's modules imported first: an adapter class is
-    HMA-capable only once its module is imported (`hybrid_capable`; kvx's storage and
-    offloading connectors, needing nothing beyond kvx, are imported by it)."""
+    """The recorder's module imported first: a `module:Class` adapter class is HMA-capable
+    only once its module is imported (`hybrid_capable`)."""
     monkeypatch.syspath_prepend(str(HERE))
     importlib.import_module("hma_tables")
-    importlib.import_module("kvx.plugins.nixl.connector")  # needs NIXL only to build one
 
 
 def scheduler_connector(llm: Any) -> Any:
@@ -47,8 +45,10 @@ def scheduler_connector(llm: Any) -> Any:
 
 def test_the_adapter_class_supports_hma_exactly_when_the_kvx_connector_does() -> None:
     assert supports_hma(connector_class(RECORDER))
-    # kvx's storage, offloading and NIXL connectors handle groups; MultiConnector's support
-    # depends on its children's config: its class leaves vLLM's allocator off
+    # kvx's storage, offloading and NIXL connectors handle groups (and their modules need
+    # nothing beyond kvx to import: NIXL's imports nixl when a connector is built);
+    # MultiConnector's support depends on its children's config: its class leaves vLLM's
+    # allocator off
     for name in ("SharedStorageConnector", "OffloadingConnector", "NixlConnector"):
         assert supports_hma(connector_class(name)), name
     assert not supports_hma(connector_class("MultiConnector"))
