@@ -125,7 +125,8 @@ def hybrid_capable(reference: str) -> bool:
     for a composite (MultiConnector), whose support depends on its children, nor for a
     reference that does not load (refused later, when vLLM checks the config). A registered
     connector that requires nothing beyond kvx's own dependencies (kvx's storage and offloading
-    connectors) is imported here; any other counts only once its module is imported: this
+    connectors), or imports them lazily (`ConnectorSpec.imports_lazily`: NIXL's), is imported
+    here; any other counts only once its module is imported: this
     runs inside vLLM's class lookup, before vLLM sets up its platform, and importing a
     connector's dependencies there breaks it (LMCache brings numba's llvmlite, whose objects
     vLLM-CPU's kernel-override scan of every module then trips over)."""
@@ -139,7 +140,7 @@ def hybrid_capable(reference: str) -> bool:
                 return False
             module_path = spec.target.partition(":")[0]
             # needing nothing beyond kvx's own dependencies, it is safe to import here
-            own_deps_only = not spec.requires
+            own_deps_only = not spec.requires or getattr(spec, "imports_lazily", False)
         if module_path not in sys.modules and not own_deps_only:
             return False
         cls = load_kvx_class(reference, registry)

@@ -43,12 +43,15 @@ class ConnectorSpec(Spec):
       dicts (MultiConnector's `connectors`); each is validated recursively.
     - `requires`: top-level modules the connector needs beyond kvx's own dependencies;
       `extra`: the kvx extra that installs them (named in the error when they are missing).
+    - `imports_lazily`: the connector's module imports `requires` only when a connector is
+      built, so vLLM's class lookup may import it (to learn whether it supports HMA).
     """
 
     config_schema: str | None = None
     child_configs_key: str | None = None
     requires: tuple[str, ...] = ()
     extra: str | None = None
+    imports_lazily: bool = False
 
     @classmethod
     def in_package(

@@ -239,3 +239,19 @@ def side_channel_address(
     return SideChannelAddress(
         DEFAULT_HOST if host == "localhost" else host, port, host_from, port_from
     )
+
+
+def check_groups_supported(options: NixlConfig, groups: int) -> None:
+    """Several KV-cache groups are read in pull mode only, without `verify_transfers`."""
+    if groups == 1:
+        return
+    for name, value, allowed in (
+        ("transfer_mode", options.transfer_mode, "pull"),
+        ("verify_transfers", options.verify_transfers, False),
+    ):
+        if value != allowed:
+            raise ValueError(
+                f"NixlConnector: {name}={value!r} is not supported with {groups} KV-cache "
+                f"groups (vLLM's hybrid allocator); use {name}={allowed!r} or turn the "
+                "allocator off (--disable-hybrid-kv-cache-manager)"
+            )

@@ -14,6 +14,7 @@ from kvx import (
     Capability,
     KVTransferConfig,
     RoleSplitConnector,
+    SupportsHMA,
 )
 from kvx.plugins.nixl.config import NixlConfig, NixlPushConfig
 from kvx.plugins.nixl.scheduler import NixlScheduler
@@ -21,22 +22,35 @@ from kvx.plugins.nixl.stats import NixlKVConnectorStats
 from kvx.plugins.nixl.worker import NixlWorker
 
 
-class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker]):
+class NixlConnector(RoleSplitConnector[NixlScheduler, NixlWorker], SupportsHMA):
     """P keeps a finished prompt's blocks under a lease and serves its workers' NIXL metadata;
     D handshakes, READs the blocks (any TP, block size or layout on either side) and notifies
     P, which then frees them. Nothing is saved: D pulls P's blocks, and P holds them until D's
-    notifications or the lease; loads are asynchronous."""
+    notifications or the lease; loads are asynchronous.
 
-    capabilities = ANY_GEOMETRY | {Capability.REMOTE_PREFILL, Capability.ASYNC_LOAD, Capability.MLA}
+    With several KV-cache groups (vLLM's hybrid allocator; pull mode) P hands D one table per
+    group and D reads each layer from its group's blocks, in one handshake and one set of
+    READs per P worker; the request is received when every group's blocks landed."""
+
+    capabilities = ANY_GEOMETRY | {
+        Capability.REMOTE_PREFILL,
+        Capability.ASYNC_LOAD,
+        Capability.MLA,
+        Capability.HMA,
+    }
     extra_config_schema = NixlConfig
     stats_type = NixlKVConnectorStats
 
     @classmethod
     def claims_for(cls, config: KVTransferConfig) -> frozenset[Capability]:
-        """Push mode writes blocks as they are: no block size or layout conversion."""
+        """Push mode writes blocks as they are (no block size or layout conversion); push mode
+        and `verify_transfers` move one KV-cache group only."""
         claims = frozenset(cls.capabilities)
-        if config.extra_config_as(cls.extra_config_schema).transfer_mode == "push":
+        options = config.extra_config_as(cls.extra_config_schema)
+        if options.transfer_mode == "push":
             claims -= {Capability.BLOCK_SIZE_MISMATCH, Capability.LAYOUT_CONVERSION}
+        if options.transfer_mode == "push" or options.verify_transfers:
+            claims -= {Capability.HMA}
         return claims
 
     @classmethod

@@ -134,9 +134,10 @@ def open_notification(secret: str | None, data: bytes) -> Notification:
 def compatibility_factors(ctx: EngineContext, transfer_mode: str = "pull") -> dict[str, str]:
     """What must be equal on P and D for KV bytes to be interchangeable. TP size, block size
     and layout are not in it: they may differ and are validated against the plan instead
-    (matches vLLM's compatibility hash)."""
+    (matches vLLM's compatibility hash). An engine with several KV-cache groups adds their
+    layer assignment: its P hands D one table per group."""
     cache = ctx.cache
-    return {
+    factors = {
         "model": ctx.model_name,
         "dtype": cache.dtype,
         "num_kv_heads": str(cache.num_kv_heads),
@@ -147,6 +148,9 @@ def compatibility_factors(ctx: EngineContext, transfer_mode: str = "pull") -> di
         "connector_version": str(NIXL_CONNECTOR_VERSION),
         "transfer_mode": transfer_mode,
     }
+    if cache.num_groups > 1:
+        factors["kv_groups"] = ",".join(map(str, cache.layer_groups))
+    return factors
 
 
 def compatibility_hash(factors: dict[str, str]) -> str:

@@ -11,7 +11,12 @@ from kvx import KVConnectorMetadata
 class RemoteRead:
     """D: read `remote_block_ids` (a `remote_num_tokens`-long prompt) of P's request into
     `local_block_ids` (the trailing blocks the prompt needs beyond D's own prefix hit; empty:
-    only tell P it may free)."""
+    only tell P it may free).
+
+    An engine with several KV-cache groups (vLLM's hybrid allocator) reads each group's layers
+    from P's table of that group into its own: `local_groups` / `remote_groups` hold one table
+    per group, `local_block_ids` is then every group's local blocks and `remote_block_ids`
+    group 0's P table."""
 
     request_id: str
     local_block_ids: list[int]
@@ -23,6 +28,14 @@ class RemoteRead:
     remote_port: int
     remote_tp_size: int
     remote_pp_size: int
+    local_groups: list[list[int]] = field(default_factory=list)
+    remote_groups: list[list[int]] = field(default_factory=list)
+
+    def tables(self) -> list[tuple[list[int], list[int]]]:
+        """(local blocks, P's blocks) per KV-cache group."""
+        if not self.local_groups:
+            return [(self.local_block_ids, self.remote_block_ids)]
+        return list(zip(self.local_groups, self.remote_groups, strict=True))
 
     @property
     def frees_only(self) -> bool:

@@ -22,8 +22,6 @@ from kvx.plugins.nixl.staging import Staging, plan_staging
 from kvx.topology import KVGeometry
 
 LOCAL = "NIXL_INIT_AGENT"
-RegionPairs = tuple[np.ndarray, np.ndarray, int]
-"""Local and remote first descriptor ids of the paired regions, and bytes per block."""
 
 
 @dataclass
@@ -33,6 +31,8 @@ class ReadJob:
     local_block_ids: list[int]
     start_token: int
     started: float
+    groups: list[tuple[list[int], int]] = field(default_factory=list)
+    """Per KV-cache group, the local blocks read and the index of the first in the prompt."""
     handles: list[Any] = field(default_factory=list)
     keys: list[RankKey] = field(default_factory=list)  # the remote worker of each handle
     staging: Staging | None = None
@@ -41,16 +41,25 @@ class ReadJob:
 
 
 @dataclass(frozen=True)
+class GroupRegions:
+    """The paired regions of one KV-cache group's layers: first descriptor ids (local,
+    remote) and the bytes one block of them moves."""
+
+    group: int
+    local_firsts: np.ndarray
+    remote_firsts: np.ndarray
+    block_bytes: int
+
+
+@dataclass(frozen=True)
 class DirectRead:
     """One READ every request makes from one remote worker and head slice, but its block ids:
-    both prepared lists and the first descriptor id of each paired region (local, remote)."""
+    both prepared lists and the paired regions of each KV-cache group."""
 
     key: RankKey
     local_dlist: Any
     remote_dlist: Any
-    local_firsts: np.ndarray
-    remote_firsts: np.ndarray
-    block_bytes: int
+    groups: tuple[GroupRegions, ...]
 
 
 @dataclass
@@ -66,6 +75,8 @@ class ReadPoster:
     head_size: int
     device: int
     mem_type: str
+    group_of: dict[str, int] = field(default_factory=dict)
+    """The KV-cache group of each layer (absent: group 0)."""
     _local_dlists: dict[tuple[int, int], Any] = field(default_factory=dict, init=False)
     _index: dict[tuple[str, int], int] = field(default_factory=dict, init=False)
 
@@ -121,20 +132,33 @@ class ReadPoster:
         reads = remote.direct_reads
         if reads is None:
             reads = remote.direct_reads = self._direct_reads(remote)
-        count = len(job.local_block_ids)
-        first = job.start_token // self.block_size
-        remote_ids = spec.remote_block_ids[first : first + count]
-        if len(remote_ids) != count:
-            raise ValueError(
-                f"P sent {len(spec.remote_block_ids)} blocks for {spec.remote_num_tokens} tokens"
+        blocks = []  # per group: local and remote block ids
+        for (local, first), (_, theirs) in zip(job.groups, spec.tables(), strict=True):
+            remote_ids = theirs[first : first + len(local)]
+            if len(remote_ids) != len(local):
+                raise ValueError(f"P sent {len(theirs)} blocks for {spec.remote_num_tokens} tokens")
+            blocks.append(
+                (np.asarray(local, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64))
             )
-        local_blocks = np.asarray(job.local_block_ids, dtype=np.int64)
-        remote_blocks = np.asarray(remote_ids, dtype=np.int64)
         for read in reads:  # region-major ids: every block of region 0, then region 1...
-            local_ids = _ids(read.local_firsts, local_blocks)
-            rids = _ids(read.remote_firsts, remote_blocks)
-            nbytes = count * read.block_bytes
-            self._make(job, read.local_dlist, local_ids, read.key, read.remote_dlist, rids, nbytes)
+            local_ids, rids, nbytes = [], [], 0
+            for regions in read.groups:
+                local_blocks, remote_blocks = blocks[regions.group]
+                if not len(local_blocks):
+                    continue
+                local_ids.append(_ids(regions.local_firsts, local_blocks))
+                rids.append(_ids(regions.remote_firsts, remote_blocks))
+                nbytes += len(local_blocks) * regions.block_bytes
+            if local_ids:
+                self._make(
+                    job,
+                    read.local_dlist,
+                    np.concatenate(local_ids),
+                    read.key,
+                    read.remote_dlist,
+                    np.concatenate(rids),
+                    nbytes,
+                )
 
     def _direct_reads(self, remote: RemoteEngine) -> list[DirectRead]:
         """Every READ one request makes from `remote` (per head slice and remote worker),
@@ -151,35 +175,35 @@ class ReadPoster:
             ro, rnh = (0, 0) if whole else (read.remote_head_offset, read.num_heads)
             for stage in stages:
                 key = (stage, read.remote_tp_rank)
-                local_firsts, remote_firsts, block_bytes = self._pair_regions(
-                    remote.metas[key], num_heads
-                )
-                if len(local_firsts):
+                groups = self._pair_regions(remote.metas[key], num_heads)
+                if groups:
                     remote_dlist = remote.remote_dlist(key, ro, rnh, self._make_remote_dlist)
-                    reads.append(
-                        DirectRead(
-                            key, local_dlist, remote_dlist, local_firsts, remote_firsts, block_bytes
-                        )
-                    )
+                    reads.append(DirectRead(key, local_dlist, remote_dlist, groups))
         return reads
 
-    def _pair_regions(self, meta: AgentMetadata, num_heads: int) -> RegionPairs:
-        """The first descriptor id of every remote region of `meta` that has a local region
-        (same layer and K/V) and of that local region, and the bytes one block of all of them
-        moves with `num_heads` heads: the same for every request, so worked out once."""
-        local_firsts, remote_firsts, block_bytes = [], [], 0
+    def _pair_regions(self, meta: AgentMetadata, num_heads: int) -> tuple[GroupRegions, ...]:
+        """Per KV-cache group, the first descriptor id of every remote region of `meta` that
+        has a local region (same layer and K/V) and of that local region, and the bytes one
+        block of all of them moves with `num_heads` heads: the same for every request, so
+        worked out once."""
+        pairs: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for ri, region in enumerate(meta.regions):
             li = self._index.get((region.layer, region.kv))
             if li is None:
                 continue
             mine = self.regions[li]
-            local_firsts.append(li * mine.num_blocks)
-            remote_firsts.append(ri * region.num_blocks)
-            block_bytes += mine.block_len * num_heads // self.heads
-        return (
-            np.asarray(local_firsts, dtype=np.int64),
-            np.asarray(remote_firsts, dtype=np.int64),
-            block_bytes,
+            local, remote, nbytes = pairs.setdefault(self.group_of.get(mine.layer, 0), ([], [], []))
+            local.append(li * mine.num_blocks)
+            remote.append(ri * region.num_blocks)
+            nbytes.append(mine.block_len * num_heads // self.heads)
+        return tuple(
+            GroupRegions(
+                g,
+                np.asarray(local, dtype=np.int64),
+                np.asarray(remote, dtype=np.int64),
+                sum(nbytes),
+            )
+            for g, (local, remote, nbytes) in sorted(pairs.items())
         )
 
     def prepare_staged(self, job: ReadJob) -> None:

@@ -276,18 +276,19 @@ class PushWriter:
                 raise HandshakeError(f"layout {mine.layout}: a head slice is not one byte range")
             lo, lnh = (0, 0) if whole_here else (read.remote_head_offset, n)
             ro, rnh = (0, 0) if whole_there else (read.local_head_offset, n)
-            local_firsts, remote_firsts, block_bytes = self.poster._pair_regions(meta, n)
-            if not len(local_firsts):
+            paired = self.poster._pair_regions(meta, n)
+            if not paired:
                 continue
+            (regions,) = paired  # push mode moves one KV-cache group (`check_groups_supported`)
             remote_dlist = self.poster._make_remote_dlist(target.agent, meta, ro, rnh)
             target.dlists.append(remote_dlist)
             writes.append(
                 Write(
                     self.poster._local_dlist(lo, lnh),
                     remote_dlist,
-                    local_firsts,
-                    remote_firsts,
-                    block_bytes,
+                    regions.local_firsts,
+                    regions.remote_firsts,
+                    regions.block_bytes,
                 )
             )
         target.block_limit = min(r.num_blocks for r in meta.regions)

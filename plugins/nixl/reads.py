@@ -57,15 +57,27 @@ class Reads:
         n = spec.remote_num_tokens
         bd = self._block_size
         needed = -(-n // bd)
-        local = list(spec.local_block_ids[:needed])
-        job = ReadJob(spec, remote, local, (needed - len(local)) * bd, time.monotonic())
+        # per group, the blocks D lacks (the last of the prompt's: a sliding group's leading
+        # NULL_BLOCKs, like a prefix hit, are not among them) and the first one's index
+        tables = [list(local[:needed]) for local, _ in spec.tables()]
+        firsts = [needed - len(local) for local in tables]
+        local = [b for table in tables for b in table]
+        job = ReadJob(spec, remote, local, min(firsts) * bd, time.monotonic())
+        job.groups = list(zip(tables, firsts, strict=True))
         if not local:
             self._complete(job)
             return
         try:
             assert self._poster is not None, "register_kv_caches must run before loads"
-            first = job.start_token // bd  # P's blocks outside D's window are not read
-            remote.check_block_ids(spec.remote_block_ids[first : first + len(local)])
+            for (table, first), (_, theirs) in zip(job.groups, spec.tables(), strict=True):
+                # P's blocks outside D's window are not read
+                remote.check_block_ids(theirs[first : first + len(table)])
+            if len(tables) > 1 and not remote.direct:
+                raise ValueError(
+                    "several KV-cache groups are read in place only (the same block size and "
+                    f"layout on P and D); P has block size {remote.geometry.block_size}, "
+                    f"layout {remote.geometry.layout}"
+                )
             if remote.direct:
                 self._poster.prepare_direct(job)
             else:

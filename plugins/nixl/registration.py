@@ -48,9 +48,11 @@ def register_caches(
         collapsed = collapse_to_huge_pages(kv_caches.values())
         total = sum(t.numel() * t.element_size() for t in kv_caches.values())
         logger.info("KV cache: %d of %d MiB on huge pages", collapsed >> 20, total >> 20)
+    # layers of different KV-cache groups may share one tensor (vLLM's hybrid allocator):
+    # its memory is registered once
+    ranges = {(t.data_ptr(), t.numel() * t.element_size()) for t in kv_caches.values()}
     handle = agent.register_memory(
-        [(t.data_ptr(), t.numel() * t.element_size(), device, "") for t in kv_caches.values()],
-        mem_type,
+        [(addr, size, device, "") for addr, size in sorted(ranges)], mem_type
     )
     return Registered(regions, handle, mem_type, device)
 

@@ -14,13 +14,20 @@ from typing import Any
 
 import kvx
 from kvx import AgentPayload, RequestStatus
-from kvx.plugins.nixl.config import MIN_SECRET_LENGTH, SECRET_KEY, NixlConfig, side_channel_address
+from kvx.plugins.nixl.config import (
+    MIN_SECRET_LENGTH,
+    SECRET_KEY,
+    NixlConfig,
+    check_groups_supported,
+    side_channel_address,
+)
 from kvx.plugins.nixl.handshake import (
     compatibility_factors,
     compatibility_hash,
 )
 from kvx.plugins.nixl.integrity import NixlWorkerMeta
 from kvx.plugins.nixl.metadata import Heartbeat, NixlMetadata, RemoteRead
+from kvx.plugins.nixl.remote import MAX_REMOTE_BLOCKS
 from kvx.plugins.nixl.side_channel import SideChannelServer
 
 logger = logging.getLogger(__name__)
@@ -35,14 +42,26 @@ REQUIRED_PARAMS = {
 }
 
 
-def malformed_params(params: dict[str, Any]) -> str | None:
-    """Why `kv_transfer_params` cannot drive a read, or None when they can."""
+def malformed_params(params: dict[str, Any], groups: int = 1) -> str | None:
+    """Why `kv_transfer_params` cannot drive a read into an engine of `groups` KV-cache groups
+    (its `remote_block_ids` then one list per group), or None when they can."""
     for key, kind in REQUIRED_PARAMS.items():
         value = params.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             return f"{key}={value!r} (expected {kind.__name__})"
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in params["remote_block_ids"]):
-        return "remote_block_ids must be a list of ints"
+    tables = params["remote_block_ids"]
+    if groups == 1:
+        tables = [tables]
+    elif len(tables) != groups or not all(isinstance(t, list) for t in tables):
+        return (
+            f"remote_block_ids must be {groups} lists of block ids (one per KV-cache group), "
+            f"got {len(tables)} entries"
+        )
+    for table in tables:
+        if len(table) > MAX_REMOTE_BLOCKS:
+            return f"remote_block_ids: {len(table)} blocks, at most {MAX_REMOTE_BLOCKS}"
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in table):
+            return "remote_block_ids must be a list of ints" + (" per group" if groups > 1 else "")
     return None
 
 
@@ -59,6 +78,8 @@ class NixlScheduler(kvx.ConnectorScheduler):
         self.ctx = ctx
         self.engine_id = str(config.engine_id)
         self.block_size = ctx.cache.block_size
+        self.groups = ctx.cache.num_groups
+        check_groups_supported(options, self.groups)
         self._server: SideChannelServer | None = None
         self._recv: list[RemoteRead] = []
         self._send: dict[str, float] = {}
@@ -92,7 +113,7 @@ class NixlScheduler(kvx.ConnectorScheduler):
     def on_new_request(self, request: kvx.Request) -> None:
         """Remember a remote-prefill request so P's lease is extended while it waits here."""
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill") and malformed_params(params) is None:
+        if params.get("do_remote_prefill") and malformed_params(params, self.groups) is None:
             self._queued[request.request_id] = self._read(request, params, [])
 
     def get_num_new_matched_tokens(
@@ -101,7 +122,7 @@ class NixlScheduler(kvx.ConnectorScheduler):
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill"):
             return 0, False
-        problem = malformed_params(params)
+        problem = malformed_params(params, self.groups)
         if problem is not None:
             logger.warning("request %s: bad kv_transfer_params, %s", request.request_id, problem)
             return 0, False
@@ -116,18 +137,31 @@ class NixlScheduler(kvx.ConnectorScheduler):
             return
         params["do_remote_prefill"] = False  # read once, even if called again
         self._queued.pop(request.request_id, None)
-        if malformed_params(params) is not None:
+        if malformed_params(params, self.groups) is not None:
             return
-        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        hashed = blocks.num_hashed_blocks or (0,) * len(blocks.block_ids)
+        local = (
+            [list(table[n:]) for table, n in zip(blocks.block_ids, hashed, strict=True)]
+            if num_external_tokens > 0
+            else []
+        )
         self._recv.append(self._read(request, params, local))
 
-    def _read(self, request: kvx.Request, params: dict[str, Any], local: list[int]) -> RemoteRead:
+    def _read(
+        self, request: kvx.Request, params: dict[str, Any], local: list[list[int]]
+    ) -> RemoteRead:
+        """The read of P's blocks into `local` (per group the blocks D lacks; empty: free)."""
+        remote = params["remote_block_ids"]
+        hybrid = self.groups > 1
+        tables = hybrid and bool(local)  # a free-only notice reads nothing
         return RemoteRead(
             request_id=request.request_id,
-            local_block_ids=list(local),
+            local_block_ids=[b for table in local for b in table],
+            local_groups=local if tables else [],
+            remote_groups=[list(t) for t in remote] if tables else [],
             remote_engine_id=params["remote_engine_id"],
             remote_request_id=params["remote_request_id"],
-            remote_block_ids=list(params["remote_block_ids"]),
+            remote_block_ids=list(remote[0] if hybrid else remote),
             remote_num_tokens=int(params.get("remote_num_tokens", request.num_prompt_tokens)),
             remote_host=params["remote_host"],
             remote_port=params["remote_port"],
@@ -177,12 +211,28 @@ class NixlScheduler(kvx.ConnectorScheduler):
     def request_finished(
         self, request: kvx.Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self.groups != 1:
+            raise ValueError(
+                f"request_finished got one block table; this engine has {self.groups} "
+                "KV-cache groups (request_finished_all_groups gives one per group)"
+            )
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: kvx.Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """P keeps every group's prompt blocks (a sliding group's leading `NULL_BLOCK`s
+        included: D reads none of them) until D's reads end or the lease runs out."""
+        if len(block_ids) != self.groups:
+            raise ValueError(
+                f"block_ids: {len(block_ids)} tables for {self.groups} KV-cache groups"
+            )
         params = request.kv_transfer_params or {}
         self._queued.pop(request.request_id, None)
         if params.get("do_remote_prefill"):
             # D aborted before the read was queued: tell P to free (vLLM 4.4) without reading.
             params["do_remote_prefill"] = False
-            if malformed_params(params) is None:
+            if malformed_params(params, self.groups) is None:
                 self._recv.append(self._read(request, params, []))
             return False, None
         if not params.get("do_remote_decode"):
@@ -190,7 +240,9 @@ class NixlScheduler(kvx.ConnectorScheduler):
         if request.status not in FINISHED_OK:
             self._not_processed.append(request.request_id)
             return False, None
-        prompt_blocks = list(block_ids[: -(-request.num_prompt_tokens // self.block_size)])
+        count = -(-request.num_prompt_tokens // self.block_size)
+        tables = [list(table[:count]) for table in block_ids]
+        prompt_blocks = tables[0]
         if not prompt_blocks or self._server is None:
             return False, None
         self._send[request.request_id] = self.options.kv_lease_duration
@@ -202,7 +254,7 @@ class NixlScheduler(kvx.ConnectorScheduler):
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": prompt_blocks,
+            "remote_block_ids": tables if self.groups > 1 else prompt_blocks,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self._server.host,

@@ -26,6 +26,7 @@ from kvx.plugins.nixl.config import (
     MIN_SECRET_LENGTH,
     SECRET_KEY,
     NixlConfig,
+    check_groups_supported,
     side_channel_address,
     split_address,
 )
@@ -72,6 +73,7 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             self.name, options.backends, options.num_threads, side_channel_address(options).host
         )
         cache = ctx.cache
+        check_groups_supported(options, cache.num_groups)
         self.layout = get_layout("MLA" if cache.use_mla else cache.layout, ctx.registry)
         self.geometry = KVGeometry(
             p.tp_size, cache.num_kv_heads, cache.block_size, self.layout.name, cache.use_mla
@@ -150,6 +152,9 @@ class NixlWorker(kvx.ConnectorWorker[NixlMetadata]):
             cache.head_size,
             self._device,
             self._mem_type,
+            dict(zip(cache.layer_names, cache.layer_groups, strict=True))
+            if cache.layer_groups
+            else {},
         )
         if self.options.verify_transfers:
             self._tables = layer_tables(self._caches, self.layout)

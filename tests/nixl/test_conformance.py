@@ -8,6 +8,7 @@ import pytest
 from kvx import Capability, KVTransferConfig
 from kvx.conformance import run_suite
 from kvx.conformance.runner import FAILED, NOT_CLAIMED, PASSED
+from kvx.plugins.nixl.config import NixlConfig, check_groups_supported
 from kvx.plugins.nixl.connector import NixlConnector
 
 EXTRA = {"kv_lease_duration": 5, "handshake_timeout_s": 2, "transfer_timeout_s": 10}
@@ -19,6 +20,7 @@ CLAIMS = {
     Capability.BLOCK_SIZE_MISMATCH,
     Capability.LAYOUT_CONVERSION,
     Capability.MLA,
+    Capability.HMA,
 }
 
 
@@ -28,8 +30,8 @@ def test_full_suite_passes() -> None:
     failed = {r.name: r.message for r in results if r.outcome == FAILED}
     assert not failed
     unclaimed = {r.name for r in results if r.outcome == NOT_CLAIMED}
-    assert all(  # only what goes through a store or a slower tier, or several KV-cache groups
-        any(claim in r.message for claim in ("store_reuse", "store_pd", "offload", "needs hma"))
+    assert all(  # only what goes through a store or a slower tier
+        any(claim in r.message for claim in ("store_reuse", "store_pd", "offload"))
         for r in results
         if r.name in unclaimed
     )
@@ -41,6 +43,7 @@ def test_full_suite_passes() -> None:
         "prefill_killed_recompute",
         "prefill_killed_fail",
         "decode_killed",
+        "groups_pd",
     ):
         assert {r.name: r.outcome for r in results}[name] == PASSED
 
@@ -97,3 +100,25 @@ def test_claims_and_required_layout() -> None:
     config = KVTransferConfig.from_dict({**CONFIG, "kv_role": "kv_both"})
     assert NixlConnector.claims_for(config) == CLAIMS
     assert NixlConnector.get_required_kvcache_layout(config) == "HND"
+
+
+@pytest.mark.parametrize(
+    ("extra", "option"),
+    [
+        ({"transfer_mode": "push"}, "transfer_mode"),
+        ({"verify_transfers": True}, "verify_transfers"),
+    ],
+)
+def test_several_kv_groups_are_pull_mode_without_verify_transfers(
+    extra: dict[str, object], option: str
+) -> None:
+    """Push mode and `verify_transfers` move one KV-cache group: they do not claim HMA, and
+    an engine with two groups refuses them naming the option."""
+    config = KVTransferConfig.from_dict(
+        {**CONFIG, "kv_role": "kv_both", "kv_connector_extra_config": {**EXTRA, **extra}}
+    )
+    assert Capability.HMA not in NixlConnector.claims_for(config)
+    options = config.extra_config_as(NixlConfig)
+    check_groups_supported(options, 1)
+    with pytest.raises(ValueError, match=f"{option}=.* is not supported with 2 KV-cache groups"):
+        check_groups_supported(options, 2)

@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -108,18 +109,29 @@ def test_shutdown_leaves_no_thread_or_socket() -> None:
     assert not opened, [os.readlink(f"/proc/self/fd/{fd}") for fd in opened if fd != "x"]
 
 
+GROUPS = replace(BASE, kv_groups=2, sliding_window=32)
+"""Two KV-cache groups (full attention, a 32-token window): P hands D one table per group."""
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("tamper", "loaded"),
+    ("engine", "tamper", "loaded"),
     [
-        ({"remote_block_ids": [9999, 1]}, True),  # reaches D's worker: load errors, recompute
-        ({"remote_port": "x"}, False),  # malformed: D does not load, computes the prompt
+        (BASE, {"remote_block_ids": [9999, 1]}, True),  # reaches D's worker: load errors
+        (BASE, {"remote_port": "x"}, False),  # malformed: D does not load, computes the prompt
+        # two groups: a block outside P's in the window group's table is a load error; one
+        # table, or a flat list, for two groups is malformed
+        (GROUPS, {"remote_block_ids": [[0, 1], [9999, 2]]}, True),
+        (GROUPS, {"remote_block_ids": [[0, 1]]}, False),
+        (GROUPS, {"remote_block_ids": [0, 1]}, False),
     ],
 )
-def test_tampered_params_are_load_errors_or_ignored(tamper: dict[str, Any], loaded: bool) -> None:
+def test_tampered_params_are_load_errors_or_ignored(
+    engine: EngineConfig, tamper: dict[str, Any], loaded: bool
+) -> None:
     text = prompt(30, 8)
-    expected = baseline_tokens(BASE, {"t": text}, 3)["t"]
-    p, d = pd_configs(BASE, {**kv(kv_lease_duration=1), "kv_load_failure_policy": "recompute"})
+    expected = baseline_tokens(engine, {"t": text}, 3)["t"]
+    p, d = pd_configs(engine, {**kv(kv_lease_duration=1), "kv_load_failure_policy": "recompute"})
     with DisaggregatedPair(p, d, processes=False) as pair:
         pair.prefill.add_request("t", text, 1, {"do_remote_decode": True})
         outputs: list[Any] = []

@@ -22,7 +22,7 @@ from kvx.plugins.nixl.handshake import (
     Notification,
     open_notification,
 )
-from kvx.plugins.nixl.posting import DirectRead, ReadJob, ReadPoster, RegionPairs
+from kvx.plugins.nixl.posting import DirectRead, GroupRegions, ReadJob, ReadPoster
 from kvx.plugins.nixl.remote import RemoteEngine
 from kvx.plugins.nixl.worker import NixlWorker
 
@@ -53,7 +53,7 @@ def test_region_pairing_is_worked_out_once_per_remote_worker(monkeypatch: Any) -
         plans.append(len(reads))
         return reads
 
-    def counted(self: ReadPoster, meta: AgentMetadata, num_heads: int) -> RegionPairs:
+    def counted(self: ReadPoster, meta: AgentMetadata, num_heads: int) -> tuple[GroupRegions, ...]:
         calls.append((meta.tp_rank, num_heads))
         return pair_regions(self, meta, num_heads)
 

@@ -55,11 +55,18 @@ def main(model: str, work: Path, idle: bool) -> int:
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
         layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        core = llm.llm_engine.engine_core.engine_core
+        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         for i, out in enumerate(outputs):
             blocks = out.kv_transfer_params["remote_block_ids"]
             for name, layer in layers.items():
                 if hasattr(layer, "kv_cache"):
-                    layer.kv_cache[blocks].numpy().tofile(work / f"p{i}.{name}.f32")
+                    # the hybrid allocator on: one table per group, kvx.NULL_BLOCK (-1) where
+                    # a sliding group holds none (dumped as vLLM's null block 0, never compared)
+                    table = blocks[group_of[name]] if isinstance(blocks[0], list) else blocks
+                    ids = [max(b, 0) for b in table]
+                    layer.kv_cache[ids].numpy().tofile(work / f"p{i}.{name}.f32")
         if idle:
             llm.llm_engine.step()  # hands the finished requests' leases to the worker
         result = [
@@ -72,7 +79,6 @@ def main(model: str, work: Path, idle: bool) -> int:
         if idle:
             time.sleep(lifetime_s)  # idle: the engine is never stepped again
             return 3
-        core = llm.llm_engine.engine_core.engine_core
         deadline = time.monotonic() + lifetime_s
         while core.scheduler.has_requests():
             if time.monotonic() > deadline:

@@ -10,12 +10,14 @@ Gemma with a kvx storage connector are covered by docs/vllm.md's shape table).""
 from __future__ import annotations
 
 import importlib
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from nixl_pd import start_producer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
 import kvx
@@ -43,13 +45,13 @@ def scheduler_connector(llm: Any) -> Any:
 
 def test_the_adapter_class_supports_hma_exactly_when_the_kvx_connector_does() -> None:
     assert supports_hma(connector_class(RECORDER))
-    # kvx's storage and offloading connectors handle groups (and need nothing but kvx to
-    # import); NIXL does not, and MultiConnector's support depends on its children's config:
-    # their classes leave vLLM's allocator off
-    for name in ("SharedStorageConnector", "OffloadingConnector"):
+    # kvx's storage, offloading and NIXL connectors handle groups (and their modules need
+    # nothing beyond kvx to import: NIXL's imports nixl when a connector is built);
+    # MultiConnector's support depends on its children's config: its class leaves vLLM's
+    # allocator off
+    for name in ("SharedStorageConnector", "OffloadingConnector", "NixlConnector"):
         assert supports_hma(connector_class(name)), name
-    for name in ("NixlConnector", "MultiConnector"):
-        assert not supports_hma(connector_class(name)), name
+    assert not supports_hma(connector_class("MultiConnector"))
 
 
 @pytest.fixture(scope="module")
@@ -231,14 +233,76 @@ def test_gemma3_offloading_reloads_each_group_through_its_own_table(
     assert whole and all(o.num_cached_tokens > 0 for o in whole)
 
 
-def test_nixl_with_the_allocator_forced_on_is_refused_at_start(gemma: Any) -> None:
-    """NIXL moves one table per request: vLLM refuses it with the allocator forced on (its
-    own check, naming the connector) before any KV is moved."""
-    config = gemma.adapter_json("NixlConnector", "kv_consumer", required_layout=None)
-    with pytest.raises(Exception) as refused, gemma.engine(config, **HMA_ON):
-        pass
-    text = "".join(str(e) for e in _chain(refused.value))
-    assert "NixlConnector does not support HMA" in text, text
+@pytest.mark.timeout(600)  # two engines: 85 s alone, 220 s on a loaded 2-core machine
+def test_gemma3_nixl_prefill_decode_reads_each_group_through_its_own_table(
+    gemma: Any, gemma_plain: tuple[list[list[int]], Any], tmp_path: Path
+) -> None:
+    """NixlConnector with the allocator on, P in a child process: P hands D one table per
+    group, D reads each group's layers from P's blocks of that group into its own (the
+    sliding group only its window), every loaded element equals P's, block 0 (vLLM's null
+    block) keeps every byte, and P frees every group's blocks after D's notifications."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    plain, groups = gemma_plain
+    layers = [list(g.layer_names) for g in groups]
+    (tmp_path / "engine.json").write_text(json.dumps(HMA_ON))
+    producer = start_producer(gemma, tmp_path, idle=False, timeout_s=300)
+    try:
+        assert [h["first_token"] for h in producer.handed] == [t[:1] for t in plain]
+        assert all(len(p["remote_block_ids"]) == 2 for p in producer.params)
+        kv = gemma.adapter_json("NixlConnector", "kv_consumer", required_layout=None)
+        with gemma.engine(kv, **HMA_ON) as llm:
+            bs = get_kv_transfer_group().kvx_connector.engine_context.cache.block_size
+            rec = gemma.record(llm)
+            caches = gemma.kv_caches(llm)
+            for i, cache in enumerate(caches.values()):
+                cache[NULL] = (torch.arange(cache[NULL].numel()) + 1000 * i).view_as(cache[NULL])
+            before = {name: cache[NULL].clone() for name, cache in caches.items()}
+            outputs = gemma.generate(llm, params=[dict(p) for p in producer.params])
+            caches = {name: t.clone() for name, t in gemma.kv_caches(llm).items()}
+        assert gemma.tokens(outputs) == plain
+        for name, cache in caches.items():
+            assert torch.equal(cache[NULL], before[name]), f"{name}: the null block was written"
+        reads = [r for meta in rec.metadata for r in meta.reqs_to_recv]
+        assert len(reads) == len(gemma.prompts)
+        loaded, skipped = [0, 0], [0, 0]
+        for read in reads:
+            i = next(
+                j
+                for j, p in enumerate(producer.params)
+                if p["remote_request_id"] == read.remote_request_id
+            )
+            tokens = read.remote_num_tokens - 1  # D recomputes the last prompt token
+            needed = -(-read.remote_num_tokens // bs)
+            for g, (local, _) in enumerate(read.tables()):
+                local = local[:needed]
+                assert kvx.NULL_BLOCK not in local and NULL not in local
+                first = needed - len(local)  # a sliding group's blocks outside its window
+                skipped[g] += first
+                for name in layers[g]:
+                    raw = (producer.work / f"p{i}.{name}.f32").read_bytes()
+                    sent = torch.frombuffer(bytearray(raw), dtype=torch.float32)
+                    sent = sent.view(-1, *caches[name].shape[1:])
+                    for j, block in enumerate(local):
+                        n = min(bs, tokens - (first + j) * bs)
+                        got = gemma.split_kv(caches[name][[block]])
+                        want = gemma.split_kv(sent[[first + j]])
+                        for part, mine, theirs in zip("KV", got, want, strict=True):
+                            ok = torch.equal(mine[0, :, :n], theirs[0, :, :n])
+                            assert ok, f"prompt {i} group {g} {name}: {part} of block {j} differs"
+                loaded[g] += len(local)
+        assert loaded[0] > 0 and loaded[1] > 0, loaded
+        assert rec.stats.get("num_failed_transfers", 0) == 0, rec.stats
+        sliding = next(
+            i for i, g in enumerate(groups) if "Sliding" in type(g.kv_cache_spec).__name__
+        )
+        # the 300-token prompt's sliding group reads only its window, the full group all
+        assert skipped[sliding] >= 1 and skipped[1 - sliding] == 0, skipped
+        code = producer.proc.wait(timeout=60)
+        tail = producer.log_tail()
+        assert code == 0, f"the producer did not free its blocks (exit {code}):\n{tail}"
+    finally:
+        producer.kill()
 
 
 def _prompt(ids: dict[str, int], req_id: str) -> int:
