@@ -1,13 +1,13 @@
 r"""A/B one benchmark between two checkouts of kvx: runs alternate old/new, ratios compared.
 
-Each checkout is a git worktree with its own venvs and built native extensions (as
-/work/coord/mkwt.sh makes them). Runs alternate (old, new, old, new, ...) so both see the
-same machine load; each run is a process of its own with torch (OMP) on 1 thread and
-COLUMNS=200 (rich tables print one row a line), killed with its process group after
-`--timeout`. Every `--ratio NAME=REGEX` is read from each run's output (the regex's first
-group, a number; the last match counts) and reported per revision as the median and range over
-the runs, with whether the two ranges overlap. Logs of every run are kept in `--out`;
-`--from-logs` reads the ratios from them again (say, with a corrected regex).
+Each checkout is a git worktree with its own venvs (`make venv`, `make venv-vllm` in it) and built
+native extensions (`setup.py build_ext --inplace`). Runs alternate (old, new, old, new, ...) so
+both see the same machine load; each run is a process of its own with torch (OMP) on 1 thread and
+COLUMNS=200 (rich tables print one row a line), killed with its process group after `--timeout`.
+Every `--ratio NAME=REGEX` is read from each run's output (the regex's first group, a number; the
+last match counts) and reported per revision as the median and range over the runs, with whether
+the two ranges overlap. Logs of every run are kept in `--out`; `--from-logs` reads the ratios from
+them again (say, with a corrected regex).
 
 By default each checkout runs its own copy of the benchmark; `--script-from new` runs the new
 checkout's copy against both checkouts' kvx (each venv imports its own tree), for benchmarks
