@@ -197,23 +197,29 @@ class Harness:
         target: dict[str, list[int]],
         fillers: dict[str, list[int]],
         num_blocks: int,
+        filler_tokens: int = 8,
         **engine: Any,
-    ) -> None:
-        """One kv_both engine of `num_blocks` runs `target` (4 tokens each), then `fillers` (8
-        each), which push the targets' blocks out of it; `target` run again must load some KV
-        back from the offload tier, and every output must be a single engine's."""
-        expected = self.baseline(target, 4, **engine) | self.baseline(fillers, 8, **engine)
+    ) -> dict[str, int]:
+        """One kv_both engine of `num_blocks` runs `target` (4 tokens each), then `fillers`
+        (`filler_tokens` each), which push the targets' blocks out of it; `target` run again
+        must load some KV back from the offload tier, and every output must be a single
+        engine's. Returns the engine's stats at the end (for a scenario's own checks)."""
+        expected = self.baseline(target, 4, **engine) | self.baseline(
+            fillers, filler_tokens, **engine
+        )
         with self.engine("kv_both", num_blocks=num_blocks, **engine) as running:
             got = self.run_engine(running, target, 4)
-            got |= self.run_engine(running, fillers, 8)
+            got |= self.run_engine(running, fillers, filler_tokens)
             before = running.stats()["external_tokens"]
-            again = self.run_engine(running, {f"{rid}-again": p for rid, p in target.items()}, 4)
+            got |= self.run_engine(running, {f"{rid}-again": p for rid, p in target.items()}, 4)
+            stats = running.stats()
             check(
-                running.stats()["external_tokens"] > before,
+                stats["external_tokens"] > before,
                 "nothing was loaded back from the offload tier for prompts it stored",
             )
-        got |= {rid.removesuffix("-again"): tokens for rid, tokens in again.items()}
+        expected |= {f"{rid}-again": expected[rid] for rid in target}  # both runs compared
         check(got == expected, f"outputs differ from a single engine's: {got} != {expected}")
+        return stats
 
     def wait_for_fault_handling(
         self, pair: DisaggregatedPair, what: str, done: Callable[[], bool] | None = None

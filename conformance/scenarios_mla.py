@@ -65,14 +65,6 @@ def mla_stored_hetero_tp(h: Harness) -> None:
 def mla_offload_and_reload(h: Harness) -> None:
     target = h.prompts([120, 70], seed=530)
     fillers = h.prompts([100, 90, 110, 95], seed=531, name="filler")
-    expected = h.baseline(target, 4, **MLA) | h.baseline(fillers, 40, **MLA)
-    with h.engine("kv_both", num_blocks=24, max_num_batched_tokens=128, **MLA) as engine:
-        got = h.run_engine(engine, target, 4)
-        got |= h.run_engine(engine, fillers, 40)  # pushes the targets' blocks out of the engine
-        before = engine.stats()["external_tokens"]
-        again = {f"{rid}-again": prompt for rid, prompt in target.items()}
-        got |= h.run_engine(engine, again, 4)
-        loaded = engine.stats()["external_tokens"] - before
-    want = expected | {f"{rid}-again": expected[rid] for rid in target}
-    check(got == want, f"outputs differ: {got} != {want}")
-    check(loaded > 0, "the engine loaded nothing back from the slower tier")
+    h.offload_then_reload(
+        target, fillers, num_blocks=24, filler_tokens=40, max_num_batched_tokens=128, **MLA
+    )
