@@ -139,8 +139,8 @@ def hybrid_capable(reference: str) -> bool:
             if spec.child_configs_key:
                 return False
             module_path = spec.target.partition(":")[0]
-            # needing nothing beyond kvx's own dependencies, it is safe to import here
-            own_deps_only = not spec.requires or getattr(spec, "imports_lazily", False)
+            # needing nothing beyond kvx's own dependencies at import, it is safe to import here
+            own_deps_only = not spec.requires or spec.imports_lazily
         if module_path not in sys.modules and not own_deps_only:
             return False
         cls = load_kvx_class(reference, registry)
