@@ -134,8 +134,8 @@ class PushWriter:
         sums = self._sums.get(reg.request_id)
         if sums is None or target.heads is None or not reg.pp_size == self.view.pp_size == 1:
             return []
-        first, last = reg.first_block * sums.parts, reg.first_block + len(reg.block_ids)
-        written = PartDigests(sums.per_part, sums.parts, sums.digests[first : last * sums.parts])
+        lo, hi = sums.parts * reg.first_block, sums.parts * (reg.first_block + len(reg.block_ids))
+        written = PartDigests(sums.per_part, sums.parts, sums.digests[lo:hi])  # block-major
         return written.merged(*target.heads) or []
 
     def on_register(self, reg: Register, sender: str, now: float) -> None:
